@@ -1,0 +1,36 @@
+"""overlap: awaitable distributed communication for PyTorch, hidden behind computation.
+
+The public surface. ``from overlap import comm`` gives the deepspeed.comm-style API; the
+names used most are re-exported here.
+"""
+
+from __future__ import annotations
+
+from overlap import comm
+from overlap.comm import Handle, ReduceOp, destroy_process_group, init_distributed
+from overlap.errors import (
+    CommError,
+    CommTimeoutError,
+    NotInitializedError,
+    OverlapError,
+    RankError,
+)
+from overlap.runtime import new_event_loop, run
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommError",
+    "CommTimeoutError",
+    "Handle",
+    "NotInitializedError",
+    "OverlapError",
+    "RankError",
+    "ReduceOp",
+    "__version__",
+    "comm",
+    "destroy_process_group",
+    "init_distributed",
+    "new_event_loop",
+    "run",
+]

@@ -1,0 +1,69 @@
+"""Process groups of the torch backend: resolution, membership checks, printable names.
+
+Groups are torch ``ProcessGroup`` objects, so they interoperate with ``torch.distributed``.
+A rank that is not in a group created by ``new_group`` gets a :class:`NonMemberGroup`
+instead of torch's bare sentinel, so using it fails with a message that lists the members.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["GroupInfo", "NonMemberGroup", "resolve_group"]
+
+
+@dataclass(frozen=True)
+class NonMemberGroup:
+    """Returned by ``new_group`` on ranks outside the group; every op on it raises."""
+
+    ranks: tuple[int, ...]
+    rank: int
+
+    def __repr__(self) -> str:
+        return f"<NonMemberGroup ranks={list(self.ranks)} (rank {self.rank} is not a member)>"
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    pg: Any  # torch ProcessGroup
+    ranks: tuple[int, ...]  # global ranks, in group-rank order
+    name: str
+    size: int
+    rank: int  # this process's rank inside the group
+
+
+_cache: dict[Any, GroupInfo] = {}
+
+
+def resolve_group(group: Any) -> GroupInfo:
+    """Group info for ``group`` (None = world), raising ValueError for a non-member's group."""
+    if isinstance(group, NonMemberGroup):
+        raise ValueError(
+            f"this rank ({group.rank}) is not a member of the group with ranks "
+            f"{list(group.ranks)}; call ops on that group only from its member ranks"
+        )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "this rank is not a member of the group it passed; call ops on a group only "
+            "from its member ranks"
+        )
+    pg = dist.group.WORLD if group is None else group
+    info = _cache.get(pg)
+    if info is None:
+        if not isinstance(pg, dist.ProcessGroup):
+            raise TypeError(
+                f"group must be a process group from overlap.comm.new_group (or None for the "
+                f"world), got {type(group).__name__}"
+            )
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        name = "world" if pg is dist.group.WORLD else "ranks" + ",".join(map(str, ranks))
+        info = GroupInfo(pg, ranks, name, len(ranks), dist.get_rank(pg))
+        _cache[pg] = info
+    return info
+
+
+def clear_cache() -> None:
+    _cache.clear()

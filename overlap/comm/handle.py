@@ -1,0 +1,256 @@
+"""Handle: one in-flight communication operation, awaitable from asyncio.
+
+A Handle is what every ``async_op=True`` call and every ``isend``/``irecv`` returns. It can be
+
+* awaited (``out = await h``) from any event loop, uvloop or the default one; awaiting never
+  blocks the loop: the backend's completion engine resolves the awaiting future;
+* combined with ``asyncio.gather``, ``asyncio.wait_for`` and ``asyncio.as_completed``
+  (``asyncio.ensure_future(h)`` wraps it in a task);
+* waited on from plain threads with ``h.wait(timeout=None)``, with no event loop at all;
+* polled with ``h.done()`` and inspected with ``h.exception()`` / ``h.result()``.
+
+Ownership contract (DESIGN.md §3.6): a handle holds references to every tensor of its op
+until the op completes. Cancelling a task that awaits it, or a timeout around the await,
+cancels only the *wait*; the op runs on, its buffers stay alive and untouched, and later ops
+work. Failures from backend threads are stored here and raised where the user awaits or
+waits, as :class:`~overlap.errors.CommError` with the backend error as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
+
+from overlap.comm.waker import LoopWaker, resolve
+from overlap.errors import CommTimeoutError
+
+__all__ = ["CompletionEngine", "Handle", "HandleState"]
+
+
+class HandleState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class CompletionEngine(Protocol):
+    """What a backend provides so a Handle can be waited on and awaited.
+
+    ``wait`` blocks the calling thread until ``handle`` completes or ``timeout`` seconds pass
+    and returns whether it completed; ``on_await`` is called on the loop thread when a coroutine
+    starts awaiting a pending handle (the MPI engine starts polling there).
+    """
+
+    def wait(self, handle: Handle, timeout: float | None) -> bool: ...
+
+    def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None: ...
+
+
+class _EventEngine:
+    """Default engine: completion is signalled by another thread; waiting blocks on a lock."""
+
+    def wait(self, handle: Handle, timeout: float | None) -> bool:
+        return handle._block_until_done(timeout)
+
+    def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
+        return None
+
+
+EVENT_ENGINE: CompletionEngine = _EventEngine()
+
+_Waiter = tuple[asyncio.AbstractEventLoop, LoopWaker, "asyncio.Future[Any]"]
+
+
+def _format_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+class Handle:
+    """One in-flight op. Created by a backend, never by users.
+
+    Attributes ``op``, ``nbytes`` (bytes this rank contributes), ``group`` (a printable group
+    name), ``backend``, ``start_ns`` and ``end_ns`` (``time.perf_counter_ns`` at issue and at
+    completion, ``None`` while pending) describe the op for tracing and for ``repr``.
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_done_lock",
+        "_engine",
+        "_exc",
+        "_keep",
+        "_lock",
+        "_result",
+        "_state",
+        "_waiters",
+        "backend",
+        "end_ns",
+        "group",
+        "nbytes",
+        "op",
+        "start_ns",
+    )
+
+    def __init__(
+        self,
+        op: str,
+        *,
+        result: Any,
+        nbytes: int = 0,
+        group: str = "world",
+        backend: str = "",
+        keep: Any = None,
+        engine: CompletionEngine = EVENT_ENGINE,
+    ) -> None:
+        self.op = op
+        self.nbytes = nbytes
+        self.group = group
+        self.backend = backend
+        self.start_ns = time.perf_counter_ns()
+        self.end_ns: int | None = None
+        self._result = result
+        self._keep = keep  # inputs and scratch buffers, released at completion
+        self._engine = engine
+        self._state = HandleState.PENDING
+        self._exc: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done_lock = threading.Lock()
+        self._done_lock.acquire()  # released exactly once, at completion
+        self._waiters: list[_Waiter] | None = []
+        self._callbacks: list[Callable[[Handle], None]] | None = []
+
+    # ----------------------------------------------------------------- construction helpers
+    @classmethod
+    def completed(
+        cls, op: str, result: Any, *, nbytes: int = 0, group: str = "world", backend: str = ""
+    ) -> Handle:
+        """A handle that is already done (world size 1, empty tensors, local no-ops)."""
+        h = cls(op, result=result, nbytes=nbytes, group=group, backend=backend)
+        h._finish(None)
+        return h
+
+    # ------------------------------------------------------------------------ backend side
+    def _finish(self, exc: BaseException | None) -> None:
+        """Mark the op complete (``exc`` is None) or failed. Any thread; idempotent; never blocks.
+
+        Safe inside a torch future callback: it only takes a short internal lock and hands the
+        result to waiting loops through their wakers (DESIGN.md §3.2).
+        """
+        with self._lock:
+            if self._state is not HandleState.PENDING:
+                return
+            self.end_ns = time.perf_counter_ns()
+            self._exc = exc
+            self._state = HandleState.FAILED if exc is not None else HandleState.DONE
+            waiters, self._waiters = self._waiters, None
+            callbacks, self._callbacks = self._callbacks, None
+            self._keep = None
+        self._done_lock.release()
+        for loop, waker, fut in waiters or ():
+            resolve(loop, waker, fut)
+        for cb in callbacks or ():
+            cb(self)
+
+    def _block_until_done(self, timeout: float | None) -> bool:
+        if self._state is not HandleState.PENDING:
+            return True
+        if timeout is None:
+            acquired = self._done_lock.acquire()
+        else:
+            acquired = self._done_lock.acquire(timeout=max(timeout, 0.0))
+        if acquired:
+            self._done_lock.release()
+        return acquired
+
+    # --------------------------------------------------------------------------- user side
+    def done(self) -> bool:
+        """True once the op has completed or failed."""
+        return self._state is not HandleState.PENDING
+
+    @property
+    def state(self) -> HandleState:
+        return self._state
+
+    def exception(self) -> BaseException | None:
+        """The op's error, or None if it succeeded. Raises InvalidStateError while pending."""
+        if self._state is HandleState.PENDING:
+            raise asyncio.InvalidStateError(
+                f"{self!r} is still in flight: await it or call wait() before exception()"
+            )
+        return self._exc
+
+    def result(self) -> Any:
+        """The op's result (see :meth:`wait`). Raises InvalidStateError while pending."""
+        if self._state is HandleState.PENDING:
+            raise asyncio.InvalidStateError(
+                f"{self!r} is still in flight: await it or call wait() before result()"
+            )
+        if self._exc is not None:
+            raise self._exc
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the op completes and return its result; works without an event loop.
+
+        The result is the in-place tensor for ops like all_reduce or broadcast, the output
+        list or tensor for gathers, ``None`` for barrier and send. A failed op raises
+        :class:`~overlap.errors.CommError`. If ``timeout`` seconds pass first,
+        :class:`~overlap.errors.CommTimeoutError` is raised and the op stays in flight,
+        still owning its tensors: the timeout is taken here, never by timing out the
+        backend's receive (which would break the connection for later ops).
+        """
+        if self._state is HandleState.PENDING and not self._engine.wait(self, timeout):
+            raise CommTimeoutError(
+                f"{self!r} did not complete within {timeout} s. The op is still in flight and "
+                "keeps its tensors; wait again, or check that every rank issued the same op"
+            )
+        return self.result()
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call ``fn(handle)`` once the op completes (at once if it already has).
+
+        ``fn`` may run on a backend thread: it must be quick and must not block or wait on
+        other handles.
+        """
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if self._state is HandleState.PENDING:
+            loop = asyncio.get_running_loop()
+            waker = LoopWaker.for_loop(loop)
+            fut: asyncio.Future[Any] = loop.create_future()
+            entry = (loop, waker, fut)
+            with self._lock:
+                pending = self._waiters is not None
+                if self._waiters is not None:
+                    self._waiters.append(entry)
+            if pending:
+                self._engine.on_await(self, loop)
+                try:
+                    yield from fut
+                except BaseException:
+                    # Cancelled or timed out: forget this waiter, leave the op alone.
+                    with self._lock:
+                        if self._waiters is not None and entry in self._waiters:
+                            self._waiters.remove(entry)
+                    raise
+        return self.result()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Handle {self.op} {_format_bytes(self.nbytes)} group={self.group} "
+            f"backend={self.backend or '?'} state={self._state.value}>"
+        )

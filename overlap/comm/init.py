@@ -1,0 +1,180 @@
+"""init_distributed: join the job, however it was launched.
+
+Where rank, world size and the master address come from, first match wins:
+
+1. ``torch.distributed`` already initialised by the caller: adopt it.
+2. The torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK optional).
+3. Explicit ``rank``/``world_size`` arguments (with ``init_method`` or MASTER_ADDR/PORT).
+4. Under mpiexec (PMI_*, OMPI_COMM_WORLD_*, PMIX_* in the environment) with mpi4py installed:
+   discover them from MPI, as DeepSpeed's ``mpi_discovery`` does. Ranks that all run on one
+   host use 127.0.0.1 as the master address.
+5. Nothing at all: a single rank (world size 1) on a free local port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlap.comm import state
+from overlap.comm.torch_backend import TorchBackend
+from overlap.comm.waiters import reset_pool
+
+__all__ = ["destroy_process_group", "init_distributed", "in_mpi_env", "mpi_discovery"]
+
+log = logging.getLogger(__name__)
+
+_BACKENDS = ("gloo", "nccl")
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def in_mpi_env() -> bool:
+    """True when this process looks like it was started by mpiexec/mpirun."""
+    return any(v in os.environ for v in _MPI_RANK_VARS)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def mpi_discovery(distributed_port: int = 29500) -> tuple[int, int, int]:
+    """Rank, world size and local rank from MPI; sets RANK, WORLD_SIZE, MASTER_ADDR/PORT.
+
+    Raises ImportError naming ``pip install overlap[mpi]`` when mpi4py is missing.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(
+            "this process runs under mpiexec but mpi4py is not installed, so overlap cannot "
+            "discover rank and world size: pip install overlap[mpi] (or launch with torchrun)"
+        ) from exc
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    proc = MPI.Get_processor_name()
+    procs = comm.allgather(proc)
+    local_rank = sum(1 for p in procs[:rank] if p == proc)
+    if len(set(procs)) == 1:
+        addr = "127.0.0.1"
+    else:  # pragma: no cover - multi-host
+        addr = comm.bcast(socket.gethostbyname(socket.gethostname()) if rank == 0 else None)
+    port = int(os.environ.get("MASTER_PORT", distributed_port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
+                      MASTER_ADDR=addr, MASTER_PORT=str(port))
+    return rank, size, local_rank
+
+
+def _timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        return datetime.timedelta(seconds=float(timeout))
+    raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+
+
+def _pick_backend(dist_backend: str | None) -> str:
+    if dist_backend is None:
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            return "nccl"
+        return "gloo"
+    name = str(dist_backend).lower()
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown dist_backend {dist_backend!r}; use one of {list(_BACKENDS)} or None "
+            "(nccl when CUDA is usable, gloo otherwise)"
+        )
+    if name == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError("dist_backend='nccl' needs CUDA and an NCCL build of torch; use 'gloo'")
+    return name
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    timeout: float | datetime.timedelta | None = None,
+    *,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+) -> None:
+    """Initialise overlap's communication (and torch.distributed) for this process.
+
+    ``dist_backend`` is ``"gloo"``, ``"nccl"`` or ``None`` (nccl when CUDA is usable, gloo
+    otherwise). ``timeout`` (seconds or timedelta) bounds every collective in the backend.
+    Calling it again is harmless; asking for a different backend while one is active raises
+    ValueError (call ``destroy_process_group()`` first).
+    """
+    if state.is_active():
+        current = state.active().name
+        if dist_backend is not None and str(dist_backend).lower() != current:
+            raise ValueError(
+                f"overlap.comm is already initialized with {current!r}; call "
+                "overlap.comm.destroy_process_group() before initializing another backend"
+            )
+        log.debug("init_distributed: already initialized (%s)", current)
+        return
+
+    if dist.is_initialized():
+        name = str(dist.get_backend())
+        log.info("init_distributed: adopting the existing torch.distributed group (%s)", name)
+        state.set_active(TorchBackend(name), int(os.environ.get("LOCAL_RANK", 0)))
+        return
+
+    backend = _pick_backend(dist_backend)
+    env = os.environ
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    elif rank >= 0 and world_size > 0:
+        pass
+    elif auto_mpi_discovery and in_mpi_env():
+        rank, world_size, local_rank = mpi_discovery(distributed_port)
+    else:
+        if rank >= 0 or world_size > 0:
+            raise ValueError(
+                f"rank={rank} and world_size={world_size}: pass both (rank >= 0, world_size > 0) "
+                "or neither"
+            )
+        rank, world_size = 0, 1
+        log.info("init_distributed: no launcher environment found; running as a single rank")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    if init_method is None:
+        if world_size == 1 and "MASTER_PORT" not in env:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        else:
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", str(distributed_port))
+            init_method = "env://"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method, "rank": rank,
+                              "world_size": world_size}
+    td = _timeout(timeout)
+    if td is not None:
+        kwargs["timeout"] = td
+    dist.init_process_group(**kwargs)
+    state.set_active(TorchBackend(backend), local_rank)
+    log.info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
+
+
+def destroy_process_group() -> None:
+    """Leave the job: stop the waiter threads and destroy the default group. Idempotent."""
+    backend = state.clear()
+    reset_pool()
+    if backend is not None:
+        backend.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""The process's active communication backend (set by init_distributed)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from overlap.errors import NotInitializedError
+
+__all__ = ["active", "clear", "is_active", "set_active"]
+
+_backend: Any = None
+_local_rank = 0
+_lock = threading.Lock()
+
+_NOT_INIT = (
+    "overlap.comm is not initialized: call overlap.init_distributed() first. It reads RANK, "
+    "WORLD_SIZE, MASTER_ADDR and MASTER_PORT as set by torchrun, or discovers them under "
+    "mpiexec, and runs as a single rank otherwise."
+)
+
+
+def active() -> Any:
+    """The active backend, or NotInitializedError telling the user to call init_distributed."""
+    b = _backend
+    if b is None:
+        raise NotInitializedError(_NOT_INIT)
+    return b
+
+
+def is_active() -> bool:
+    return _backend is not None
+
+
+def set_active(backend: Any, local_rank: int) -> None:
+    global _backend, _local_rank
+    with _lock:
+        _backend = backend
+        _local_rank = local_rank
+
+
+def local_rank() -> int:
+    active()
+    return _local_rank
+
+
+def clear() -> Any:
+    global _backend, _local_rank
+    with _lock:
+        b, _backend, _local_rank = _backend, None, 0
+    return b

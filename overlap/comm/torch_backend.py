@@ -1,0 +1,471 @@
+"""The torch.distributed backend: gloo for CPU tensors, NCCL for CUDA tensors.
+
+Every op follows one path (:meth:`TorchBackend._launch`): validate, issue the torch op with
+``async_op=True``, then either wait on the calling thread (blocking form) or hand the Work to
+the waiter pool and return a :class:`~overlap.comm.handle.Handle` (async form). Post-processing
+that torch does not do for us, the average on gloo and restoring a ``reduce``'s non-destination
+tensors, runs before the op counts as complete, in both forms.
+
+Blocking calls return what awaiting the handle would return (torch returns ``None``), except
+``recv``, which returns the sender's rank like torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, resolve_group
+from overlap.comm.handle import Handle
+from overlap.comm.p2p import P2POp
+from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
+from overlap.comm.validate import check_peer, check_tensor, check_tensor_list, nbytes_of
+from overlap.comm.waiters import get_pool, translate_error
+from overlap.errors import CommError
+
+__all__ = ["TorchBackend"]
+
+log = logging.getLogger(__name__)
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+}
+
+PostFn = Callable[[], None]
+
+
+class TorchBackend:
+    """deepspeed.comm-style ops over an initialised torch.distributed default group."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # "gloo" or "nccl"
+        self.device_type = "cuda" if name == "nccl" else "cpu"
+        self._native_avg = name == "nccl"
+
+    # ------------------------------------------------------------------ process & groups
+    def get_rank(self, group: Any = None) -> int:
+        return resolve_group(group).rank
+
+    def get_world_size(self, group: Any = None) -> int:
+        return resolve_group(group).size
+
+    def get_global_rank(self, group: Any, group_rank: int) -> int:
+        info = resolve_group(group)
+        if not 0 <= group_rank < info.size:
+            raise ValueError(f"group_rank={group_rank} is outside group {info.name} of size {info.size}")
+        return info.ranks[group_rank]
+
+    def group_ranks(self, group: Any = None) -> list[int]:
+        return list(resolve_group(group).ranks)
+
+    def new_group(self, ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
+        world = dist.get_world_size()
+        if ranks is None:
+            ranks = list(range(world))
+        ranks = [int(r) for r in ranks]
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"new_group: ranks {bad} are outside the world of {world} ranks")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"new_group: ranks {ranks} contain duplicates")
+        # Every rank must call new_group with the same ranks, members or not (torch's rule).
+        pg = dist.new_group(ranks=sorted(ranks), **kwargs)
+        if pg is dist.GroupMember.NON_GROUP_MEMBER:
+            return NonMemberGroup(tuple(sorted(ranks)), dist.get_rank())
+        return pg
+
+    def destroy(self) -> None:
+        clear_cache()
+
+    # ------------------------------------------------------------------------- helpers
+    def _t(self, t: Any, name: str) -> torch.Tensor:
+        return check_tensor(t, name, self.device_type, self.name)
+
+    def _ts(self, ts: Any, name: str, length: int | None = None) -> list[torch.Tensor]:
+        return check_tensor_list(ts, name, self.device_type, self.name, length)
+
+    def _launch(
+        self,
+        opname: str,
+        info: GroupInfo,
+        issue: Callable[[], Any],
+        result: Any,
+        nbytes: int,
+        async_op: bool,
+        post: PostFn | None = None,
+        keep: Any = None,
+    ) -> Any:
+        rank = dist.get_rank()
+        if not async_op:
+            try:
+                work = issue()
+                if work is not None:
+                    work.wait()
+            except (ValueError, TypeError):
+                raise
+            except Exception as exc:
+                raise CommError(f"{opname} on rank {rank} (group {info.name}) failed: {exc}") from exc
+            if post is not None:
+                post()
+            return result
+        handle = Handle(opname, result=result, nbytes=nbytes, group=info.name,
+                        backend=self.name, keep=keep)
+        try:
+            work = issue()
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise CommError(f"{opname} on rank {rank} (group {info.name}) failed: {exc}") from exc
+        if work is None:  # torch skipped the op (e.g. empty tensor on some versions)
+            if post is not None:
+                post()
+            handle._finish(None)
+            return handle
+
+        def wrap(exc: BaseException) -> BaseException:
+            return translate_error(exc, handle, rank)
+
+        get_pool().submit(work, handle, post, wrap)
+        return handle
+
+    def _reduce_args(self, op: Any, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
+        rop = parse_op(op)
+        check_reducible(rop, dtype)
+        if rop is ReduceOp.AVG:
+            if self._native_avg:
+                return rop, dist.ReduceOp.AVG, False
+            return rop, dist.ReduceOp.SUM, True
+        return rop, _TORCH_OPS[rop], False
+
+    # --------------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum", group: Any = None,
+                   async_op: bool = False) -> Any:
+        t = self._t(tensor, "tensor")
+        _, top, divide = self._reduce_args(op, t.dtype)
+        info = resolve_group(group)
+        post = (lambda: t.div_(info.size)) if divide else None  # type: ignore[misc]
+        return self._launch(
+            "all_reduce", info,
+            lambda: dist.all_reduce(t, op=top, group=info.pg, async_op=True),
+            t, nbytes_of(t), async_op, post,
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None,
+                  async_op: bool = False) -> Any:
+        t = self._t(tensor, "tensor")
+        info = resolve_group(group)
+        check_peer(src, "src", info.ranks, info.name)
+        return self._launch(
+            "broadcast", info,
+            lambda: dist.broadcast(t, src=src, group=info.pg, async_op=True),
+            t, nbytes_of(t), async_op,
+        )
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: Any = "sum", group: Any = None,
+               async_op: bool = False) -> Any:
+        t = self._t(tensor, "tensor")
+        _, top, divide = self._reduce_args(op, t.dtype)
+        info = resolve_group(group)
+        check_peer(dst, "dst", info.ranks, info.name)
+        post: PostFn | None = None
+        if dist.get_rank() == dst:
+            if divide:
+                post = lambda: t.div_(info.size)  # type: ignore[assignment,misc]  # noqa: E731
+        else:
+            # gloo leaves partial sums in non-destination tensors; deepspeed.comm documents
+            # them as unchanged, so keep a copy and put it back once the op is done.
+            backup = t.clone()
+
+            def post() -> None:
+                t.copy_(backup)
+
+        return self._launch(
+            "reduce", info,
+            lambda: dist.reduce(t, dst=dst, op=top, group=info.pg, async_op=True),
+            t, nbytes_of(t), async_op, post,
+        )
+
+    def all_gather(self, tensor_list: Any, tensor: Any = None, group: Any = None,
+                   async_op: bool = False) -> Any:
+        if isinstance(tensor_list, torch.Tensor) and tensor is None:
+            # Convenience form: all_gather(tensor) -> list of every rank's tensor.
+            t = self._t(tensor_list, "tensor")
+            info = resolve_group(group)
+            outs = [torch.empty_like(t) for _ in range(info.size)]
+        else:
+            t = self._t(tensor, "tensor")
+            info = resolve_group(group)
+            outs = self._ts(tensor_list, "tensor_list", info.size)
+            for i, o in enumerate(outs):
+                if o.shape != t.shape or o.dtype != t.dtype:
+                    raise ValueError(
+                        f"tensor_list[{i}] is {o.dtype}{list(o.shape)} but tensor is "
+                        f"{t.dtype}{list(t.shape)}; every output must match the input"
+                    )
+        return self._launch(
+            "all_gather", info,
+            lambda: dist.all_gather(outs, t, group=info.pg, async_op=True),
+            outs, nbytes_of(t), async_op,
+        )
+
+    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                               group: Any = None, async_op: bool = False) -> Any:
+        out = self._t(output_tensor, "output_tensor")
+        inp = self._t(input_tensor, "input_tensor")
+        info = resolve_group(group)
+        if out.numel() != inp.numel() * info.size:
+            raise ValueError(
+                f"all_gather_into_tensor: output has {out.numel()} elements, expected "
+                f"world_size ({info.size}) x input ({inp.numel()}) = {inp.numel() * info.size}"
+            )
+        if out.dtype != inp.dtype:
+            raise TypeError(f"output dtype {out.dtype} differs from input dtype {inp.dtype}")
+        return self._launch(
+            "all_gather_into_tensor", info,
+            lambda: dist.all_gather_into_tensor(out, inp, group=info.pg, async_op=True),
+            out, nbytes_of(inp), async_op,
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, input: Any, op: Any = "sum",
+                       group: Any = None, async_op: bool = False) -> Any:
+        out = self._t(output, "output")
+        _, top, divide = self._reduce_args(op, out.dtype)
+        info = resolve_group(group)
+        post = (lambda: out.div_(info.size)) if divide else None  # type: ignore[misc]
+        if isinstance(input, torch.Tensor):
+            inp = self._t(input, "input")
+            if inp.numel() != out.numel() * info.size:
+                raise ValueError(
+                    f"reduce_scatter: input has {inp.numel()} elements, which is not "
+                    f"world_size ({info.size}) x output ({out.numel()}) = "
+                    f"{out.numel() * info.size}; size the input as world_size x output"
+                )
+            if inp.dtype != out.dtype:
+                raise TypeError(f"input dtype {inp.dtype} differs from output dtype {out.dtype}")
+            flat = inp
+            return self._launch(
+                "reduce_scatter", info,
+                lambda: dist.reduce_scatter_tensor(out, flat, op=top, group=info.pg,
+                                                   async_op=True),
+                out, nbytes_of(inp), async_op, post, keep=inp,
+            )
+        ins = self._ts(input, "input", info.size)
+        for i, x in enumerate(ins):
+            if x.numel() != out.numel() or x.dtype != out.dtype:
+                raise ValueError(
+                    f"reduce_scatter: input[{i}] is {x.dtype}[{x.numel()}] but output is "
+                    f"{out.dtype}[{out.numel()}]; every input chunk must match the output"
+                )
+        return self._launch(
+            "reduce_scatter", info,
+            lambda: dist.reduce_scatter(out, ins, op=top, group=info.pg, async_op=True),
+            out, nbytes_of(ins), async_op, post, keep=ins,
+        )
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None,
+                          group: Any = None, async_op: bool = False) -> Any:
+        out = self._t(output, "output")
+        inp = self._t(input, "input")
+        info = resolve_group(group)
+        for name, t, splits in (("input", inp, input_split_sizes),
+                                ("output", out, output_split_sizes)):
+            if splits is None:
+                if t.shape[0] % info.size if t.dim() else True:
+                    raise ValueError(
+                        f"all_to_all_single: {name} dim 0 ({t.shape[0] if t.dim() else 0}) "
+                        f"does not divide by world_size ({info.size}); pass {name}_split_sizes"
+                    )
+            else:
+                if len(splits) != info.size or sum(splits) != t.shape[0]:
+                    raise ValueError(
+                        f"all_to_all_single: {name}_split_sizes {list(splits)} must have "
+                        f"{info.size} entries summing to {name} dim 0 ({t.shape[0]})"
+                    )
+        return self._launch(
+            "all_to_all_single", info,
+            lambda: dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
+                                           group=info.pg, async_op=True),
+            out, nbytes_of(inp), async_op, keep=inp,
+        )
+
+    def all_to_all(self, output_tensor_list: Any, input_tensor_list: Any, group: Any = None,
+                   async_op: bool = False) -> Any:
+        info = resolve_group(group)
+        outs = self._ts(output_tensor_list, "output_tensor_list", info.size)
+        ins = self._ts(input_tensor_list, "input_tensor_list", info.size)
+        return self._launch(
+            "all_to_all", info,
+            lambda: dist.all_to_all(outs, ins, group=info.pg, async_op=True),
+            outs, nbytes_of(ins), async_op, keep=ins,
+        )
+
+    def gather(self, tensor: torch.Tensor, gather_list: Any = None, dst: int = 0,
+               group: Any = None, async_op: bool = False) -> Any:
+        t = self._t(tensor, "tensor")
+        info = resolve_group(group)
+        check_peer(dst, "dst", info.ranks, info.name)
+        outs: list[torch.Tensor] | None = None
+        if dist.get_rank() == dst:
+            if gather_list is None:
+                raise ValueError(
+                    f"gather: the destination rank {dst} must pass gather_list, one tensor "
+                    f"per rank ({info.size})"
+                )
+            outs = self._ts(gather_list, "gather_list", info.size)
+            for i, o in enumerate(outs):
+                if o.shape != t.shape or o.dtype != t.dtype:
+                    raise ValueError(f"gather_list[{i}] must match tensor's shape and dtype")
+        return self._launch(
+            "gather", info,
+            lambda: dist.gather(t, outs, dst=dst, group=info.pg, async_op=True),
+            outs, nbytes_of(t), async_op,
+        )
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: Any = None, src: int = 0,
+                group: Any = None, async_op: bool = False) -> Any:
+        t = self._t(tensor, "tensor")
+        info = resolve_group(group)
+        check_peer(src, "src", info.ranks, info.name)
+        ins: list[torch.Tensor] | None = None
+        if dist.get_rank() == src:
+            if scatter_list is None:
+                raise ValueError(
+                    f"scatter: the source rank {src} must pass scatter_list, one tensor per "
+                    f"rank ({info.size})"
+                )
+            ins = self._ts(scatter_list, "scatter_list", info.size)
+            for i, x in enumerate(ins):
+                if x.shape != t.shape or x.dtype != t.dtype:
+                    raise ValueError(f"scatter_list[{i}] must match tensor's shape and dtype")
+        return self._launch(
+            "scatter", info,
+            lambda: dist.scatter(t, ins, src=src, group=info.pg, async_op=True),
+            t, nbytes_of(ins), async_op, keep=ins,
+        )
+
+    def barrier(self, group: Any = None, async_op: bool = False) -> Any:
+        info = resolve_group(group)
+        return self._launch(
+            "barrier", info, lambda: dist.barrier(group=info.pg, async_op=True), None, 0,
+            async_op,
+        )
+
+    # -------------------------------------------------------------------- point to point
+    def _p2p_check(self, peer: int, what: str, info: GroupInfo) -> None:
+        check_peer(peer, what, info.ranks, info.name)
+        if peer == dist.get_rank():
+            raise ValueError(f"{what}={peer} is this rank; a rank cannot send to or receive "
+                             "from itself")
+
+    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
+        t = self._t(tensor, "tensor")
+        info = resolve_group(group)
+        self._p2p_check(dst, "dst", info)
+        h: Handle = self._launch(
+            "isend", info, lambda: dist.isend(t, dst=dst, group=info.pg, tag=tag), t,
+            nbytes_of(t), True,
+        )
+        return h
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None,
+              tag: int = 0) -> Handle:
+        t = self._t(tensor, "tensor")
+        info = resolve_group(group)
+        if src is not None:
+            self._p2p_check(src, "src", info)
+        h: Handle = self._launch(
+            "irecv", info, lambda: dist.irecv(t, src=src, group=info.pg, tag=tag), t,
+            nbytes_of(t), True,
+        )
+        return h
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+        self.isend(tensor, dst, group, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None,
+             tag: int = 0) -> int:
+        t = self._t(tensor, "tensor")
+        info = resolve_group(group)
+        if src is not None:
+            self._p2p_check(src, "src", info)
+        try:
+            work = dist.irecv(t, src=src, group=info.pg, tag=tag)
+            work.wait()
+        except Exception as exc:
+            raise CommError(f"recv on rank {dist.get_rank()} failed: {exc}") from exc
+        if src is not None:
+            return src
+        return int(info.ranks[work._source_rank()]) if hasattr(work, "_source_rank") else -1
+
+    def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> list[Handle]:
+        if not p2p_op_list:
+            raise ValueError("batch_isend_irecv needs at least one P2POp")
+        torch_ops = []
+        for i, p in enumerate(p2p_op_list):
+            if isinstance(p, dist.P2POp):
+                kind = getattr(p.op, "__name__", "")
+                p = P2POp(kind, p.tensor, p.peer, p.group, p.tag)
+            if not isinstance(p, P2POp):
+                raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
+            t = self._t(p.tensor, f"p2p_op_list[{i}].tensor")
+            info = resolve_group(p.group)
+            self._p2p_check(p.peer, f"p2p_op_list[{i}].peer", info)
+            fn = dist.isend if p.kind == "isend" else dist.irecv
+            torch_ops.append((p.kind, t, info, dist.P2POp(fn, t, p.peer, info.pg, p.tag)))
+        rank = dist.get_rank()
+        try:
+            works = dist.batch_isend_irecv([op for *_, op in torch_ops])
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise CommError(f"batch_isend_irecv on rank {rank} failed: {exc}") from exc
+        handles = [Handle(kind, result=t, nbytes=nbytes_of(t), group=info.name,
+                          backend=self.name) for kind, t, info, _ in torch_ops]
+        pool = get_pool()
+        if len(works) == len(handles):
+            for w, h in zip(works, handles, strict=True):
+                pool.submit(w, h, None, _wrapper(h, rank))
+        else:  # one coalesced Work (NCCL): observe it once, complete all handles from it
+            lead, rest = handles[0], handles[1:]
+
+            def fan_out(done: Handle) -> None:
+                for h in rest:
+                    h._finish(done._exc)
+
+            lead.add_done_callback(fan_out)
+            pool.submit(_AllWorks(works), lead, None, _wrapper(lead, rank))
+        return handles
+
+
+class _AllWorks:
+    """Several Works observed as one (waited in order on a waiter thread)."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def get_future(self) -> Any:
+        raise RuntimeError("no single future for several works")
+
+
+def _wrapper(handle: Handle, rank: int) -> Callable[[BaseException], BaseException]:
+    def wrap(exc: BaseException) -> BaseException:
+        return translate_error(exc, handle, rank)
+
+    return wrap

@@ -1,0 +1,103 @@
+"""Deliver completions from any thread to an asyncio event loop, cheaply.
+
+Why not ``loop.call_soon_threadsafe``? On uvloop it wakes the loop while the calling thread
+still holds the GIL, so the woken loop thread immediately blocks on the GIL again: two wake-ups
+per completion. Writing to an eventfd (a pipe off Linux) with ``os.write`` releases the GIL
+around the system call, so the loop thread wakes and runs at once. Measured on this project's
+2-core machine: 4-byte gloo all_reduce awaited through a gloo future callback +
+call_soon_threadsafe took 1.43x the blocking call, the waiter thread + eventfd path 1.22x.
+
+A waker is created on the loop's own thread (``add_reader`` is not thread-safe) and lives as
+long as the loop object; its file descriptors are closed when the loop is collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import threading
+import weakref
+from typing import Any
+
+__all__ = ["LoopWaker", "resolve"]
+
+_registry: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = (
+    weakref.WeakKeyDictionary()
+)
+_registry_lock = threading.Lock()
+
+
+def _close_fds(fds: tuple[int, ...]) -> None:
+    for fd in set(fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class LoopWaker:
+    """A self-pipe for one event loop: ``post(fut)`` from any thread resolves ``fut`` on it."""
+
+    __slots__ = ("__weakref__", "_closed", "_loop", "_pending", "_rfd", "_wfd")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        if hasattr(os, "eventfd"):
+            fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._rfd, self._wfd = fd, fd
+        else:  # pragma: no cover - non-Linux
+            self._rfd, self._wfd = os.pipe()
+            os.set_blocking(self._rfd, False)
+            os.set_blocking(self._wfd, False)
+        self._loop = loop
+        self._pending: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._closed = False
+        loop.add_reader(self._rfd, self._drain)
+        weakref.finalize(loop, _close_fds, (self._rfd, self._wfd))
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> LoopWaker:
+        """The waker of ``loop``; call on the loop's thread (it may register a reader)."""
+        waker = _registry.get(loop)
+        if waker is None:
+            with _registry_lock:
+                waker = _registry.get(loop)
+                if waker is None:
+                    waker = cls(loop)
+                    _registry[loop] = waker
+        return waker
+
+    def post(self, fut: asyncio.Future[Any]) -> None:
+        """Resolve ``fut`` (with ``None``) on the loop thread. Safe from any thread, never blocks."""
+        self._pending.append(fut)
+        try:
+            os.write(self._wfd, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        except BlockingIOError:
+            pass  # the reader is already due to run and will drain everything
+        except OSError:
+            # The loop's fds are gone (loop collected or closed): nobody can be awaiting.
+            pass
+
+    def _drain(self) -> None:
+        try:
+            os.read(self._rfd, 4096)
+        except (BlockingIOError, InterruptedError):
+            pass
+        pending = self._pending
+        while pending:
+            fut = pending.popleft()
+            if not fut.done():
+                fut.set_result(None)
+
+
+def resolve(loop: asyncio.AbstractEventLoop, waker: LoopWaker, fut: asyncio.Future[Any]) -> None:
+    """Resolve ``fut`` directly if we are on its loop's thread, else through the waker."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        if not fut.done():
+            fut.set_result(None)
+    else:
+        waker.post(fut)

@@ -1,0 +1,45 @@
+"""The exceptions overlap raises.
+
+Every exception the library defines derives from :class:`OverlapError`, so one ``except``
+catches them all. Bad arguments raise the built-in ``ValueError`` / ``TypeError`` (the
+messages name the fix); the classes here are for states and failures that a caller may want
+to handle on purpose.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CommError",
+    "CommTimeoutError",
+    "NotInitializedError",
+    "OverlapError",
+    "RankError",
+]
+
+
+class OverlapError(Exception):
+    """Root of every exception defined by overlap."""
+
+
+class NotInitializedError(OverlapError, RuntimeError):
+    """A communication call was made before :func:`overlap.init_distributed`."""
+
+
+class CommError(OverlapError, RuntimeError):
+    """A communication operation failed in the backend.
+
+    The backend's own exception (for example torch's ``DistBackendError``) is kept as
+    ``__cause__`` so nothing is lost when the error crosses a thread or an event loop.
+    """
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """Waiting for an operation took longer than the caller allowed.
+
+    Only the *wait* timed out: the operation itself is still in flight and still owns its
+    tensors (see :class:`overlap.comm.Handle`).
+    """
+
+
+class RankError(OverlapError):
+    """A rank started by :mod:`overlap.testing` died or hung instead of returning."""

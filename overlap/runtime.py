@@ -1,0 +1,69 @@
+"""Event loops: run coroutines on uvloop when it is installed.
+
+uvloop is the default because its ``call_soon_threadsafe`` and fd wake-ups are cheaper
+than the pure-Python loop's, and awaiting communication is all about wake-up latency.
+Everything in overlap also works on the default asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, Literal, TypeVar
+
+__all__ = ["LoopKind", "new_event_loop", "run", "uvloop_available"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LoopKind = Literal["uvloop", "asyncio"]
+
+
+def uvloop_available() -> bool:
+    """True when uvloop can be imported on this platform."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def new_event_loop(kind: LoopKind | None = None) -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop when available (or asked for), else the default loop.
+
+    Asking for ``"uvloop"`` where it is not installed raises ``ImportError`` naming the fix,
+    rather than silently running on a slower loop.
+    """
+    if kind not in (None, "uvloop", "asyncio"):
+        raise ValueError(f"unknown loop kind {kind!r}; use 'uvloop', 'asyncio' or None")
+    if kind == "asyncio" or (kind is None and not uvloop_available()):
+        return asyncio.new_event_loop()
+    try:
+        import uvloop
+    except ImportError as exc:  # pragma: no cover - uvloop is a dependency on POSIX
+        raise ImportError("loop='uvloop' needs uvloop: pip install uvloop") from exc
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def run(main: Coroutine[Any, Any, T], *, loop: LoopKind | None = None, debug: bool = False) -> T:
+    """Run ``main`` to completion on a fresh event loop (uvloop by default), like asyncio.run.
+
+    The loop is closed afterwards, after cancelling leftover tasks and shutting down async
+    generators, exactly as :func:`asyncio.run` does.
+    """
+    runner = asyncio.Runner(debug=debug, loop_factory=lambda: new_event_loop(loop)) \
+        if hasattr(asyncio, "Runner") else None
+    if runner is not None:
+        with runner:
+            return runner.run(main)
+    # Python 3.10: no asyncio.Runner.
+    ev = new_event_loop(loop)  # pragma: no cover
+    try:  # pragma: no cover
+        asyncio.set_event_loop(ev)
+        ev.set_debug(debug)
+        return ev.run_until_complete(main)
+    finally:  # pragma: no cover
+        asyncio.set_event_loop(None)
+        ev.close()

@@ -1,0 +1,234 @@
+"""Run a function in N real processes joined in one gloo group: for tests and examples.
+
+``spawn_ranks(fn, world_size)`` starts the ranks, runs ``fn`` on each (a coroutine function
+runs on an event loop, uvloop by default) and returns each rank's result, in rank order.
+``RankPool`` keeps the processes alive between calls, so a test suite pays the start-up
+(importing torch, joining the group) once per world size instead of once per test.
+
+If a rank raises, its exception is re-raised in the caller with the rank's traceback as
+``__cause__``. If a rank dies or does not answer within ``timeout`` seconds, RankError says
+which ranks, and the pool is torn down (the next call starts fresh processes): a hang fails
+fast instead of stalling the suite.
+
+``fn`` and its arguments are pickled, so ``fn`` must be importable (defined at module level).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from overlap.errors import RankError
+from overlap.runtime import LoopKind
+
+__all__ = ["RankPool", "RemoteTraceback", "spawn_ranks"]
+
+log = logging.getLogger(__name__)
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's formatted traceback as the ``__cause__`` of a re-raised error."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _worker(rank: int, world_size: int, port: int, conn: Connection, backend: str,
+            env: dict[str, str], timeout: float) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    from overlap.comm import destroy_process_group, init_distributed
+    from overlap.runtime import run
+
+    try:
+        init_distributed(dist_backend=backend, timeout=timeout)
+    except BaseException as exc:
+        conn.send(("err", _pack_error(exc)))
+        return
+    conn.send(("ready", None))
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            fn, args, kwargs, loop = msg
+            try:
+                out = fn(*args, **kwargs)
+                if inspect.iscoroutine(out):
+                    out = run(out, loop=loop)
+                conn.send(("ok", out))
+            except BaseException as exc:
+                conn.send(("err", _pack_error(exc)))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        destroy_process_group()
+
+
+def _pack_error(exc: BaseException) -> tuple[BaseException | None, str, str]:
+    import pickle
+
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.dumps(exc)
+        picklable: BaseException | None = exc
+    except Exception:
+        picklable = None
+    return picklable, tb, f"{type(exc).__name__}: {exc}"
+
+
+class RankPool:
+    """``world_size`` long-lived rank processes in one group, reused across calls."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+
+    # -------------------------------------------------------------------------- lifecycle
+    def start(self) -> RankPool:
+        if self._procs:
+            return self
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, child, self.backend, self.env, self.timeout),
+                name=f"overlap-rank-{rank}", daemon=True,
+            )
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._conns.append(parent)
+        self._collect("start-up", self.timeout)
+        return self
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force)."""
+        for c in self._conns:
+            try:
+                c.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._kill()
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> RankPool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    # -------------------------------------------------------------------------------- run
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            loop: LoopKind | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if not self.alive:
+            self._kill()
+            self.start()
+        for c in self._conns:
+            c.send((fn, args, kwargs, loop))
+        return self._collect(getattr(fn, "__name__", repr(fn)), timeout or self.timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        pending = dict(enumerate(self._conns))
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        results: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(pending)
+                self._kill()
+                raise RankError(
+                    f"{what}: ranks {ranks} did not finish within {timeout:.0f} s (a hang or a "
+                    "mismatched collective); the rank processes were stopped"
+                )
+            ready = wait([*pending.values(), *sentinels], timeout=left)
+            for obj in ready:
+                if obj in sentinels:
+                    continue
+                rank = next(r for r, c in pending.items() if c is obj)
+                try:
+                    results[rank] = obj.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    results[rank] = ("dead", None)
+                del pending[rank]
+            dead = [r for r in pending if not self._procs[r].is_alive()]
+            if dead:
+                # Give a dying rank's pipe a moment to deliver a last message.
+                time.sleep(0.05)
+                if any(self._conns[r].poll() for r in dead):
+                    continue
+                codes = {r: self._procs[r].exitcode for r in dead}
+                self._kill()
+                raise RankError(f"{what}: rank(s) died without answering: exit codes {codes}")
+        errors = {r: v for r, (kind, v) in results.items() if kind != "ok" and kind != "ready"}
+        if errors:
+            first = min(errors)
+            if results[first][0] == "dead":
+                self._kill()
+                raise RankError(f"{what}: rank {first} closed its pipe without an answer")
+            exc, tb, summary = errors[first]
+            others = {r: e[2] for r, e in errors.items() if r != first}
+            cause = RemoteTraceback(f"\n--- rank {first} traceback ---\n{tb}"
+                                    + (f"\nother ranks failed too: {others}" if others else ""))
+            if exc is None:
+                raise RankError(f"{what} failed on rank {first}: {summary}") from cause
+            raise exc from cause
+        return [results[r][1] for r in range(len(self._conns))]
+
+
+def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                timeout: float = 120.0, loop: LoopKind | None = None,
+                env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``world_size`` fresh processes; return their results."""
+    with RankPool(world_size, backend=backend, timeout=timeout, env=env) as pool:
+        return pool.run(fn, *args, timeout=timeout, loop=loop, **kwargs)
