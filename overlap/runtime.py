@@ -53,11 +53,15 @@ def run(main: Coroutine[Any, Any, T], *, loop: LoopKind | None = None, debug: bo
     The loop is closed afterwards, after cancelling leftover tasks and shutting down async
     generators, exactly as :func:`asyncio.run` does.
     """
-    runner = asyncio.Runner(debug=debug, loop_factory=lambda: new_event_loop(loop)) \
-        if hasattr(asyncio, "Runner") else None
+    runner = (
+        asyncio.Runner(debug=debug, loop_factory=lambda: new_event_loop(loop))
+        if hasattr(asyncio, "Runner")
+        else None
+    )
     if runner is not None:
         with runner:
-            return runner.run(main)
+            result: T = runner.run(main)
+            return result
     # Python 3.10: no asyncio.Runner.
     ev = new_event_loop(loop)  # pragma: no cover
     try:  # pragma: no cover

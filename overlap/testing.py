@@ -52,12 +52,24 @@ def _free_port() -> int:
         return port
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Connection, backend: str,
-            env: dict[str, str], timeout: float) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: Connection,
+    backend: str,
+    env: dict[str, str],
+    timeout: float,
+) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -104,8 +116,14 @@ def _pack_error(exc: BaseException) -> tuple[BaseException | None, str, str]:
 class RankPool:
     """``world_size`` long-lived rank processes in one group, reused across calls."""
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
@@ -126,7 +144,8 @@ class RankPool:
             p = ctx.Process(
                 target=_worker,
                 args=(rank, self.world_size, port, child, self.backend, self.env, self.timeout),
-                name=f"overlap-rank-{rank}", daemon=True,
+                name=f"overlap-rank-{rank}",
+                daemon=True,
             )
             p.start()
             child.close()
@@ -167,8 +186,14 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     # -------------------------------------------------------------------------------- run
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            loop: LoopKind | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        loop: LoopKind | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         if not self.alive:
             self._kill()
@@ -197,7 +222,7 @@ class RankPool:
                     continue
                 rank = next(r for r, c in pending.items() if c is obj)
                 try:
-                    results[rank] = obj.recv()  # type: ignore[union-attr]
+                    results[rank] = self._conns[rank].recv()
                 except (EOFError, OSError):
                     results[rank] = ("dead", None)
                 del pending[rank]
@@ -218,17 +243,26 @@ class RankPool:
                 raise RankError(f"{what}: rank {first} closed its pipe without an answer")
             exc, tb, summary = errors[first]
             others = {r: e[2] for r, e in errors.items() if r != first}
-            cause = RemoteTraceback(f"\n--- rank {first} traceback ---\n{tb}"
-                                    + (f"\nother ranks failed too: {others}" if others else ""))
+            cause = RemoteTraceback(
+                f"\n--- rank {first} traceback ---\n{tb}"
+                + (f"\nother ranks failed too: {others}" if others else "")
+            )
             if exc is None:
                 raise RankError(f"{what} failed on rank {first}: {summary}") from cause
             raise exc from cause
         return [results[r][1] for r in range(len(self._conns))]
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                timeout: float = 120.0, loop: LoopKind | None = None,
-                env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    loop: LoopKind | None = None,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``world_size`` fresh processes; return their results."""
     with RankPool(world_size, backend=backend, timeout=timeout, env=env) as pool:
         return pool.run(fn, *args, timeout=timeout, loop=loop, **kwargs)

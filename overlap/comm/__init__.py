@@ -115,8 +115,9 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- collectives
-def all_reduce(tensor: torch.Tensor, op: Any = "sum", group: Any = None,
-               async_op: bool = False) -> Any:
+def all_reduce(
+    tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False
+) -> Any:
     """Reduce ``tensor`` across the group, in place, on every rank.
 
     ``op``: "sum", "avg", "product", "min", "max" (also "band", "bor", "bxor"), or a
@@ -131,8 +132,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     return state.active().broadcast(tensor, src, group, async_op)
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: Any = "sum", group: Any = None,
-           async_op: bool = False) -> Any:
+def reduce(
+    tensor: torch.Tensor, dst: int, op: Any = "sum", group: Any = None, async_op: bool = False
+) -> Any:
     """Reduce into ``tensor`` on rank ``dst``; other ranks' tensors are left unchanged.
 
     (gloo itself leaves partial results there; overlap restores them, as deepspeed.comm
@@ -141,8 +143,9 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = "sum", group: Any = None,
     return state.active().reduce(tensor, dst, op, group, async_op)
 
 
-def all_gather(tensor_list: Any, tensor: torch.Tensor | None = None, group: Any = None,
-               async_op: bool = False) -> Any:
+def all_gather(
+    tensor_list: Any, tensor: torch.Tensor | None = None, group: Any = None, async_op: bool = False
+) -> Any:
     """Gather every rank's tensor.
 
     Two forms: ``all_gather(tensor_list, tensor)`` fills ``tensor_list`` (torch's form), and
@@ -152,14 +155,19 @@ def all_gather(tensor_list: Any, tensor: torch.Tensor | None = None, group: Any 
     return state.active().all_gather(tensor_list, tensor, group, async_op)
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                           group: Any = None, async_op: bool = False) -> Any:
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (world_size x input)."""
     return state.active().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: Any, op: Any = "sum", group: Any = None,
-                   async_op: bool = False) -> Any:
+def reduce_scatter(
+    output: torch.Tensor, input: Any, op: Any = "sum", group: Any = None, async_op: bool = False
+) -> Any:
     """Reduce, then give rank i the i-th chunk in ``output``.
 
     ``input`` is a list of world_size tensors shaped like ``output``, or one flat tensor of
@@ -168,38 +176,60 @@ def reduce_scatter(output: torch.Tensor, input: Any, op: Any = "sum", group: Any
     return state.active().reduce_scatter(output, input, op, group, async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = "sum",
-                          group: Any = None, async_op: bool = False) -> Any:
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = "sum",
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """reduce_scatter with one flat input tensor (torch's name for that form)."""
     if not isinstance(input, torch.Tensor):
-        raise TypeError("reduce_scatter_tensor takes one input tensor; use reduce_scatter "
-                        "for a list")
+        raise TypeError(
+            "reduce_scatter_tensor takes one input tensor; use reduce_scatter for a list"
+        )
     return state.active().reduce_scatter(output, input, op, group, async_op)
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
-                      output_split_sizes: Sequence[int] | None = None,
-                      input_split_sizes: Sequence[int] | None = None, group: Any = None,
-                      async_op: bool = False) -> Any:
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """Split ``input`` along dim 0, send chunk i to rank i, gather the received chunks."""
-    return state.active().all_to_all_single(output, input, output_split_sizes,
-                                            input_split_sizes, group, async_op)
+    return state.active().all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group, async_op
+    )
 
 
-def all_to_all(output_tensor_list: Any, input_tensor_list: Any, group: Any = None,
-               async_op: bool = False) -> Any:
+def all_to_all(
+    output_tensor_list: Any, input_tensor_list: Any, group: Any = None, async_op: bool = False
+) -> Any:
     """Send ``input_tensor_list[i]`` to rank i; receive rank i's into ``output_tensor_list[i]``."""
     return state.active().all_to_all(output_tensor_list, input_tensor_list, group, async_op)
 
 
-def gather(tensor: torch.Tensor, gather_list: Any = None, dst: int = 0, group: Any = None,
-           async_op: bool = False) -> Any:
+def gather(
+    tensor: torch.Tensor,
+    gather_list: Any = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """Collect every rank's tensor into ``gather_list`` on ``dst`` (returns it there, else None)."""
     return state.active().gather(tensor, gather_list, dst, group, async_op)
 
 
-def scatter(tensor: torch.Tensor, scatter_list: Any = None, src: int = 0, group: Any = None,
-            async_op: bool = False) -> Any:
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: Any = None,
+    src: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """Give rank i ``scatter_list[i]`` from ``src``, received into ``tensor``."""
     return state.active().scatter(tensor, scatter_list, src, group, async_op)
 
@@ -227,8 +257,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Ha
     return h
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None,
-          tag: int = 0) -> Handle:
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Handle:
     """Start receiving into ``tensor``; the Handle resolves to ``tensor``.
 
     To give up waiting, time out the *await* (``asyncio.wait_for``) or pass a timeout to

@@ -68,8 +68,13 @@ def mpi_discovery(distributed_port: int = 29500) -> tuple[int, int, int]:
     else:  # pragma: no cover - multi-host
         addr = comm.bcast(socket.gethostbyname(socket.gethostname()) if rank == 0 else None)
     port = int(os.environ.get("MASTER_PORT", distributed_port))
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank),
-                      MASTER_ADDR=addr, MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
     return rank, size, local_rank
 
 
@@ -160,8 +165,12 @@ def init_distributed(
             init_method = "env://"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    kwargs: dict[str, Any] = {"backend": backend, "init_method": init_method, "rank": rank,
-                              "world_size": world_size}
+    kwargs: dict[str, Any] = {
+        "backend": backend,
+        "init_method": init_method,
+        "rank": rank,
+        "world_size": world_size,
+    }
     td = _timeout(timeout)
     if td is not None:
         kwargs["timeout"] = td

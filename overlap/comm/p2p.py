@@ -27,5 +27,7 @@ class P2POp:
     def kind(self) -> str:
         name = self.op if isinstance(self.op, str) else getattr(self.op, "__name__", "")
         if name not in ("isend", "irecv"):
-            raise ValueError(f"P2POp.op must be 'isend' or 'irecv' (or those functions), got {self.op!r}")
+            raise ValueError(
+                f"P2POp.op must be 'isend' or 'irecv' (or those functions), got {self.op!r}"
+            )
         return name

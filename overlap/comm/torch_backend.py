@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ _TORCH_OPS = {
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 
-PostFn = Callable[[], None]
+PostFn = Callable[[], object]
 
 
 class TorchBackend:
@@ -62,7 +63,9 @@ class TorchBackend:
     def get_global_rank(self, group: Any, group_rank: int) -> int:
         info = resolve_group(group)
         if not 0 <= group_rank < info.size:
-            raise ValueError(f"group_rank={group_rank} is outside group {info.name} of size {info.size}")
+            raise ValueError(
+                f"group_rank={group_rank} is outside group {info.name} of size {info.size}"
+            )
         return info.ranks[group_rank]
 
     def group_ranks(self, group: Any = None) -> list[int]:
@@ -114,12 +117,15 @@ class TorchBackend:
             except (ValueError, TypeError):
                 raise
             except Exception as exc:
-                raise CommError(f"{opname} on rank {rank} (group {info.name}) failed: {exc}") from exc
+                raise CommError(
+                    f"{opname} on rank {rank} (group {info.name}) failed: {exc}"
+                ) from exc
             if post is not None:
                 post()
             return result
-        handle = Handle(opname, result=result, nbytes=nbytes, group=info.name,
-                        backend=self.name, keep=keep)
+        handle = Handle(
+            opname, result=result, nbytes=nbytes, group=info.name, backend=self.name, keep=keep
+        )
         try:
             work = issue()
         except (ValueError, TypeError):
@@ -148,31 +154,46 @@ class TorchBackend:
         return rop, _TORCH_OPS[rop], False
 
     # --------------------------------------------------------------------- collectives
-    def all_reduce(self, tensor: torch.Tensor, op: Any = "sum", group: Any = None,
-                   async_op: bool = False) -> Any:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False
+    ) -> Any:
         t = self._t(tensor, "tensor")
         _, top, divide = self._reduce_args(op, t.dtype)
         info = resolve_group(group)
-        post = (lambda: t.div_(info.size)) if divide else None  # type: ignore[misc]
+        post: PostFn | None = (lambda: t.div_(info.size)) if divide else None
         return self._launch(
-            "all_reduce", info,
+            "all_reduce",
+            info,
             lambda: dist.all_reduce(t, op=top, group=info.pg, async_op=True),
-            t, nbytes_of(t), async_op, post,
+            t,
+            nbytes_of(t),
+            async_op,
+            post,
         )
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None,
-                  async_op: bool = False) -> Any:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
+    ) -> Any:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         check_peer(src, "src", info.ranks, info.name)
         return self._launch(
-            "broadcast", info,
+            "broadcast",
+            info,
             lambda: dist.broadcast(t, src=src, group=info.pg, async_op=True),
-            t, nbytes_of(t), async_op,
+            t,
+            nbytes_of(t),
+            async_op,
         )
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: Any = "sum", group: Any = None,
-               async_op: bool = False) -> Any:
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        op: Any = "sum",
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         t = self._t(tensor, "tensor")
         _, top, divide = self._reduce_args(op, t.dtype)
         info = resolve_group(group)
@@ -180,23 +201,27 @@ class TorchBackend:
         post: PostFn | None = None
         if dist.get_rank() == dst:
             if divide:
-                post = lambda: t.div_(info.size)  # type: ignore[assignment,misc]  # noqa: E731
+                post = partial(t.div_, info.size)
         else:
             # gloo leaves partial sums in non-destination tensors; deepspeed.comm documents
             # them as unchanged, so keep a copy and put it back once the op is done.
             backup = t.clone()
 
-            def post() -> None:
-                t.copy_(backup)
+            post = partial(t.copy_, backup)
 
         return self._launch(
-            "reduce", info,
+            "reduce",
+            info,
             lambda: dist.reduce(t, dst=dst, op=top, group=info.pg, async_op=True),
-            t, nbytes_of(t), async_op, post,
+            t,
+            nbytes_of(t),
+            async_op,
+            post,
         )
 
-    def all_gather(self, tensor_list: Any, tensor: Any = None, group: Any = None,
-                   async_op: bool = False) -> Any:
+    def all_gather(
+        self, tensor_list: Any, tensor: Any = None, group: Any = None, async_op: bool = False
+    ) -> Any:
         if isinstance(tensor_list, torch.Tensor) and tensor is None:
             # Convenience form: all_gather(tensor) -> list of every rank's tensor.
             t = self._t(tensor_list, "tensor")
@@ -213,13 +238,21 @@ class TorchBackend:
                         f"{t.dtype}{list(t.shape)}; every output must match the input"
                     )
         return self._launch(
-            "all_gather", info,
+            "all_gather",
+            info,
             lambda: dist.all_gather(outs, t, group=info.pg, async_op=True),
-            outs, nbytes_of(t), async_op,
+            outs,
+            nbytes_of(t),
+            async_op,
         )
 
-    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                               group: Any = None, async_op: bool = False) -> Any:
+    def all_gather_into_tensor(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         out = self._t(output_tensor, "output_tensor")
         inp = self._t(input_tensor, "input_tensor")
         info = resolve_group(group)
@@ -231,17 +264,26 @@ class TorchBackend:
         if out.dtype != inp.dtype:
             raise TypeError(f"output dtype {out.dtype} differs from input dtype {inp.dtype}")
         return self._launch(
-            "all_gather_into_tensor", info,
+            "all_gather_into_tensor",
+            info,
             lambda: dist.all_gather_into_tensor(out, inp, group=info.pg, async_op=True),
-            out, nbytes_of(inp), async_op,
+            out,
+            nbytes_of(inp),
+            async_op,
         )
 
-    def reduce_scatter(self, output: torch.Tensor, input: Any, op: Any = "sum",
-                       group: Any = None, async_op: bool = False) -> Any:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: Any,
+        op: Any = "sum",
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         out = self._t(output, "output")
         _, top, divide = self._reduce_args(op, out.dtype)
         info = resolve_group(group)
-        post = (lambda: out.div_(info.size)) if divide else None  # type: ignore[misc]
+        post: PostFn | None = (lambda: out.div_(info.size)) if divide else None
         if isinstance(input, torch.Tensor):
             inp = self._t(input, "input")
             if inp.numel() != out.numel() * info.size:
@@ -254,10 +296,14 @@ class TorchBackend:
                 raise TypeError(f"input dtype {inp.dtype} differs from output dtype {out.dtype}")
             flat = inp
             return self._launch(
-                "reduce_scatter", info,
-                lambda: dist.reduce_scatter_tensor(out, flat, op=top, group=info.pg,
-                                                   async_op=True),
-                out, nbytes_of(inp), async_op, post, keep=inp,
+                "reduce_scatter",
+                info,
+                lambda: dist.reduce_scatter_tensor(out, flat, op=top, group=info.pg, async_op=True),
+                out,
+                nbytes_of(inp),
+                async_op,
+                post,
+                keep=inp,
             )
         ins = self._ts(input, "input", info.size)
         for i, x in enumerate(ins):
@@ -267,20 +313,32 @@ class TorchBackend:
                     f"{out.dtype}[{out.numel()}]; every input chunk must match the output"
                 )
         return self._launch(
-            "reduce_scatter", info,
+            "reduce_scatter",
+            info,
             lambda: dist.reduce_scatter(out, ins, op=top, group=info.pg, async_op=True),
-            out, nbytes_of(ins), async_op, post, keep=ins,
+            out,
+            nbytes_of(ins),
+            async_op,
+            post,
+            keep=ins,
         )
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: Sequence[int] | None = None,
-                          input_split_sizes: Sequence[int] | None = None,
-                          group: Any = None, async_op: bool = False) -> Any:
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         out = self._t(output, "output")
         inp = self._t(input, "input")
         info = resolve_group(group)
-        for name, t, splits in (("input", inp, input_split_sizes),
-                                ("output", out, output_split_sizes)):
+        for name, t, splits in (
+            ("input", inp, input_split_sizes),
+            ("output", out, output_split_sizes),
+        ):
             if splits is None:
                 if t.shape[0] % info.size if t.dim() else True:
                     raise ValueError(
@@ -294,25 +352,45 @@ class TorchBackend:
                         f"{info.size} entries summing to {name} dim 0 ({t.shape[0]})"
                     )
         return self._launch(
-            "all_to_all_single", info,
-            lambda: dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes,
-                                           group=info.pg, async_op=True),
-            out, nbytes_of(inp), async_op, keep=inp,
+            "all_to_all_single",
+            info,
+            lambda: dist.all_to_all_single(
+                out, inp, output_split_sizes, input_split_sizes, group=info.pg, async_op=True
+            ),
+            out,
+            nbytes_of(inp),
+            async_op,
+            keep=inp,
         )
 
-    def all_to_all(self, output_tensor_list: Any, input_tensor_list: Any, group: Any = None,
-                   async_op: bool = False) -> Any:
+    def all_to_all(
+        self,
+        output_tensor_list: Any,
+        input_tensor_list: Any,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         info = resolve_group(group)
         outs = self._ts(output_tensor_list, "output_tensor_list", info.size)
         ins = self._ts(input_tensor_list, "input_tensor_list", info.size)
         return self._launch(
-            "all_to_all", info,
+            "all_to_all",
+            info,
             lambda: dist.all_to_all(outs, ins, group=info.pg, async_op=True),
-            outs, nbytes_of(ins), async_op, keep=ins,
+            outs,
+            nbytes_of(ins),
+            async_op,
+            keep=ins,
         )
 
-    def gather(self, tensor: torch.Tensor, gather_list: Any = None, dst: int = 0,
-               group: Any = None, async_op: bool = False) -> Any:
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: Any = None,
+        dst: int = 0,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         check_peer(dst, "dst", info.ranks, info.name)
@@ -328,13 +406,22 @@ class TorchBackend:
                 if o.shape != t.shape or o.dtype != t.dtype:
                     raise ValueError(f"gather_list[{i}] must match tensor's shape and dtype")
         return self._launch(
-            "gather", info,
+            "gather",
+            info,
             lambda: dist.gather(t, outs, dst=dst, group=info.pg, async_op=True),
-            outs, nbytes_of(t), async_op,
+            outs,
+            nbytes_of(t),
+            async_op,
         )
 
-    def scatter(self, tensor: torch.Tensor, scatter_list: Any = None, src: int = 0,
-                group: Any = None, async_op: bool = False) -> Any:
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: Any = None,
+        src: int = 0,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         check_peer(src, "src", info.ranks, info.name)
@@ -350,15 +437,23 @@ class TorchBackend:
                 if x.shape != t.shape or x.dtype != t.dtype:
                     raise ValueError(f"scatter_list[{i}] must match tensor's shape and dtype")
         return self._launch(
-            "scatter", info,
+            "scatter",
+            info,
             lambda: dist.scatter(t, ins, src=src, group=info.pg, async_op=True),
-            t, nbytes_of(ins), async_op, keep=ins,
+            t,
+            nbytes_of(ins),
+            async_op,
+            keep=ins,
         )
 
     def barrier(self, group: Any = None, async_op: bool = False) -> Any:
         info = resolve_group(group)
         return self._launch(
-            "barrier", info, lambda: dist.barrier(group=info.pg, async_op=True), None, 0,
+            "barrier",
+            info,
+            lambda: dist.barrier(group=info.pg, async_op=True),
+            None,
+            0,
             async_op,
         )
 
@@ -366,42 +461,53 @@ class TorchBackend:
     def _p2p_check(self, peer: int, what: str, info: GroupInfo) -> None:
         check_peer(peer, what, info.ranks, info.name)
         if peer == dist.get_rank():
-            raise ValueError(f"{what}={peer} is this rank; a rank cannot send to or receive "
-                             "from itself")
+            raise ValueError(
+                f"{what}={peer} is this rank; a rank cannot send to or receive from itself"
+            )
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         self._p2p_check(dst, "dst", info)
         h: Handle = self._launch(
-            "isend", info, lambda: dist.isend(t, dst=dst, group=info.pg, tag=tag), t,
-            nbytes_of(t), True,
+            "isend",
+            info,
+            lambda: dist.isend(t, dst=dst, group=info.pg, tag=tag),
+            t,
+            nbytes_of(t),
+            True,
         )
         return h
 
-    def irecv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None,
-              tag: int = 0) -> Handle:
+    def irecv(
+        self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
+    ) -> Handle:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         if src is not None:
             self._p2p_check(src, "src", info)
         h: Handle = self._launch(
-            "irecv", info, lambda: dist.irecv(t, src=src, group=info.pg, tag=tag), t,
-            nbytes_of(t), True,
+            "irecv",
+            info,
+            lambda: dist.irecv(t, src=src, group=info.pg, tag=tag),
+            t,
+            nbytes_of(t),
+            True,
         )
         return h
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.isend(tensor, dst, group, tag).wait()
 
-    def recv(self, tensor: torch.Tensor, src: int | None = None, group: Any = None,
-             tag: int = 0) -> int:
+    def recv(
+        self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
+    ) -> int:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         if src is not None:
             self._p2p_check(src, "src", info)
         try:
-            work = dist.irecv(t, src=src, group=info.pg, tag=tag)
+            work: Any = dist.irecv(t, src=src, group=info.pg, tag=tag)
             work.wait()
         except Exception as exc:
             raise CommError(f"recv on rank {dist.get_rank()} failed: {exc}") from exc
@@ -419,11 +525,12 @@ class TorchBackend:
                 p = P2POp(kind, p.tensor, p.peer, p.group, p.tag)
             if not isinstance(p, P2POp):
                 raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
+            kind = p.kind
             t = self._t(p.tensor, f"p2p_op_list[{i}].tensor")
             info = resolve_group(p.group)
             self._p2p_check(p.peer, f"p2p_op_list[{i}].peer", info)
-            fn = dist.isend if p.kind == "isend" else dist.irecv
-            torch_ops.append((p.kind, t, info, dist.P2POp(fn, t, p.peer, info.pg, p.tag)))
+            fn = dist.isend if kind == "isend" else dist.irecv
+            torch_ops.append((kind, t, info, dist.P2POp(fn, t, p.peer, info.pg, p.tag)))
         rank = dist.get_rank()
         try:
             works = dist.batch_isend_irecv([op for *_, op in torch_ops])
@@ -431,8 +538,10 @@ class TorchBackend:
             raise
         except Exception as exc:
             raise CommError(f"batch_isend_irecv on rank {rank} failed: {exc}") from exc
-        handles = [Handle(kind, result=t, nbytes=nbytes_of(t), group=info.name,
-                          backend=self.name) for kind, t, info, _ in torch_ops]
+        handles = [
+            Handle(kind, result=t, nbytes=nbytes_of(t), group=info.name, backend=self.name)
+            for kind, t, info, _ in torch_ops
+        ]
         pool = get_pool()
         if len(works) == len(handles):
             for w, h in zip(works, handles, strict=True):

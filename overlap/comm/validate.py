@@ -44,7 +44,10 @@ def check_tensor_list(
             f"{name} has {len(ts)} tensors but the group has {length} ranks; "
             f"pass exactly one tensor per rank"
         )
-    return [check_tensor(t, f"{name}[{i}]", device_type, backend) for i, t in enumerate(ts)]
+    for i, t in enumerate(ts):
+        check_tensor(t, f"{name}[{i}]", device_type, backend)
+    # Hand back the caller's own list: results and in-place outputs must be *their* objects.
+    return ts if isinstance(ts, list) else list(ts)
 
 
 def check_peer(rank: int, what: str, group_ranks: Sequence[int], group_name: str) -> None:

@@ -37,7 +37,7 @@ __all__ = ["WaiterPool", "translate_error"]
 
 log = logging.getLogger(__name__)
 
-PostFn = Callable[[], None]
+PostFn = Callable[[], object]
 _Item = tuple[Any, Handle, "PostFn | None", "Callable[[BaseException], BaseException]"]
 
 
@@ -50,8 +50,9 @@ def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseExcept
     return err
 
 
-def observe(work: Any, handle: Handle, post: PostFn | None,
-            wrap: Callable[[BaseException], BaseException]) -> None:
+def observe(
+    work: Any, handle: Handle, post: PostFn | None, wrap: Callable[[BaseException], BaseException]
+) -> None:
     """Wait for ``work`` (blocking), post-process, complete ``handle``. Never raises."""
     try:
         work.wait()
@@ -78,8 +79,13 @@ class WaiterPool:
     def num_threads(self) -> int:
         return len(self._threads)
 
-    def submit(self, work: Any, handle: Handle, post: PostFn | None,
-               wrap: Callable[[BaseException], BaseException]) -> None:
+    def submit(
+        self,
+        work: Any,
+        handle: Handle,
+        post: PostFn | None,
+        wrap: Callable[[BaseException], BaseException],
+    ) -> None:
         """Arrange for ``handle`` to complete when ``work`` does. Non-blocking."""
         with self._lock:
             if self._closed:
@@ -134,8 +140,9 @@ def _future_of(work: Any) -> Any:
         return None
 
 
-def _complete_from_future(fut: Any, handle: Handle, post: PostFn | None,
-                          wrap: Callable[[BaseException], BaseException]) -> None:
+def _complete_from_future(
+    fut: Any, handle: Handle, post: PostFn | None, wrap: Callable[[BaseException], BaseException]
+) -> None:
     # Runs on a gloo/nccl worker thread: the future is complete, so nothing here blocks.
     try:
         fut.wait()

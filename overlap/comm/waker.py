@@ -57,7 +57,7 @@ class LoopWaker:
 
     @classmethod
     def for_loop(cls, loop: asyncio.AbstractEventLoop) -> LoopWaker:
-        """The waker of ``loop``; call on the loop's thread (it may register a reader)."""
+        """The waker of ``loop``; call it on the loop's thread (it may add a reader)."""
         waker = _registry.get(loop)
         if waker is None:
             with _registry_lock:
@@ -68,7 +68,7 @@ class LoopWaker:
         return waker
 
     def post(self, fut: asyncio.Future[Any]) -> None:
-        """Resolve ``fut`` (with ``None``) on the loop thread. Safe from any thread, never blocks."""
+        """Resolve ``fut`` (with None) on the loop thread. Safe from any thread; never blocks."""
         self._pending.append(fut)
         try:
             os.write(self._wfd, b"\x01\x00\x00\x00\x00\x00\x00\x00")

@@ -1,0 +1,67 @@
+"""Rank-side bad-input calls: each returns (exception type name, message) per case."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from overlap import comm
+
+
+def _catch(fn: Callable[[], Any]) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def bad_calls() -> dict[str, tuple[str, str]]:
+    r, w = comm.get_rank(), comm.get_world_size()
+    t = torch.ones(4)
+    sub = comm.new_group([0, 1])  # every rank calls it; rank 2 is not a member
+    out = {
+        "dst_outside": _catch(lambda: comm.reduce(t, dst=w + 2)),
+        "src_outside": _catch(lambda: comm.broadcast(t, src=-1, async_op=True)),
+        "dst_outside_subgroup": _catch(lambda: comm.gather(t, None, dst=2, group=sub))
+        if r < 2
+        else ("skip", ""),
+        "non_member_group": _catch(lambda: comm.all_reduce(t, group=sub))
+        if r == 2
+        else ("skip", ""),
+        "unknown_op": _catch(lambda: comm.all_reduce(t, op="median")),
+        "avg_on_ints": _catch(lambda: comm.all_reduce(torch.ones(2, dtype=torch.int32), op="avg")),
+        "non_contiguous": _catch(lambda: comm.all_reduce(torch.ones(4, 4).t())),
+        "wrong_device": _catch(lambda: comm.all_reduce(torch.ones(4, device="meta"))),
+        "not_a_tensor": _catch(lambda: comm.all_reduce([1.0, 2.0])),  # type: ignore[arg-type]
+        "rs_flat_not_divisible": _catch(
+            lambda: comm.reduce_scatter(torch.empty(3), torch.ones(3 * w + 1))
+        ),
+        "rs_list_wrong_length": _catch(
+            lambda: comm.reduce_scatter(torch.empty(2), [torch.ones(2)] * (w + 1))
+        ),
+        "rs_chunk_mismatch": _catch(
+            lambda: comm.reduce_scatter(torch.empty(2), [torch.ones(3)] * w)
+        ),
+        "agit_wrong_size": _catch(
+            lambda: comm.all_gather_into_tensor(torch.empty(w * 2 + 1), torch.ones(2))
+        ),
+        "all_gather_shape": _catch(lambda: comm.all_gather([torch.empty(3)] * w, torch.ones(2))),
+        "a2a_not_divisible": _catch(
+            lambda: comm.all_to_all_single(torch.empty(w + 1), torch.ones(w + 1))
+        ),
+        "a2a_bad_splits": _catch(
+            lambda: comm.all_to_all_single(torch.empty(w), torch.ones(w), None, [5] * w)
+        ),
+        "gather_no_list_on_dst": _catch(lambda: comm.gather(t, None, dst=r)),
+        "send_to_self": _catch(lambda: comm.isend(t, dst=r)),
+        "p2p_bad_kind": _catch(lambda: comm.batch_isend_irecv([comm.P2POp("put", t, 0)])),
+        "new_group_bad_rank": _catch(lambda: comm.new_group([0, w + 5])),
+        "group_rank_outside": _catch(lambda: comm.get_global_rank(None, w)),
+    }
+    t2 = torch.ones(4)
+    comm.all_reduce(t2)  # nothing above sent anything: the group is still in step
+    assert t2.tolist() == [float(w)] * 4
+    return out

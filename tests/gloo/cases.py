@@ -1,0 +1,241 @@
+"""Rank-side functions for the gloo tests (importable, so RankPool can pickle them).
+
+Each op case computes the expected result locally from rank and world size and asserts it;
+an AssertionError travels back to the test with the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import overlap
+from overlap import comm
+
+Issue = Callable[[bool], Any]
+
+
+def go(issue: Issue, mode: str) -> Any:
+    """Finish an op the way ``mode`` says: blocking, h.wait(), or awaited on a loop kind."""
+    if mode == "blocking":
+        return issue(False)
+    if mode == "wait":
+        h = issue(True)
+        if isinstance(h, list):
+            return [x.wait(timeout=60) for x in h]
+        return h.wait(timeout=60)
+
+    async def main() -> Any:
+        h = issue(True)
+        if isinstance(h, list):
+            return await asyncio.gather(*h)
+        return await h
+
+    return overlap.run(main(), loop=mode)  # type: ignore[arg-type]
+
+
+def rw() -> tuple[int, int]:
+    return comm.get_rank(), comm.get_world_size()
+
+
+def _allclose(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), f"{a.tolist()} != {b.tolist()}"
+
+
+def case_all_reduce(mode: str) -> None:
+    r, w = rw()
+    t = torch.arange(5.0) + r
+    out = go(lambda a: comm.all_reduce(t, async_op=a), mode)
+    assert out is t
+    # deepspeed.comm guide: arange(5)+rank on 4 ranks gives [6, 10, 14, 18, 22]
+    _allclose(t, torch.arange(5.0) * w + w * (w - 1) / 2)
+
+
+def case_all_reduce_ops(mode: str) -> None:
+    r, w = rw()
+    base = torch.tensor([r + 1.0, -(r + 1.0), 2.0])
+    for op, want in [
+        ("avg", torch.tensor([(w + 1) / 2, -(w + 1) / 2, 2.0])),
+        ("max", torch.tensor([float(w), -1.0, 2.0])),
+        ("min", torch.tensor([1.0, -float(w), 2.0])),
+        (
+            "product",
+            torch.tensor(
+                [
+                    float(torch.arange(1, w + 1).prod()),
+                    float(torch.arange(1, w + 1).prod()) * (-1) ** w,
+                    2.0**w,
+                ]
+            ),
+        ),
+    ]:
+        t = base.clone()
+        go(lambda a, t=t, op=op: comm.all_reduce(t, op=op, async_op=a), mode)
+        assert torch.allclose(t, want), (op, t, want)
+    i = torch.tensor([1 << r, 3], dtype=torch.int64)
+    go(lambda a: comm.all_reduce(i, op="bor", async_op=a), mode)
+    assert i.tolist() == [(1 << w) - 1, 3]
+    b16 = torch.full((3,), float(r), dtype=torch.bfloat16)
+    go(lambda a: comm.all_reduce(b16, op="sum", async_op=a), mode)
+    assert b16.float().tolist() == [w * (w - 1) / 2] * 3
+
+
+def case_broadcast(mode: str) -> None:
+    r, w = rw()
+    t = torch.full((4,), float(r))
+    assert go(lambda a: comm.broadcast(t, src=w - 1, async_op=a), mode) is t
+    _allclose(t, torch.full((4,), float(w - 1)))
+
+
+def case_reduce(mode: str) -> None:
+    r, w = rw()
+    t = torch.arange(3.0) + r
+    before = t.clone()
+    go(lambda a: comm.reduce(t, dst=w - 1, async_op=a), mode)
+    if r == w - 1:
+        _allclose(t, torch.arange(3.0) * w + w * (w - 1) / 2)
+    else:
+        _allclose(t, before)  # unchanged on non-destination ranks (gloo leaves partial sums)
+    t2 = torch.full((2,), float(r))
+    go(lambda a: comm.reduce(t2, dst=0, op="avg", async_op=a), mode)
+    if r == 0:
+        _allclose(t2, torch.full((2,), (w - 1) / 2))
+
+
+def case_all_gather(mode: str) -> None:
+    r, w = rw()
+    t = torch.full((2,), float(r))
+    outs = [torch.empty(2) for _ in range(w)]
+    got = go(lambda a: comm.all_gather(outs, t, async_op=a), mode)
+    assert got is outs
+    for i, o in enumerate(outs):
+        _allclose(o, torch.full((2,), float(i)))
+    got2 = go(lambda a: comm.all_gather(t, async_op=a), mode)
+    assert [o.tolist() for o in got2] == [[float(i)] * 2 for i in range(w)]
+
+
+def case_all_gather_into_tensor(mode: str) -> None:
+    r, w = rw()
+    out = torch.empty(2 * w)
+    got = go(
+        lambda a: comm.all_gather_into_tensor(out, torch.full((2,), float(r)), async_op=a), mode
+    )
+    assert got is out
+    _allclose(out, torch.arange(w).repeat_interleave(2).float())
+
+
+def case_reduce_scatter(mode: str) -> None:
+    r, w = rw()
+    chunks = [torch.full((2,), float(r * 10 + j)) for j in range(w)]
+    want = torch.full((2,), 10.0 * w * (w - 1) / 2 + w * r)
+    out = torch.empty(2)
+    assert go(lambda a: comm.reduce_scatter(out, chunks, async_op=a), mode) is out
+    _allclose(out, want)
+    out2 = torch.empty(2)
+    flat = torch.cat(chunks)
+    go(lambda a: comm.reduce_scatter(out2, flat, async_op=a), mode)
+    _allclose(out2, want)
+    out3 = torch.empty(2)
+    go(lambda a: comm.reduce_scatter_tensor(out3, flat, op="avg", async_op=a), mode)
+    _allclose(out3, want / w)
+
+
+def case_all_to_all_single(mode: str) -> None:
+    r, w = rw()
+    inp = torch.arange(2.0 * w) + 100 * r
+    out = torch.empty(2 * w)
+    assert go(lambda a: comm.all_to_all_single(out, inp, async_op=a), mode) is out
+    want = torch.cat([torch.tensor([100.0 * q + 2 * r, 100.0 * q + 2 * r + 1]) for q in range(w)])
+    _allclose(out, want)
+    # uneven splits: rank q sends q+1 elements to everyone
+    inp2 = torch.full(((r + 1) * w,), float(r))
+    out2 = torch.empty(sum(q + 1 for q in range(w)))
+    go(
+        lambda a: comm.all_to_all_single(
+            out2, inp2, [q + 1 for q in range(w)], [r + 1] * w, async_op=a
+        ),
+        mode,
+    )
+    _allclose(out2, torch.cat([torch.full((q + 1,), float(q)) for q in range(w)]))
+
+
+def case_all_to_all(mode: str) -> None:
+    r, w = rw()
+    ins = [torch.full((1,), float(r * 10 + j)) for j in range(w)]
+    outs = [torch.empty(1) for _ in range(w)]
+    go(lambda a: comm.all_to_all(outs, ins, async_op=a), mode)
+    assert [o.item() for o in outs] == [float(q * 10 + r) for q in range(w)]
+
+
+def case_gather(mode: str) -> None:
+    r, w = rw()
+    gl = [torch.empty(2) for _ in range(w)] if r == 0 else None
+    got = go(lambda a: comm.gather(torch.full((2,), float(r)), gl, dst=0, async_op=a), mode)
+    if r == 0:
+        assert got is gl and [g.tolist() for g in gl] == [[float(i)] * 2 for i in range(w)]
+    else:
+        assert got is None
+
+
+def case_scatter(mode: str) -> None:
+    r, w = rw()
+    sl = [torch.full((3,), float(i * i)) for i in range(w)] if r == w - 1 else None
+    t = torch.empty(3)
+    go(lambda a: comm.scatter(t, sl, src=w - 1, async_op=a), mode)
+    _allclose(t, torch.full((3,), float(r * r)))
+
+
+def case_barrier(mode: str) -> None:
+    assert go(lambda a: comm.barrier(async_op=a), mode) is None
+
+
+def case_p2p(mode: str) -> None:
+    r, w = rw()
+    if w == 1:
+        return
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    buf = torch.empty(3)
+    payload = torch.full((3,), float(r))
+    if mode == "blocking":
+        # even ranks send first, odd ranks receive first: no deadlock for any world size
+        if r % 2 == 0:
+            comm.send(payload, dst=nxt)
+            assert comm.recv(buf, src=prv) == prv
+        else:
+            assert comm.recv(buf) == prv  # any source
+            comm.send(payload, dst=nxt)
+    else:
+        go(lambda a: [comm.irecv(buf, src=prv), comm.isend(payload, dst=nxt, tag=0)], mode)
+    _allclose(buf, torch.full((3,), float(prv)))
+
+
+def case_batch_isend_irecv(mode: str) -> None:
+    r, w = rw()
+    if w == 1:
+        return
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    buf = torch.empty(2)
+    ops = [comm.P2POp("isend", torch.full((2,), float(r)), nxt), comm.P2POp(comm.irecv, buf, prv)]
+    if mode == "blocking":
+        hs = comm.batch_isend_irecv(ops)
+        for h in hs:
+            h.wait(timeout=60)
+    else:
+        go(lambda a: comm.batch_isend_irecv(ops), mode)
+    _allclose(buf, torch.full((2,), float(prv)))
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def run_case(name: str, mode: str) -> str:
+    CASES[name](mode)
+    return name
+
+
+def run_cases(mode: str) -> list[str]:
+    """All cases in one call (keeps the world-size sweep cheap)."""
+    return [run_case(name, mode) for name in CASES]

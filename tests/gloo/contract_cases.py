@@ -1,0 +1,184 @@
+"""Rank-side functions for the DESIGN.md §3 contract tests."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+import overlap
+from overlap import CommError, CommTimeoutError, comm
+from overlap.comm import waiters
+
+
+def many_in_flight(n: int, loop: str) -> int:
+    """n handles in flight at once, gathered; half awaited in reverse issue order."""
+    r, w = comm.get_rank(), comm.get_world_size()
+
+    async def main() -> int:
+        ts = [torch.full((4,), float(i + r)) for i in range(n)]
+        hs = [comm.all_reduce(t, async_op=True) for t in ts]
+        half = n // 2
+        rev = [await h for h in reversed(hs[half:])]
+        first = await asyncio.gather(*hs[:half])
+        for i, out in enumerate(first + rev[::-1]):
+            assert out.tolist() == [float(i * w + w * (w - 1) / 2)] * 4, (i, out)
+        return n
+
+    return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+
+
+def cancelled_awaiter(loop: str) -> list[float]:
+    r = comm.get_rank()
+
+    async def main() -> list[float]:
+        if r == 0:
+            buf = torch.zeros(3)
+            h = comm.irecv(buf, src=1)
+            task = asyncio.ensure_future(h)
+            await asyncio.sleep(0.05)
+            task.cancel()
+            try:
+                await task
+                raise AssertionError("the cancelled task finished")
+            except asyncio.CancelledError:
+                pass
+            assert not h.done()
+            comm.barrier()  # only now may rank 1 send
+            out = await h  # the op ran on and still delivers into the same buffer
+            assert out is buf
+        else:
+            comm.barrier()
+            await comm.isend(torch.tensor([1.0, 2.0, 3.0]), dst=0)
+            out = torch.tensor([1.0, 2.0, 3.0])
+        nxt = torch.ones(2)
+        await comm.all_reduce(nxt, async_op=True)  # the next op works
+        assert nxt.tolist() == [2.0, 2.0]
+        return out.tolist()
+
+    return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+
+
+def timeout_at_awaiting_side() -> list[float]:
+    r = comm.get_rank()
+    if r == 0:
+        buf = torch.zeros(2)
+        h = comm.irecv(buf, src=1)
+        try:
+            h.wait(timeout=0.2)
+            raise AssertionError("wait did not time out")
+        except CommTimeoutError as e:
+            assert "still in flight" in str(e)
+
+        async def with_wait_for() -> None:
+            try:
+                await asyncio.wait_for(h, 0.2)
+                raise AssertionError("wait_for did not time out")
+            except asyncio.TimeoutError:
+                pass
+
+        overlap.run(with_wait_for())
+        comm.barrier()
+        out: list[float] = h.wait(timeout=60).tolist()
+    else:
+        comm.barrier()
+        comm.send(torch.tensor([5.0, 6.0]), dst=0)
+        out = [5.0, 6.0]
+    t = torch.ones(3)
+    comm.all_reduce(t)  # the connection still works after the timed-out waits
+    assert t.tolist() == [2.0] * 3
+    return out
+
+
+def handle_keeps_tensors() -> bool:
+    r = comm.get_rank()
+    if r == 0:
+        t = torch.zeros(1000)
+        ref = weakref.ref(t)
+        h = comm.irecv(t, src=1)
+        del t
+        gc.collect()
+        assert ref() is not None, "the receive buffer was freed while the op was in flight"
+        comm.barrier()
+        out = h.wait(timeout=60)
+        assert out.sum().item() == 1000.0
+    else:
+        comm.barrier()
+        comm.send(torch.ones(1000), dst=0)
+    return True
+
+
+def callbacks_never_block() -> int:
+    """With one waiter thread held by a pending irecv, collectives complete via callbacks."""
+    r = comm.get_rank()
+    saved = waiters._pool
+    waiters._pool = waiters.WaiterPool(max_threads=1)
+    try:
+        pending = comm.irecv(torch.zeros(1), src=1) if r == 0 else None
+
+        async def burst() -> int:
+            hs = [comm.all_reduce(torch.ones(2), async_op=True) for _ in range(50)]
+            outs = await asyncio.wait_for(asyncio.gather(*hs), 60)
+            assert all(o.tolist() == [2.0, 2.0] for o in outs)
+            return len(outs)
+
+        n = overlap.run(burst())
+        assert waiters._pool.num_threads == 1
+        comm.barrier()
+        if r == 0:
+            assert pending is not None
+            pending.wait(timeout=60)
+        else:
+            comm.send(torch.ones(1), dst=0)
+        return n
+    finally:
+        waiters._pool.shutdown()
+        waiters._pool = saved
+
+
+def futureless_ops_use_waiter_threads() -> bool:
+    w = comm.get_world_size()
+    out = torch.empty(1)
+    h = comm.reduce_scatter(out, torch.ones(w), async_op=True)
+    assert h.wait(timeout=60).item() == float(w)
+    names = [t.name for t in threading.enumerate()]
+    assert any(n.startswith("overlap-waiter") for n in names), names
+    return True
+
+
+def peer_never_sends(loop: str) -> float:
+    """Rank 0 times out waiting for a message rank 1 never sends; both then shut down."""
+    if comm.get_rank() == 0:
+
+        async def main() -> float:
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(comm.irecv(torch.zeros(1), src=1), 0.5)
+            except asyncio.TimeoutError:
+                return time.monotonic() - t0
+            raise AssertionError("no timeout")
+
+        return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+    return 0.0
+
+
+def peer_dies_mid_op() -> Any:
+    """Rank 1 exits abruptly; rank 0's awaited receive fails with CommError (cause kept)."""
+    if comm.get_rank() == 1:
+        threading.Timer(0.3, lambda: __import__("os")._exit(0)).start()
+        return "exiting"
+
+    async def main() -> Any:
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(comm.irecv(torch.zeros(1), src=1), 60)
+        except CommError as e:
+            return ["CommError", type(e.__cause__).__name__, str(e), time.monotonic() - t0]
+        raise AssertionError("no error")
+
+    return overlap.run(main())

@@ -1,0 +1,60 @@
+"""Bad input: the documented exception type and a message that names the fix.
+
+The calls run on 3 real ranks; afterwards an all_reduce proves that no bad call sent
+anything or left the group out of step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from overlap.testing import RankPool
+from tests.gloo import bad_input_cases
+
+EXPECTED = {
+    "dst_outside": ("ValueError", r"dst=5 is not a rank of group world .*\[0, 1, 2\]"),
+    "src_outside": ("ValueError", r"src=-1 is not a rank of group world"),
+    "dst_outside_subgroup": ("ValueError", r"dst=2 is not a rank of group ranks0,1"),
+    "non_member_group": ("ValueError", r"rank \(2\) is not a member .*\[0, 1\]"),
+    "unknown_op": ("ValueError", r"unknown reduction op 'median'; valid ops are 'sum'"),
+    "avg_on_ints": ("TypeError", r"op='avg' needs a floating-point tensor"),
+    "non_contiguous": ("ValueError", r"not contiguous.*\.contiguous\(\)"),
+    "wrong_device": ("ValueError", r"on meta but the gloo backend works on cpu.*\.cpu\(\)"),
+    "not_a_tensor": ("TypeError", r"must be a torch.Tensor, got list"),
+    "rs_flat_not_divisible": ("ValueError", r"not world_size \(3\) x output \(3\) = 9"),
+    "rs_list_wrong_length": ("ValueError", r"has 4 tensors but the group has 3 ranks"),
+    "rs_chunk_mismatch": ("ValueError", r"input\[0\] is torch.float32\[3\] but output"),
+    "agit_wrong_size": ("ValueError", r"output has 7 elements, expected"),
+    "all_gather_shape": ("ValueError", r"tensor_list\[0\] is torch.float32\[3\]"),
+    "a2a_not_divisible": ("ValueError", r"does not divide by world_size \(3\)"),
+    "a2a_bad_splits": ("ValueError", r"input_split_sizes \[5, 5, 5\] must have 3 entries"),
+    "gather_no_list_on_dst": ("ValueError", r"must pass gather_list"),
+    "send_to_self": ("ValueError", r"is this rank"),
+    "p2p_bad_kind": ("ValueError", r"must be 'isend' or 'irecv'"),
+    "new_group_bad_rank": ("ValueError", r"ranks \[8\] are outside the world of 3"),
+    "group_rank_outside": ("ValueError", r"group_rank=3 is outside group world"),
+}
+
+
+@pytest.fixture(scope="module")
+def results(pools: Callable[[int], RankPool]) -> list[dict[str, tuple[str, str]]]:
+    out: list[dict[str, tuple[str, str]]] = pools(3).run(bad_input_cases.bad_calls, timeout=60)
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_input_is_refused_clearly(results: list[dict[str, tuple[str, str]]], case: str) -> None:
+    import re
+
+    kind, pattern = EXPECTED[case]
+    checked = 0
+    for rank, per_rank in enumerate(results):
+        got_kind, msg = per_rank[case]
+        if got_kind == "skip":
+            continue
+        assert got_kind == kind, f"rank {rank}: {got_kind}: {msg}"
+        assert re.search(pattern, msg), f"rank {rank}: {msg!r} !~ {pattern!r}"
+        checked += 1
+    assert checked >= 1

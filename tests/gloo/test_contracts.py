@@ -1,0 +1,61 @@
+"""DESIGN.md §3 contracts, each held by a test on real gloo ranks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from overlap.testing import RankPool, spawn_ranks
+from tests.conftest import LOOP_KINDS
+from tests.gloo import contract_cases as cc
+
+
+@pytest.mark.parametrize("loop", LOOP_KINDS)
+def test_1000_handles_in_flight_gathered(pools: Callable[[int], RankPool], loop: str) -> None:
+    # Also the same-order contract: issue order is program order on every rank, whatever
+    # order the handles are awaited in.
+    assert pools(2).run(cc.many_in_flight, 1000, loop, timeout=120) == [1000, 1000]
+
+
+@pytest.mark.parametrize("loop", LOOP_KINDS)
+def test_cancelled_awaiter_leaves_op_and_buffers(
+    pools: Callable[[int], RankPool], loop: str
+) -> None:
+    assert pools(2).run(cc.cancelled_awaiter, loop, timeout=60) == [[1.0, 2.0, 3.0]] * 2
+
+
+def test_timeouts_are_taken_at_the_awaiting_side(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(cc.timeout_at_awaiting_side, timeout=60) == [[5.0, 6.0]] * 2
+
+
+def test_handle_keeps_its_tensors_until_complete(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(cc.handle_keeps_tensors, timeout=60) == [True, True]
+
+
+def test_nothing_blocks_in_future_callbacks(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(cc.callbacks_never_block, timeout=90) == [50, 50]
+
+
+def test_futureless_ops_complete_through_waiter_threads(
+    pools: Callable[[int], RankPool],
+) -> None:
+    assert pools(3).run(cc.futureless_ops_use_waiter_threads, timeout=60) == [True] * 3
+
+
+def test_peer_that_never_sends_times_out_and_process_shuts_down() -> None:
+    t0 = time.monotonic()
+    waited = spawn_ranks(cc.peer_never_sends, 2, "uvloop", timeout=90)
+    assert 0.45 < waited[0] < 5
+    assert time.monotonic() - t0 < 60  # start, time out, destroy the group, exit
+
+
+def test_awaiting_a_failed_op_raises_comm_error_with_cause() -> None:
+    with RankPool(2, timeout=90) as pool:
+        res = pool.run(cc.peer_dies_mid_op, timeout=90)
+    kind, cause, msg, seconds = res[0]
+    assert kind == "CommError" and "irecv on rank 0" in msg
+    assert cause not in ("NoneType", "")  # the backend's error is kept as __cause__
+    assert seconds < 30
+    assert res[1] == "exiting"

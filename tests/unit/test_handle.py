@@ -1,0 +1,164 @@
+"""Handle semantics, driven by a thread standing in for a backend (no torch.distributed)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from overlap import CommError, CommTimeoutError
+from overlap.comm.handle import Handle, HandleState
+
+
+def finish_later(h: Handle, delay: float, exc: BaseException | None = None) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(delay), h._finish(exc)))
+    t.start()
+    return t
+
+
+def test_completed_handle() -> None:
+    h = Handle.completed("all_reduce", [1, 2], nbytes=8)
+    assert h.done() and h.state is HandleState.DONE
+    assert h.wait() == [1, 2] and h.result() == [1, 2] and h.exception() is None
+    assert h.end_ns is not None and h.end_ns >= h.start_ns
+
+
+def test_wait_without_a_loop_and_with_timeout() -> None:
+    h = Handle("irecv", result="payload", nbytes=1 << 20, group="world", backend="gloo")
+    assert "irecv 1.0 MiB group=world backend=gloo state=pending" in repr(h)
+    with pytest.raises(CommTimeoutError, match="still in flight"):
+        h.wait(timeout=0.05)
+    assert not h.done()  # the timeout cancelled the wait, not the op
+    finish_later(h, 0.05)
+    assert h.wait(timeout=5) == "payload"
+    assert "state=done" in repr(h)
+
+
+def test_pending_result_and_exception_refuse() -> None:
+    h = Handle("barrier", result=None)
+    with pytest.raises(asyncio.InvalidStateError, match="still in flight"):
+        h.result()
+    with pytest.raises(asyncio.InvalidStateError):
+        h.exception()
+    h._finish(None)
+
+
+def test_failure_reaches_waiter_with_cause() -> None:
+    h = Handle("all_reduce", result=None)
+    cause = RuntimeError("Connection closed by peer")
+    err = CommError("all_reduce failed")
+    err.__cause__ = cause
+    finish_later(h, 0.01, err)
+    with pytest.raises(CommError) as info:
+        h.wait(timeout=5)
+    assert info.value.__cause__ is cause
+    assert h.exception() is err and h.state is HandleState.FAILED
+
+
+def test_finish_is_idempotent_and_callbacks_run_once() -> None:
+    h = Handle("x", result=1)
+    seen: list[Handle] = []
+    h.add_done_callback(seen.append)
+    h._finish(None)
+    h._finish(RuntimeError("late"))
+    assert seen == [h] and h.result() == 1
+    h.add_done_callback(seen.append)  # already done: runs at once
+    assert seen == [h, h]
+
+
+def test_keep_released_at_completion() -> None:
+    h = Handle("x", result=1, keep=["buffers"])
+    assert h._keep == ["buffers"]
+    h._finish(None)
+    assert h._keep is None
+
+
+@pytest.mark.asyncio
+async def test_await_resolves_from_another_thread() -> None:
+    h = Handle("all_reduce", result="r")
+    finish_later(h, 0.02)
+    assert await h == "r"
+    assert await h == "r"  # awaiting again returns the result again
+
+
+@pytest.mark.asyncio
+async def test_await_does_not_block_the_loop() -> None:
+    h = Handle("all_reduce", result="r")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not h.done():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    finish_later(h, 0.1)
+    out, _ = await asyncio.gather(h, ticker())
+    assert out == "r" and ticks >= 10
+
+
+@pytest.mark.asyncio
+async def test_gather_wait_for_as_completed() -> None:
+    hs = [Handle("op", result=i) for i in range(50)]
+    for i, h in enumerate(reversed(hs)):
+        finish_later(h, 0.001 * i)
+    assert await asyncio.gather(*hs) == list(range(50))
+    hs2 = [Handle("op", result=i) for i in range(5)]
+    for h in hs2:
+        finish_later(h, 0.01)
+    got = sorted([await f for f in asyncio.as_completed(hs2)])
+    assert got == list(range(5))
+    slow = Handle("op", result="slow")
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(slow, 0.05)
+    assert not slow.done()
+    finish_later(slow, 0.01)
+    assert await slow == "slow"
+
+
+@pytest.mark.asyncio
+async def test_cancelled_awaiter_leaves_the_op_alone() -> None:
+    h = Handle("irecv", result="data", keep=["buf"])
+    task = asyncio.ensure_future(h)
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not h.done() and h._keep == ["buf"] and h._waiters == []
+    finish_later(h, 0.01)
+    assert await h == "data"
+
+
+@pytest.mark.asyncio
+async def test_failure_raises_at_await() -> None:
+    h = Handle("all_reduce", result=None)
+    finish_later(h, 0.01, CommError("boom"))
+    with pytest.raises(CommError, match="boom"):
+        await h
+
+
+def test_awaited_from_two_loops_in_two_threads() -> None:
+    from overlap.runtime import new_event_loop
+
+    h = Handle("op", result=7)
+    results: list[int] = []
+
+    def in_thread(kind: str) -> None:
+        loop = new_event_loop(kind)  # type: ignore[arg-type]
+
+        async def main() -> int:
+            return int(await h)
+
+        results.append(loop.run_until_complete(main()))
+        loop.close()
+
+    threads = [threading.Thread(target=in_thread, args=(k,)) for k in ("uvloop", "asyncio")]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    h._finish(None)
+    for t in threads:
+        t.join(5)
+    assert results == [7, 7]

@@ -1,0 +1,93 @@
+"""Single-process: the loop runner, errors before init, and a world of one rank."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import overlap
+from overlap import NotInitializedError, comm
+
+
+def test_run_uses_uvloop_by_default() -> None:
+    async def kind() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert overlap.run(kind()).startswith("uvloop")
+    assert overlap.run(kind(), loop="asyncio").startswith("asyncio")
+    with pytest.raises(ValueError, match="unknown loop kind"):
+        overlap.new_event_loop("trio")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: comm.all_reduce(torch.ones(2)),
+        lambda: comm.broadcast(torch.ones(2), src=0),
+        lambda: comm.isend(torch.ones(2), dst=1),
+        lambda: comm.get_rank(),
+        lambda: comm.barrier(async_op=True),
+        lambda: comm.new_group([0]),
+    ],
+)
+def test_any_op_before_init_says_to_call_init(call: object) -> None:
+    assert not comm.is_initialized()
+    with pytest.raises(NotInitializedError, match=r"call overlap.init_distributed\(\) first"):
+        call()  # type: ignore[operator]
+
+
+def test_bad_init_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown dist_backend 'tcp'"):
+        overlap.init_distributed("tcp")
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        from overlap.comm.init import _timeout
+
+        _timeout(-1)
+    assert not comm.is_initialized()
+
+
+SINGLE_RANK = textwrap.dedent(
+    """
+    import asyncio, os, torch, overlap
+    from overlap import comm
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    overlap.init_distributed()
+    overlap.init_distributed()          # twice is harmless
+    overlap.init_distributed("gloo")    # the same backend, by name: harmless too
+    try:
+        overlap.init_distributed("nccl")
+    except ValueError as e:
+        assert "already initialized" in str(e), e
+    assert comm.get_backend() == "gloo" and comm.get_rank() == 0
+    assert comm.get_world_size() == 1 and comm.get_local_rank() == 0
+    t = torch.arange(4.)
+    assert comm.all_reduce(t, op="avg").tolist() == [0, 1, 2, 3]
+    async def main():
+        return await comm.all_gather(torch.ones(2), async_op=True)
+    assert [x.tolist() for x in overlap.run(main())] == [[1, 1]]
+    comm.destroy_process_group()
+    comm.destroy_process_group()        # idempotent
+    assert not comm.is_initialized()
+    print("OK")
+    """
+)
+
+
+def test_single_rank_without_a_launcher() -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", SINGLE_RANK], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("OK")
