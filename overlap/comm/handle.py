@@ -40,10 +40,16 @@ class HandleState(enum.Enum):
 class CompletionEngine(Protocol):
     """What a backend provides so a Handle can be waited on and awaited.
 
-    ``wait`` blocks the calling thread until ``handle`` completes or ``timeout`` seconds pass
-    and returns whether it completed; ``on_await`` is called on the loop thread when a coroutine
-    starts awaiting a pending handle (the MPI engine starts polling there).
+    * ``start(handle)``: make sure something is observing the op so it will complete on its
+      own (idempotent). Called by ``done()``, ``add_done_callback()`` and when a pending
+      handle is garbage-collected, so an op nobody waits for still finishes and keeps its
+      tensors alive until then.
+    * ``wait(handle, timeout)``: block the calling thread until the op completes or
+      ``timeout`` seconds pass; return whether it completed.
+    * ``on_await(handle, loop)``: a coroutine on ``loop``'s thread starts awaiting the handle.
     """
+
+    def start(self, handle: Handle) -> None: ...
 
     def wait(self, handle: Handle, timeout: float | None) -> bool: ...
 
@@ -52,6 +58,9 @@ class CompletionEngine(Protocol):
 
 class _EventEngine:
     """Default engine: completion is signalled by another thread; waiting blocks on a lock."""
+
+    def start(self, handle: Handle) -> None:
+        return None
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
         return handle._block_until_done(timeout)
@@ -83,6 +92,7 @@ class Handle:
     """
 
     __slots__ = (
+        "__weakref__",
         "_callbacks",
         "_done_lock",
         "_engine",
@@ -173,8 +183,11 @@ class Handle:
 
     # --------------------------------------------------------------------------- user side
     def done(self) -> bool:
-        """True once the op has completed or failed."""
-        return self._state is not HandleState.PENDING
+        """True once the op has completed or failed (starts observing the op if needed)."""
+        if self._state is HandleState.PENDING:
+            self._engine.start(self)
+            return self._state is not HandleState.PENDING
+        return True
 
     @property
     def state(self) -> HandleState:
@@ -224,8 +237,23 @@ class Handle:
         with self._lock:
             if self._callbacks is not None:
                 self._callbacks.append(fn)
-                return
-        fn(self)
+                pending = True
+            else:
+                pending = False
+        if pending:
+            self._engine.start(self)
+        else:
+            fn(self)
+
+    def __del__(self) -> None:
+        # Dropped while in flight: let the engine observe the op to the end. The engine keeps
+        # this handle (and so the op's tensors) alive until then; gloo must not see a Work
+        # freed mid-flight.
+        try:
+            if self._state is HandleState.PENDING:
+                self._engine.start(self)
+        except Exception:  # interpreter shutdown: nothing left to protect
+            pass
 
     def __await__(self) -> Generator[Any, None, Any]:
         if self._state is HandleState.PENDING:

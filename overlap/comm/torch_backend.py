@@ -25,7 +25,7 @@ from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
 from overlap.comm.validate import check_peer, check_tensor, check_tensor_list, nbytes_of
-from overlap.comm.waiters import get_pool, translate_error
+from overlap.comm.waiters import TorchOp
 from overlap.errors import CommError
 
 __all__ = ["TorchBackend"]
@@ -43,6 +43,11 @@ _TORCH_OPS = {
 }
 
 PostFn = Callable[[], object]
+
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
+# *_single names, which older releases (torch>=2.2 is supported) do not have.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TorchBackend:
@@ -138,10 +143,7 @@ class TorchBackend:
             handle._finish(None)
             return handle
 
-        def wrap(exc: BaseException) -> BaseException:
-            return translate_error(exc, handle, rank)
-
-        get_pool().submit(work, handle, post, wrap)
+        handle._engine = TorchOp(work, post, rank)
         return handle
 
     def _reduce_args(self, op: Any, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
@@ -266,7 +268,7 @@ class TorchBackend:
         return self._launch(
             "all_gather_into_tensor",
             info,
-            lambda: dist.all_gather_into_tensor(out, inp, group=info.pg, async_op=True),
+            lambda: _all_gather_single(out, inp, group=info.pg, async_op=True),
             out,
             nbytes_of(inp),
             async_op,
@@ -298,7 +300,7 @@ class TorchBackend:
             return self._launch(
                 "reduce_scatter",
                 info,
-                lambda: dist.reduce_scatter_tensor(out, flat, op=top, group=info.pg, async_op=True),
+                lambda: _reduce_scatter_single(out, flat, op=top, group=info.pg, async_op=True),
                 out,
                 nbytes_of(inp),
                 async_op,
@@ -542,10 +544,11 @@ class TorchBackend:
             Handle(kind, result=t, nbytes=nbytes_of(t), group=info.name, backend=self.name)
             for kind, t, info, _ in torch_ops
         ]
-        pool = get_pool()
+        # Started at once: batched p2p ops usually depend on each other across ranks.
         if len(works) == len(handles):
             for w, h in zip(works, handles, strict=True):
-                pool.submit(w, h, None, _wrapper(h, rank))
+                h._engine = TorchOp(w, None, rank)
+                h._engine.start(h)
         else:  # one coalesced Work (NCCL): observe it once, complete all handles from it
             lead, rest = handles[0], handles[1:]
 
@@ -554,7 +557,8 @@ class TorchBackend:
                     h._finish(done._exc)
 
             lead.add_done_callback(fan_out)
-            pool.submit(_AllWorks(works), lead, None, _wrapper(lead, rank))
+            lead._engine = TorchOp(_AllWorks(works), None, rank)
+            lead._engine.start(lead)
         return handles
 
 
@@ -571,10 +575,3 @@ class _AllWorks:
 
     def get_future(self) -> Any:
         raise RuntimeError("no single future for several works")
-
-
-def _wrapper(handle: Handle, rank: int) -> Callable[[BaseException], BaseException]:
-    def wrap(exc: BaseException) -> BaseException:
-        return translate_error(exc, handle, rank)
-
-    return wrap

@@ -33,12 +33,12 @@ from typing import Any
 from overlap.comm.handle import Handle
 from overlap.errors import CommError
 
-__all__ = ["WaiterPool", "translate_error"]
+__all__ = ["TorchOp", "WaiterPool", "translate_error"]
 
 log = logging.getLogger(__name__)
 
 PostFn = Callable[[], object]
-_Item = tuple[Any, Handle, "PostFn | None", "Callable[[BaseException], BaseException]"]
+_Item = tuple[Any, Handle, "PostFn | None", int]
 
 
 def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseException:
@@ -50,18 +50,58 @@ def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseExcept
     return err
 
 
-def observe(
-    work: Any, handle: Handle, post: PostFn | None, wrap: Callable[[BaseException], BaseException]
-) -> None:
+def observe(work: Any, handle: Handle, post: PostFn | None, rank: int) -> None:
     """Wait for ``work`` (blocking), post-process, complete ``handle``. Never raises."""
     try:
         work.wait()
         if post is not None:
             post()
     except BaseException as exc:
-        handle._finish(wrap(exc))
+        handle._finish(translate_error(exc, handle, rank))
         return
     handle._finish(None)
+
+
+class TorchOp:
+    """The torch Work behind one Handle, and that Handle's completion engine.
+
+    Ownership is lazy and claimed once: the first of these takes the Work, and nobody else
+    ever calls its ``wait()``:
+
+    * ``h.wait()`` with no timeout waits on the caller's thread, as fast as a blocking call;
+    * ``await h``, ``h.wait(timeout)``, ``h.done()``, ``add_done_callback`` or dropping the
+      handle hand the Work to the waiter pool.
+    """
+
+    __slots__ = ("_claimed", "_lock", "post", "rank", "work")
+
+    def __init__(self, work: Any, post: PostFn | None, rank: int) -> None:
+        self.work = work
+        self.post = post
+        self.rank = rank
+        self._claimed = False
+        self._lock = threading.Lock()
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+    def start(self, handle: Handle) -> None:
+        if self._claim():
+            get_pool().submit(self.work, handle, self.post, self.rank)
+
+    def wait(self, handle: Handle, timeout: float | None) -> bool:
+        if timeout is None and self._claim():
+            observe(self.work, handle, self.post, self.rank)
+            return True
+        self.start(handle)
+        return handle._block_until_done(timeout)
+
+    def on_await(self, handle: Handle, loop: Any) -> None:
+        self.start(handle)
 
 
 class WaiterPool:
@@ -84,7 +124,7 @@ class WaiterPool:
         work: Any,
         handle: Handle,
         post: PostFn | None,
-        wrap: Callable[[BaseException], BaseException],
+        rank: int,
     ) -> None:
         """Arrange for ``handle`` to complete when ``work`` does. Non-blocking."""
         with self._lock:
@@ -94,12 +134,12 @@ class WaiterPool:
             if saturated and len(self._threads) >= self.max_threads:
                 fut = _future_of(work)
                 if fut is not None:
-                    fut.add_done_callback(lambda f: _complete_from_future(f, handle, post, wrap))
+                    fut.add_done_callback(lambda f: _complete_from_future(f, handle, post, rank))
                     return
             self._outstanding += 1
             if saturated and len(self._threads) < self.max_threads:
                 self._spawn()
-        self._queue.put((work, handle, post, wrap))
+        self._queue.put((work, handle, post, rank))
 
     def _spawn(self) -> None:
         t = threading.Thread(
@@ -140,16 +180,14 @@ def _future_of(work: Any) -> Any:
         return None
 
 
-def _complete_from_future(
-    fut: Any, handle: Handle, post: PostFn | None, wrap: Callable[[BaseException], BaseException]
-) -> None:
+def _complete_from_future(fut: Any, handle: Handle, post: PostFn | None, rank: int) -> None:
     # Runs on a gloo/nccl worker thread: the future is complete, so nothing here blocks.
     try:
         fut.wait()
         if post is not None:
             post()
     except BaseException as exc:
-        handle._finish(wrap(exc))
+        handle._finish(translate_error(exc, handle, rank))
         return
     handle._finish(None)
 

@@ -120,6 +120,8 @@ def callbacks_never_block() -> int:
     waiters._pool = waiters.WaiterPool(max_threads=1)
     try:
         pending = comm.irecv(torch.zeros(1), src=1) if r == 0 else None
+        if pending is not None:
+            assert not pending.done()  # starts observing it: the one waiter thread is now busy
 
         async def burst() -> int:
             hs = [comm.all_reduce(torch.ones(2), async_op=True) for _ in range(50)]
@@ -182,3 +184,26 @@ def peer_dies_mid_op() -> Any:
         raise AssertionError("no error")
 
     return overlap.run(main())
+
+
+def dropped_handle_still_completes() -> list[float]:
+    """A pending handle that the user drops is observed to the end; its buffer is filled."""
+    r = comm.get_rank()
+    if r == 0:
+        buf = torch.zeros(3)
+        comm.irecv(buf, src=1)  # the Handle is dropped at once
+        gc.collect()
+        comm.barrier()
+        deadline = time.monotonic() + 30
+        while buf.sum().item() != 6.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        done = comm.all_reduce(torch.ones(1), async_op=True)
+        ref = weakref.ref(done)
+        done.wait()
+        del done
+        assert ref() is None, "a completed handle is kept alive by a reference cycle"
+        return buf.tolist()
+    comm.barrier()
+    comm.send(torch.tensor([1.0, 2.0, 3.0]), dst=0)
+    comm.all_reduce(torch.ones(1))
+    return [1.0, 2.0, 3.0]

@@ -59,3 +59,7 @@ def test_awaiting_a_failed_op_raises_comm_error_with_cause() -> None:
     assert cause not in ("NoneType", "")  # the backend's error is kept as __cause__
     assert seconds < 30
     assert res[1] == "exiting"
+
+
+def test_dropped_handle_still_completes_and_is_freed(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(cc.dropped_handle_still_completes, timeout=60) == [[1.0, 2.0, 3.0]] * 2

@@ -1,0 +1,86 @@
+"""What every benchmark shares: medians, byte formatting, a plain-text table and JSON.
+
+Methods compared in one run are interleaved round-robin, iteration by iteration, so a burst
+of noise on this shared machine hits all of them alike; ratios are taken between medians of
+the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Table", "human_bytes", "median", "parse_size"]
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def parse_size(text: str) -> int:
+    """``"4"``, ``"64KiB"``, ``"1M"``, ``"64MiB"`` -> bytes."""
+    s = text.strip().upper().replace("IB", "").replace("B", "")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if s.endswith(suffix):
+            s, mult = s[:-1], m
+            break
+    try:
+        value = int(float(s) * mult)
+    except ValueError:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 4, 64KiB, 1MiB") from None
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+@dataclass
+class Table:
+    """Rows of dicts with a fixed column order; renders as aligned text or JSON."""
+
+    columns: list[str]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    title: str = ""
+
+    def add(self, **row: Any) -> None:
+        self.rows.append(row)
+
+    def render(self) -> str:
+        def fmt(v: Any) -> str:
+            if isinstance(v, float):
+                return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+            return str(v)
+
+        cells = [[fmt(r.get(c, "")) for c in self.columns] for r in self.rows]
+        widths = [
+            max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(self.columns)
+        ]
+        lines = [self.title] if self.title else []
+        lines.append("  ".join(c.rjust(w) for c, w in zip(self.columns, widths, strict=True)))
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        head = "| " + " | ".join(self.columns) + " |"
+        sep = "|" + "|".join("---" for _ in self.columns) + "|"
+        body = [
+            "| " + " | ".join(str(r.get(c, "")) for c in self.columns) + " |" for r in self.rows
+        ]
+        return "\n".join([head, sep, *body])
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"title": self.title, "columns": self.columns, "rows": self.rows}, indent=2
+        )

@@ -1,0 +1,185 @@
+"""``overlap bench ops``: what it costs to finish an op by blocking, ``h.wait()`` or ``await h``.
+
+Each rank runs one coroutine on uvloop; for every op and size it interleaves, iteration by
+iteration, four ways to finish the same op (after a barrier that lines the ranks up):
+
+* ``torch``: ``torch.distributed``'s own blocking call (the reference: no overlap code);
+* ``blocking``: overlap's blocking call;
+* ``wait``: ``h = op(async_op=True); h.wait()``;
+* ``await``: ``h = op(async_op=True); await h`` inside the running loop.
+
+Rank 0's per-iteration medians are reported, with the ratios await/blocking and
+await/torch measured side by side in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlap import comm
+from overlap.bench.harness import Table, human_bytes, median
+
+__all__ = ["OPS", "bench_ops_rank", "ops_table"]
+
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+Issue = Callable[[bool], Any]
+Builder = Callable[[int, int, int], tuple[Issue, Callable[[], Any]]]
+
+
+def _all_reduce(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    t = torch.ones(n)
+    return (lambda a: comm.all_reduce(t, async_op=a)), (lambda: dist.all_reduce(t))
+
+
+def _broadcast(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    t = torch.ones(n)
+    return (lambda a: comm.broadcast(t, 0, async_op=a)), (lambda: dist.broadcast(t, 0))
+
+
+def _all_gather(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    inp, out = torch.ones(n), torch.empty(n * w)
+    return ((lambda a: comm.all_gather_into_tensor(out, inp, async_op=a)), (lambda: _AG(out, inp)))
+
+
+def _reduce_scatter(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    n = max(n, w) // w * w
+    inp, out = torch.ones(n), torch.empty(n // w)
+    return ((lambda a: comm.reduce_scatter(out, inp, async_op=a)), (lambda: _RS(out, inp)))
+
+
+def _all_to_all(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    n = max(n, w) // w * w
+    inp, out = torch.ones(n), torch.empty(n)
+    return (
+        (lambda a: comm.all_to_all_single(out, inp, async_op=a)),
+        (lambda: dist.all_to_all_single(out, inp)),
+    )
+
+
+def _sendrecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    send, recv = torch.ones(n), torch.empty(n)
+    peer = (r + 1) % w
+
+    def ours(a: bool) -> Any:
+        hs = [comm.irecv(recv, src=(r - 1) % w), comm.isend(send, dst=peer)]
+        return hs if a else [h.wait() for h in hs]
+
+    def theirs() -> None:
+        ws: list[Any] = [dist.irecv(recv, src=(r - 1) % w), dist.isend(send, dst=peer)]
+        for x in ws:
+            x.wait()
+
+    return ours, theirs
+
+
+OPS: dict[str, Builder] = {
+    "all_reduce": _all_reduce,
+    "broadcast": _broadcast,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "sendrecv": _sendrecv,
+}
+
+
+def _iters_for(nbytes: int, base: int) -> int:
+    if nbytes >= 16 << 20:
+        return max(base // 20, 5)
+    if nbytes >= 1 << 20:
+        return max(base // 4, 10)
+    return base
+
+
+def bench_ops_rank(
+    ops: list[str], sizes: list[int], iters: int, warmup: int, loop: str = "uvloop"
+) -> list[dict[str, Any]]:
+    """Runs on every rank (inside an initialised job); returns rank-local rows."""
+    import overlap
+
+    r, w = comm.get_rank(), comm.get_world_size()
+
+    async def main() -> list[dict[str, Any]]:
+        rows = []
+        for name in ops:
+            for nbytes in sizes:
+                n = max(nbytes // 4, 1)
+                issue, torch_call = OPS[name](n, r, w)
+                times: dict[str, list[float]] = {
+                    k: [] for k in ("torch", "blocking", "wait", "await")
+                }
+                count = _iters_for(nbytes, iters)
+                for i in range(warmup + count):
+                    for method in times:
+                        comm.barrier()
+                        t0 = time.perf_counter()
+                        if method == "torch":
+                            torch_call()
+                        elif method == "blocking":
+                            issue(False)
+                        elif method == "wait":
+                            h = issue(True)
+                            _ = [x.wait() for x in h] if isinstance(h, list) else h.wait()
+                        else:
+                            h = issue(True)
+                            if isinstance(h, list):
+                                await asyncio.gather(*h)
+                            else:
+                                await h
+                        dt = time.perf_counter() - t0
+                        if i >= warmup:
+                            times[method].append(dt)
+                med = {k: median(v) * 1e6 for k, v in times.items()}
+                rows.append(
+                    {
+                        "op": name,
+                        "bytes": nbytes,
+                        "iters": count,
+                        **{f"{k}_us": v for k, v in med.items()},
+                        "await/blocking": med["await"] / med["blocking"],
+                        "await/torch": med["await"] / med["torch"],
+                        "wait/blocking": med["wait"] / med["blocking"],
+                    }
+                )
+        return rows
+
+    return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+
+
+def ops_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(
+        [
+            "op",
+            "size",
+            "torch us",
+            "blocking us",
+            "wait us",
+            "await us",
+            "await/blocking",
+            "await/torch",
+            "wait/blocking",
+        ],
+        title=title,
+    )
+    for row in rows:
+        table.add(
+            **{
+                "op": row["op"],
+                "size": human_bytes(row["bytes"]),
+                "torch us": row["torch_us"],
+                "blocking us": row["blocking_us"],
+                "wait us": row["wait_us"],
+                "await us": row["await_us"],
+                "await/blocking": round(row["await/blocking"], 3),
+                "await/torch": round(row["await/torch"], 3),
+                "wait/blocking": round(row["wait/blocking"], 3),
+            }
+        )
+    return table

@@ -1,0 +1,166 @@
+"""The ``overlap`` command: ``demo``, ``bench ops``, ``env``.
+
+The library itself never prints; this module is the one place that writes to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from overlap.bench.harness import Table, human_bytes
+    from overlap.demo import run_demo
+
+    _out(
+        f"overlap demo: {args.world_size} local ranks (torch elastic launcher), "
+        f"{args.steps} steps, {args.layers} layers of {args.dim}x{args.dim} gradients"
+    )
+    results = run_demo(args.world_size, args.steps, args.dim, args.layers)
+    r0 = results[0]
+    ser = statistics.median(r0["serial_s"]) * 1e3
+    ovl = statistics.median(r0["overlap_s"]) * 1e3
+    table = Table(
+        ["variant", "median step ms", "bytes all-reduced per rank per step"],
+        title="\nResults (rank 0; gradients checked identical every step)",
+    )
+    per_step = r0["bytes"] / max(len(r0["overlap_s"]), 1)
+    table.add(
+        **{
+            "variant": "compute, then blocking all_reduce",
+            "median step ms": ser,
+            "bytes all-reduced per rank per step": human_bytes(per_step),
+        }
+    )
+    table.add(
+        **{
+            "variant": "awaited all_reduce overlapped",
+            "median step ms": ovl,
+            "bytes all-reduced per rank per step": human_bytes(per_step),
+        }
+    )
+    _out(table.render())
+    _out(
+        f"\nspeed-up: {ser / ovl:.2f}x  (communication hidden behind compute: "
+        f"{max(ser - ovl, 0):.1f} ms per step)"
+    )
+    return 0
+
+
+def cmd_bench_ops(args: argparse.Namespace) -> int:
+    from overlap.bench.harness import parse_size
+    from overlap.bench.ops import OPS, bench_ops_rank, ops_table
+    from overlap.testing import RankPool
+
+    ops = args.op or list(OPS)
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        _out(f"unknown op(s) {unknown}; choose from {list(OPS)}")
+        return 2
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    with RankPool(args.world_size, timeout=3600) as pool:
+        rows = pool.run(
+            bench_ops_rank, ops, sizes, args.iters, args.warmup, args.loop, timeout=3600
+        )[0]
+    if args.json:
+        import json
+
+        _out(json.dumps(rows, indent=2))
+    else:
+        table = ops_table(
+            rows,
+            f"overlap bench ops: gloo, {args.world_size} ranks, {args.loop} (median us, rank 0)",
+        )
+        _out(table.markdown() if args.markdown else table.render())
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    import overlap
+    from overlap.runtime import uvloop_available
+
+    _out(f"overlap {overlap.__version__} on Python {platform.python_version()}")
+    _out(f"torch {torch.__version__}")
+    _out(f"gloo: {'yes' if dist.is_gloo_available() else 'no'}")
+    _out(f"nccl: {'yes' if dist.is_nccl_available() else 'no'}")
+    try:
+        from mpi4py import MPI
+
+        _out(f"mpi: mpi4py, {MPI.Get_library_version().splitlines()[0].strip()}")
+    except ImportError:
+        _out("mpi: no (pip install overlap[mpi])")
+    cuda = torch.cuda.is_available()
+    _out(
+        f"cuda: {torch.version.cuda if cuda else 'not available'}"
+        + (f", {torch.cuda.device_count()} device(s)" if cuda else "")
+    )
+    if uvloop_available():
+        from importlib.metadata import version
+
+        _out(f"uvloop: {version('uvloop')}")
+    else:
+        _out("uvloop: not installed (asyncio's default loop is used)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="overlap", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="run the local demo: awaited all_reduce hidden behind compute")
+    d.add_argument("--world-size", type=int, default=2)
+    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--dim", type=int, default=512)
+    d.add_argument("--layers", type=int, default=6)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bo = bsub.add_parser("ops", help="blocking vs h.wait() vs await, per op and size")
+    bo.add_argument("--op", action="append", help="op to measure (repeatable); default all")
+    bo.add_argument("--sizes", default="4,1KiB,64KiB,1MiB,16MiB,64MiB")
+    bo.add_argument("--world-size", type=int, default=2)
+    bo.add_argument("--iters", type=int, default=200, help="iterations for small sizes")
+    bo.add_argument("--warmup", type=int, default=5)
+    bo.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    bo.add_argument("--json", action="store_true", help="print the rows as JSON")
+    bo.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    bo.set_defaults(func=cmd_bench_ops)
+
+    e = sub.add_parser("env", help="report torch, backends, MPI, CUDA and uvloop")
+    e.set_defaults(func=cmd_env)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s: %(message)s",
+    )
+    if not args.verbose:
+        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    code: Any = args.func(args)
+    return int(code)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

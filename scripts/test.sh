@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set everything up, then lint, type-check and run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+.venv/bin/ruff check overlap tests examples
+.venv/bin/mypy
+.venv/bin/python -m pytest "$@"

@@ -1,0 +1,79 @@
+"""Under mpiexec (the mpich wheel's, in the venv), init_distributed() discovers the job."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch, overlap
+    from overlap import comm
+    assert "RANK" not in os.environ, "mpiexec must not set torchrun variables"
+    overlap.init_distributed(timeout=60)
+    r, w = comm.get_rank(), comm.get_world_size()
+    t = torch.arange(5.) + r
+    async def main():
+        return await comm.all_reduce(t, async_op=True)
+    out = overlap.run(main())
+    want = torch.arange(5.) * w + w * (w - 1) / 2
+    assert torch.equal(out, want), (out, want)
+    sys.stdout.write(f"rank {r}/{w} local {comm.get_local_rank()} {comm.get_backend()} ok\\n")
+    comm.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec: pip install overlap[mpi]")
+@pytest.mark.parametrize("n", [2, 3])
+def test_init_distributed_discovers_rank_and_size_from_mpi(tmp_path: Path, n: int) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    from overlap.comm.init import _free_port
+
+    env["MASTER_PORT"] = str(_free_port())
+    out = subprocess.run(
+        [str(MPIEXEC), "-n", str(n), sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r}/{n} local {r} gloo ok" for r in range(n)]
+
+
+def test_mpi_env_without_mpi4py_names_the_extra(tmp_path: Path) -> None:
+    # A process that looks launched by mpiexec but cannot import mpi4py.
+    code = textwrap.dedent(
+        """
+        import sys, overlap
+        sys.modules["mpi4py"] = None   # makes `import mpi4py` raise ImportError
+        try:
+            overlap.init_distributed()
+        except ImportError as e:
+            print("ERR", e)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PMI_RANK"] = "0"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert "pip install overlap[mpi]" in out.stdout, out.stdout + out.stderr
