@@ -1,4 +1,6 @@
-"""Awaitable all_reduce in an asyncio loop. Run with: torchrun --nproc-per-node 2 examples/async_allreduce.py
+"""Awaitable all_reduce in an asyncio loop.
+
+Run with: torchrun --nproc-per-node 2 examples/async_allreduce.py
 
 Each rank issues several all_reduces at once, keeps computing, then awaits them all.
 """

@@ -70,21 +70,75 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         _out(f"unknown op(s) {unknown}; choose from {list(OPS)}")
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    with RankPool(args.world_size, timeout=3600) as pool:
-        rows = pool.run(
-            bench_ops_rank, ops, sizes, args.iters, args.warmup, args.loop, timeout=3600
-        )[0]
+    if args.backend == "mpi":
+        got = _bench_ops_under_mpiexec(ops, sizes, args)
+        if got is None:
+            return 1
+        rows = got
+    else:
+        with RankPool(args.world_size, timeout=3600) as pool:
+            rows = pool.run(
+                bench_ops_rank, ops, sizes, args.iters, args.warmup, args.loop, timeout=3600
+            )[0]
     if args.json:
         import json
 
         _out(json.dumps(rows, indent=2))
     else:
-        table = ops_table(
-            rows,
-            f"overlap bench ops: gloo, {args.world_size} ranks, {args.loop} (median us, rank 0)",
+        ref = "MPI" if args.backend == "mpi" else "torch"
+        title = (
+            f"overlap bench ops: {args.backend}, {args.world_size} ranks, {args.loop} "
+            "(median us, rank 0)"
         )
+        table = ops_table(rows, title, reference=ref)
         _out(table.markdown() if args.markdown else table.render())
     return 0
+
+
+def _bench_ops_under_mpiexec(
+    ops: list[str], sizes: list[int], args: argparse.Namespace
+) -> list[Any] | None:
+    import json
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
+        "mpiexec"
+    )
+    if mpiexec is None:
+        _out("--backend mpi needs mpiexec: pip install overlap[mpi]")
+        return None
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        mpiexec,
+        "-n",
+        str(args.world_size),
+        sys.executable,
+        "-m",
+        "overlap.bench.ops",
+        ",".join(ops),
+        ",".join(map(str, sizes)),
+        str(args.iters),
+        str(args.warmup),
+        args.loop,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            rows: list[Any] = json.loads(line[7:])
+            return rows
+    _out(
+        f"the MPI benchmark failed (exit {out.returncode}):\n{out.stdout[-2000:]}"
+        f"{out.stderr[-2000:]}"
+    )
+    return None
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -136,8 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     bo = bsub.add_parser("ops", help="blocking vs h.wait() vs await, per op and size")
     bo.add_argument("--op", action="append", help="op to measure (repeatable); default all")
-    bo.add_argument("--sizes", default="4,1KiB,64KiB,1MiB,16MiB,64MiB")
+    bo.add_argument(
+        "--sizes",
+        default="4,1KiB,64KiB,1MiB,16MiB,64MiB",
+        help="comma-separated sizes in bytes (4, 64KiB, 1MiB, ...)",
+    )
     bo.add_argument("--world-size", type=int, default=2)
+    bo.add_argument(
+        "--backend",
+        choices=["gloo", "mpi"],
+        default="gloo",
+        help="gloo (ranks started here) or mpi (ranks started by mpiexec)",
+    )
     bo.add_argument("--iters", type=int, default=200, help="iterations for small sizes")
     bo.add_argument("--warmup", type=int, default=5)
     bo.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")

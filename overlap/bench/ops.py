@@ -3,7 +3,8 @@
 Each rank runs one coroutine on uvloop; for every op and size it interleaves, iteration by
 iteration, four ways to finish the same op (after a barrier that lines the ranks up):
 
-* ``torch``: ``torch.distributed``'s own blocking call (the reference: no overlap code);
+* ``torch`` (gloo) or ``MPI``: the raw backend with no overlap code in the path:
+  ``torch.distributed``'s blocking call, or mpi4py's nonblocking call + ``MPI_Wait``;
 * ``blocking``: overlap's blocking call;
 * ``wait``: ``h = op(async_op=True); h.wait()``;
 * ``await``: ``h = op(async_op=True); await h`` inside the running loop.
@@ -34,46 +35,107 @@ Issue = Callable[[bool], Any]
 Builder = Callable[[int, int, int], tuple[Issue, Callable[[], Any]]]
 
 
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _raw(t: torch.Tensor) -> Any:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _on_mpi() -> bool:
+    return comm.get_backend() == "mpi"
+
+
 def _all_reduce(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     t = torch.ones(n)
-    return (lambda a: comm.all_reduce(t, async_op=a)), (lambda: dist.all_reduce(t))
+
+    def ours(a: bool) -> Any:
+        return comm.all_reduce(t, async_op=a)
+
+    if _on_mpi():
+        MPI = _mpi()
+        buf = [_raw(t), n, MPI.FLOAT]
+        return ours, lambda: MPI.COMM_WORLD.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM).Wait()
+    return ours, lambda: dist.all_reduce(t)
 
 
 def _broadcast(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     t = torch.ones(n)
-    return (lambda a: comm.broadcast(t, 0, async_op=a)), (lambda: dist.broadcast(t, 0))
+
+    def ours(a: bool) -> Any:
+        return comm.broadcast(t, 0, async_op=a)
+
+    if _on_mpi():
+        MPI = _mpi()
+        return ours, lambda: MPI.COMM_WORLD.Ibcast([_raw(t), MPI.BYTE], 0).Wait()
+    return ours, lambda: dist.broadcast(t, 0)
 
 
 def _all_gather(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     inp, out = torch.ones(n), torch.empty(n * w)
-    return ((lambda a: comm.all_gather_into_tensor(out, inp, async_op=a)), (lambda: _AG(out, inp)))
+
+    def ours(a: bool) -> Any:
+        return comm.all_gather_into_tensor(out, inp, async_op=a)
+
+    if _on_mpi():
+        MPI = _mpi()
+        send, recv = [_raw(inp), MPI.BYTE], [_raw(out), MPI.BYTE]
+        return ours, lambda: MPI.COMM_WORLD.Iallgather(send, recv).Wait()
+    return ours, lambda: _AG(out, inp)
 
 
 def _reduce_scatter(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     n = max(n, w) // w * w
     inp, out = torch.ones(n), torch.empty(n // w)
-    return ((lambda a: comm.reduce_scatter(out, inp, async_op=a)), (lambda: _RS(out, inp)))
+
+    def ours(a: bool) -> Any:
+        return comm.reduce_scatter(out, inp, async_op=a)
+
+    if _on_mpi():
+        MPI = _mpi()
+        send, recv = [_raw(inp), n // w, MPI.FLOAT], [_raw(out), n // w, MPI.FLOAT]
+        return ours, lambda: MPI.COMM_WORLD.Ireduce_scatter_block(send, recv, MPI.SUM).Wait()
+    return ours, lambda: _RS(out, inp)
 
 
 def _all_to_all(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     n = max(n, w) // w * w
     inp, out = torch.ones(n), torch.empty(n)
-    return (
-        (lambda a: comm.all_to_all_single(out, inp, async_op=a)),
-        (lambda: dist.all_to_all_single(out, inp)),
-    )
+
+    def ours(a: bool) -> Any:
+        return comm.all_to_all_single(out, inp, async_op=a)
+
+    if _on_mpi():
+        MPI = _mpi()
+        send, recv = [_raw(inp), MPI.BYTE], [_raw(out), MPI.BYTE]
+        return ours, lambda: MPI.COMM_WORLD.Ialltoall(send, recv).Wait()
+    return ours, lambda: dist.all_to_all_single(out, inp)
 
 
 def _sendrecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     send, recv = torch.ones(n), torch.empty(n)
-    peer = (r + 1) % w
+    nxt, prv = (r + 1) % w, (r - 1) % w
 
     def ours(a: bool) -> Any:
-        hs = [comm.irecv(recv, src=(r - 1) % w), comm.isend(send, dst=peer)]
+        hs = [comm.irecv(recv, src=prv), comm.isend(send, dst=nxt)]
         return hs if a else [h.wait() for h in hs]
 
+    if _on_mpi():
+        MPI = _mpi()
+
+        def theirs_mpi() -> None:
+            c = MPI.COMM_WORLD
+            MPI.Request.Waitall(
+                [c.Irecv([_raw(recv), MPI.BYTE], prv), c.Isend([_raw(send), MPI.BYTE], nxt)]
+            )
+
+        return ours, theirs_mpi
+
     def theirs() -> None:
-        ws: list[Any] = [dist.irecv(recv, src=(r - 1) % w), dist.isend(send, dst=peer)]
+        ws: list[Any] = [dist.irecv(recv, src=prv), dist.isend(send, dst=nxt)]
         for x in ws:
             x.wait()
 
@@ -153,33 +215,57 @@ def bench_ops_rank(
     return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
 
 
-def ops_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = Table(
-        [
-            "op",
-            "size",
-            "torch us",
-            "blocking us",
-            "wait us",
-            "await us",
-            "await/blocking",
-            "await/torch",
-            "wait/blocking",
-        ],
-        title=title,
-    )
+def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") -> Table:
+    """The rows as a table; ``reference`` names the raw-backend column (torch or MPI)."""
+    cols = [
+        "op",
+        "size",
+        f"{reference} us",
+        "blocking us",
+        "wait us",
+        "await us",
+        "await/blocking",
+        f"await/{reference}",
+        "wait/blocking",
+    ]
+    table = Table(cols, title=title)
     for row in rows:
-        table.add(
-            **{
-                "op": row["op"],
-                "size": human_bytes(row["bytes"]),
-                "torch us": row["torch_us"],
-                "blocking us": row["blocking_us"],
-                "wait us": row["wait_us"],
-                "await us": row["await_us"],
-                "await/blocking": round(row["await/blocking"], 3),
-                "await/torch": round(row["await/torch"], 3),
-                "wait/blocking": round(row["wait/blocking"], 3),
-            }
-        )
+        values = [
+            row["op"],
+            human_bytes(row["bytes"]),
+            row["torch_us"],
+            row["blocking_us"],
+            row["wait_us"],
+            row["await_us"],
+            round(row["await/blocking"], 3),
+            round(row["await/torch"], 3),
+            round(row["wait/blocking"], 3),
+        ]
+        table.add(**dict(zip(cols, values, strict=True)))
     return table
+
+
+def main_mpi(argv: list[str] | None = None) -> None:
+    """Entry point under mpiexec: ``python -m overlap.bench.ops OPS SIZES ITERS WARMUP LOOP``.
+
+    Rank 0 prints one line ``RESULT <json rows>``.
+    """
+    import json
+    import sys
+
+    import overlap
+
+    args = sys.argv[1:] if argv is None else argv
+    ops, sizes = args[0].split(","), [int(x) for x in args[1].split(",")]
+    iters, warmup, loop = int(args[2]), int(args[3]), args[4]
+    torch.set_num_threads(1)
+    overlap.init_distributed("mpi")
+    rows = bench_ops_rank(ops, sizes, iters, warmup, loop)
+    if comm.get_rank() == 0:
+        sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
+        sys.stdout.flush()
+    comm.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main_mpi()

@@ -30,7 +30,7 @@ __all__ = ["destroy_process_group", "init_distributed", "in_mpi_env", "mpi_disco
 
 log = logging.getLogger(__name__)
 
-_BACKENDS = ("gloo", "nccl")
+_BACKENDS = ("gloo", "nccl", "mpi")
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
 
@@ -94,6 +94,8 @@ def _pick_backend(dist_backend: str | None) -> str:
             return "nccl"
         return "gloo"
     name = str(dist_backend).lower()
+    if name == "mpi":
+        return name
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown dist_backend {dist_backend!r}; use one of {list(_BACKENDS)} or None "
@@ -138,6 +140,9 @@ def init_distributed(
         return
 
     backend = _pick_backend(dist_backend)
+    if backend == "mpi":
+        _init_mpi()
+        return
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -177,6 +182,31 @@ def init_distributed(
     dist.init_process_group(**kwargs)
     state.set_active(TorchBackend(backend), local_rank)
     log.info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
+
+
+def _init_mpi() -> None:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(
+            "dist_backend='mpi' needs mpi4py: pip install overlap[mpi] (it brings mpi4py and "
+            "MPICH's mpiexec)"
+        ) from exc
+    from overlap.comm.mpi_backend import MpiBackend
+
+    comm = MPI.COMM_WORLD
+    proc = MPI.Get_processor_name()
+    procs = comm.allgather(proc)
+    local_rank = sum(1 for p in procs[: comm.Get_rank()] if p == proc)
+    state.set_active(MpiBackend(), local_rank)
+    if comm.Get_size() == 1 and not in_mpi_env():
+        log.info("init_distributed(mpi): not under mpiexec; running as a single rank")
+    log.info(
+        "init_distributed: rank %d of %d on mpi (%s)",
+        comm.Get_rank(),
+        comm.Get_size(),
+        MPI.Get_library_version().splitlines()[0].strip(),
+    )
 
 
 def destroy_process_group() -> None:

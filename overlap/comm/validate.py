@@ -70,3 +70,69 @@ def nbytes_of(*tensors: torch.Tensor | Sequence[torch.Tensor] | None) -> int:
         else:
             total += sum(x.numel() * x.element_size() for x in t)
     return total
+
+
+# ---------------------------------------------------------------- shape checks of collectives
+def check_like(ts: Sequence[torch.Tensor], ref: torch.Tensor, name: str, ref_name: str) -> None:
+    """Every tensor of ``ts`` has ``ref``'s shape and dtype."""
+    for i, o in enumerate(ts):
+        if o.shape != ref.shape or o.dtype != ref.dtype:
+            raise ValueError(
+                f"{name}[{i}] is {o.dtype}{list(o.shape)} but {ref_name} is "
+                f"{ref.dtype}{list(ref.shape)}; every {name} entry must match {ref_name}"
+            )
+
+
+def check_gathered_size(out: torch.Tensor, inp: torch.Tensor, size: int) -> None:
+    if out.numel() != inp.numel() * size:
+        raise ValueError(
+            f"all_gather_into_tensor: output has {out.numel()} elements, expected "
+            f"world_size ({size}) x input ({inp.numel()}) = {inp.numel() * size}"
+        )
+    if out.dtype != inp.dtype:
+        raise TypeError(f"output dtype {out.dtype} differs from input dtype {inp.dtype}")
+
+
+def check_reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, size: int) -> None:
+    if inp.numel() != out.numel() * size:
+        raise ValueError(
+            f"reduce_scatter: input has {inp.numel()} elements, which is not "
+            f"world_size ({size}) x output ({out.numel()}) = {out.numel() * size}; "
+            "size the input as world_size x output"
+        )
+    if inp.dtype != out.dtype:
+        raise TypeError(f"input dtype {inp.dtype} differs from output dtype {out.dtype}")
+
+
+def check_reduce_scatter_list(out: torch.Tensor, ins: Sequence[torch.Tensor]) -> None:
+    for i, x in enumerate(ins):
+        if x.numel() != out.numel() or x.dtype != out.dtype:
+            raise ValueError(
+                f"reduce_scatter: input[{i}] is {x.dtype}[{x.numel()}] but output is "
+                f"{out.dtype}[{out.numel()}]; every input chunk must match the output"
+            )
+
+
+def check_splits(t: torch.Tensor, splits: Sequence[int] | None, name: str, size: int) -> list[int]:
+    """Split sizes along dim 0 (equal if None); ValueError if they do not fit ``t``."""
+    rows = t.shape[0] if t.dim() else 0
+    if splits is None:
+        if t.dim() == 0 or rows % size:
+            raise ValueError(
+                f"all_to_all_single: {name} dim 0 ({rows}) does not divide by world_size "
+                f"({size}); pass {name}_split_sizes"
+            )
+        return [rows // size] * size
+    if len(splits) != size or sum(splits) != rows:
+        raise ValueError(
+            f"all_to_all_single: {name}_split_sizes {list(splits)} must have {size} entries "
+            f"summing to {name} dim 0 ({rows})"
+        )
+    return [int(s) for s in splits]
+
+
+def check_root_list(ts: Any, name: str, op: str, root_word: str, root: int, size: int) -> None:
+    if ts is None:
+        raise ValueError(
+            f"{op}: the {root_word} rank {root} must pass {name}, one tensor per rank ({size})"
+        )

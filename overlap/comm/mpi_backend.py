@@ -1,0 +1,700 @@
+"""The MPI backend: the overlap.comm surface on mpi4py, completed by the progress engine.
+
+Selected by ``init_distributed(dist_backend="mpi")``. Every op is posted as a nonblocking MPI
+call (Iallreduce, Ibcast, ..., Isend, Irecv) and wrapped in the same
+:class:`~overlap.comm.handle.Handle` as the torch backend; its completion engine is an
+:class:`~overlap.comm.progress.MpiOp` (``await`` -> the loop's progress engine,
+``h.wait()`` -> ``MPI_Wait``). The blocking form posts the same call and waits at once.
+
+Buffers:
+
+* CPU tensors go to MPI without copies, as NumPy byte views of the tensor's memory.
+* CUDA tensors go straight to MPI when the library is CUDA-aware (set
+  ``OVERLAP_MPI_CUDA_AWARE=1`` to assert that it is), otherwise through pinned host staging
+  buffers, as DeepSpeed's ``cuda_aware=False`` path does.
+* Reductions are typed (see :mod:`overlap.comm.mpi_types`); everything else moves bytes, so
+  every dtype works. Counts above MPI's int limit use mpi4py's large-count support on MPI-4
+  libraries and are refused with a ValueError on older ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from overlap.comm.groups import NonMemberGroup
+from overlap.comm.handle import Handle
+from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
+from overlap.comm.p2p import P2POp
+from overlap.comm.progress import MpiOp
+from overlap.comm.reduce_op import ReduceOp, parse_op
+from overlap.comm.validate import (
+    check_gathered_size,
+    check_like,
+    check_peer,
+    check_reduce_scatter_flat,
+    check_reduce_scatter_list,
+    check_root_list,
+    check_splits,
+    check_tensor,
+    check_tensor_list,
+    nbytes_of,
+)
+from overlap.errors import CommError
+
+__all__ = ["MpiBackend", "MpiGroup"]
+
+log = logging.getLogger(__name__)
+
+Post = Callable[[Any], object]
+
+
+@dataclass(frozen=True, eq=False)
+class MpiGroup:
+    """A group of the MPI backend: a communicator and its members' global ranks."""
+
+    comm: Any
+    ranks: tuple[int, ...]
+    name: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        r: int = self.comm.Get_rank()
+        return r
+
+    def __repr__(self) -> str:
+        return f"<MpiGroup {self.name} ranks={list(self.ranks)}>"
+
+
+def _device_type(t: Any) -> str:
+    """MPI takes CPU tensors, and CUDA tensors (CUDA-aware or staged); others are refused."""
+    return "cuda" if isinstance(t, torch.Tensor) and t.device.type == "cuda" else "cpu"
+
+
+_NO_NUMPY = {
+    torch.bfloat16: torch.int16,
+    torch.uint16: torch.int16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+}
+
+
+def _np(t: torch.Tensor) -> Any:
+    """A zero-copy NumPy view of a contiguous CPU tensor's memory (same bytes, any dtype).
+
+    ``t.numpy()`` is about 4x cheaper than going through a uint8 view, and mpi4py counts
+    the bytes itself when the datatype is ``MPI.BYTE``.
+    """
+    if t.requires_grad:
+        t = t.detach()
+    alias = _NO_NUMPY.get(t.dtype)
+    if alias is not None:
+        t = t.view(alias)
+    return t.numpy()
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """A zero-copy NumPy uint8 view of a contiguous CPU tensor's memory."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _chain(*fns: Callable[[], object] | None) -> Post | None:
+    todo = [f for f in fns if f is not None]
+    if not todo:
+        return None
+
+    def post(_status: Any) -> None:
+        for f in todo:
+            f()
+
+    return post
+
+
+class MpiBackend:
+    """deepspeed.comm-style ops over mpi4py, on MPI.COMM_WORLD and its sub-communicators."""
+
+    name = "mpi"
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        world = MPI.COMM_WORLD
+        self.world = MpiGroup(world, tuple(range(world.Get_size())), "world")
+        self.global_rank: int = world.Get_rank()
+        self.large_count = MPI.Get_version() >= (4, 0)
+        self.cuda_aware = os.environ.get("OVERLAP_MPI_CUDA_AWARE", "0") == "1"
+        self._reductions: dict[
+            tuple[Any, torch.dtype], tuple[ReduceOp, Any, Any, torch.dtype | None]
+        ] = {}
+
+    # ------------------------------------------------------------------ process & groups
+    def _g(self, group: Any) -> MpiGroup:
+        if group is None:
+            return self.world
+        if isinstance(group, MpiGroup):
+            return group
+        if isinstance(group, NonMemberGroup):
+            raise ValueError(
+                f"this rank ({group.rank}) is not a member of the group with ranks "
+                f"{list(group.ranks)}; call ops on that group only from its member ranks"
+            )
+        raise TypeError(
+            f"group must be a group from overlap.comm.new_group (or None for the world), got "
+            f"{type(group).__name__}"
+        )
+
+    def get_rank(self, group: Any = None) -> int:
+        return self._g(group).rank
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self._g(group).size
+
+    def get_global_rank(self, group: Any, group_rank: int) -> int:
+        g = self._g(group)
+        if not 0 <= group_rank < g.size:
+            raise ValueError(f"group_rank={group_rank} is outside group {g.name} of size {g.size}")
+        return g.ranks[group_rank]
+
+    def group_ranks(self, group: Any = None) -> list[int]:
+        return list(self._g(group).ranks)
+
+    def new_group(self, ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
+        world = self.world.size
+        ranks = list(range(world)) if ranks is None else [int(r) for r in ranks]
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"new_group: ranks {bad} are outside the world of {world} ranks")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"new_group: ranks {ranks} contain duplicates")
+        ranks = sorted(ranks)
+        wc = self.world.comm
+        comm = wc.Create(wc.Get_group().Incl(ranks))  # collective over the world, like torch
+        if comm == self.MPI.COMM_NULL:
+            return NonMemberGroup(tuple(ranks), self.global_rank)
+        return MpiGroup(comm, tuple(ranks), "ranks" + ",".join(map(str, ranks)))
+
+    def destroy(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------------- helpers
+    def _t(self, t: Any, name: str) -> torch.Tensor:
+        checked = check_tensor(t, name, _device_type(t), self.name)
+        self._check_count(checked.numel() * checked.element_size(), name)
+        return checked
+
+    def _ts(self, ts: Any, name: str, length: int | None = None) -> list[torch.Tensor]:
+        first = ts[0] if isinstance(ts, Sequence) and len(ts) else None
+        return check_tensor_list(ts, name, _device_type(first), self.name, length)
+
+    def _check_count(self, nbytes: int, name: str) -> None:
+        if nbytes > INT_MAX and not self.large_count:
+            raise ValueError(
+                f"{name} is {nbytes} bytes, above MPI's int count limit, and this MPI library "
+                f"(MPI {self.MPI.Get_version()}) has no large-count support; split the tensor "
+                "into chunks below 2 GiB or use an MPI-4 library"
+            )
+
+    def _host(self, t: torch.Tensor, copy_in: bool = True) -> tuple[torch.Tensor, Any]:
+        """A CPU view MPI can use; for CUDA without CUDA-aware MPI, a pinned staging copy."""
+        if t.device.type == "cpu":
+            return t, None
+        if self.cuda_aware:
+            return t, None
+        staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if copy_in:
+            staged.copy_(t)  # synchronous: the data is on the host before MPI reads it
+
+        def back() -> None:
+            t.copy_(staged)
+
+        return staged, back
+
+    def _buf(self, t: torch.Tensor) -> Any:
+        if t.device.type == "cuda":  # CUDA-aware MPI: mpi4py reads __cuda_array_interface__
+            return [t, self.MPI.BYTE]
+        return [_np(t), self.MPI.BYTE]
+
+    def _typed(self, t: torch.Tensor, mtype: Any) -> Any:
+        return self._typed_n(t, t.numel(), mtype)
+
+    def _typed_n(self, t: torch.Tensor, count: int, mtype: Any) -> Any:
+        if t.device.type == "cuda":
+            return [t, count, mtype]
+        return [_np(t), count, mtype]
+
+    def _launch(
+        self,
+        opname: str,
+        g: MpiGroup,
+        start: Callable[[], Any],
+        result: Any,
+        nbytes: int,
+        async_op: bool,
+        post: Post | None = None,
+        keep: Any = None,
+    ) -> Any:
+        try:
+            req = start()
+            if not async_op:  # blocking: no Handle, just MPI_Wait on this thread
+                status = self.MPI.Status()
+                req.Wait(status)
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise CommError(
+                f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}"
+            ) from exc
+        if not async_op:
+            if post is not None:
+                post(status)
+            return result
+        handle = Handle(
+            opname, result=result, nbytes=nbytes, group=g.name, backend="mpi", keep=keep
+        )
+        handle._engine = MpiOp(self.MPI, req, post, self.global_rank)
+        return handle
+
+    def _reduction(self, t: torch.Tensor, op: Any) -> tuple[ReduceOp, Any, Any, torch.dtype | None]:
+        try:
+            key = (op, t.dtype)
+            hit = self._reductions.get(key)
+        except TypeError:  # an unhashable op spelling: resolve it every time
+            key, hit = None, None
+        if hit is None:
+            rop = parse_op(op)
+            mop = mpi_op(rop, t.dtype, self.MPI)
+            mtype, stage = reduce_dtype(t.dtype, self.MPI)
+            hit = (rop, mop, mtype, stage)
+            if key is not None:
+                self._reductions[key] = hit
+        return hit
+
+    # --------------------------------------------------------------------- collectives
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False
+    ) -> Any:
+        t = self._t(tensor, "tensor")
+        rop, mop, mtype, stage = self._reduction(t, op)
+        g = self._g(group)
+        host, back = self._host(t)
+        work = host if stage is None else host.to(stage)
+        avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG else None
+        cast = (lambda: host.copy_(work)) if stage is not None else None
+        return self._launch(
+            "all_reduce",
+            g,
+            lambda: g.comm.Iallreduce(self.MPI.IN_PLACE, self._typed(work, mtype), mop),
+            t,
+            nbytes_of(t),
+            async_op,
+            _chain(avg, cast, back),
+            keep=(host, work),
+        )
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
+    ) -> Any:
+        t = self._t(tensor, "tensor")
+        g = self._g(group)
+        check_peer(src, "src", g.ranks, g.name)
+        host, back = self._host(t)
+        return self._launch(
+            "broadcast",
+            g,
+            lambda: g.comm.Ibcast(self._buf(host), root=g.ranks.index(src)),
+            t,
+            nbytes_of(t),
+            async_op,
+            _chain(back),
+            keep=host,
+        )
+
+    def reduce(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        op: Any = "sum",
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        t = self._t(tensor, "tensor")
+        rop, mop, mtype, stage = self._reduction(t, op)
+        g = self._g(group)
+        check_peer(dst, "dst", g.ranks, g.name)
+        root = g.ranks.index(dst)
+        host, back = self._host(t)
+        work = host if stage is None else host.to(stage)
+        if self.global_rank == dst:
+            avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG else None
+            cast = (lambda: host.copy_(work)) if stage is not None else None
+            post = _chain(avg, cast, back)
+
+            def start() -> Any:
+                return g.comm.Ireduce(self.MPI.IN_PLACE, self._typed(work, mtype), mop, root)
+        else:
+            post = None  # MPI leaves non-root buffers alone: the tensor is unchanged
+
+            def start() -> Any:
+                return g.comm.Ireduce(self._typed(work, mtype), None, mop, root)
+
+        return self._launch("reduce", g, start, t, nbytes_of(t), async_op, post, keep=(host, work))
+
+    def all_gather(
+        self, tensor_list: Any, tensor: Any = None, group: Any = None, async_op: bool = False
+    ) -> Any:
+        g = self._g(group)
+        if isinstance(tensor_list, torch.Tensor) and tensor is None:
+            t = self._t(tensor_list, "tensor")
+            outs = [torch.empty_like(t) for _ in range(g.size)]
+        else:
+            t = self._t(tensor, "tensor")
+            outs = self._ts(tensor_list, "tensor_list", g.size)
+            check_like(outs, t, "tensor_list", "tensor")
+        host, _ = self._host(t)
+        flat = torch.empty(
+            (g.size, *host.shape),
+            dtype=t.dtype,
+            pin_memory=t.device.type == "cuda" and not self.cuda_aware,
+            device=host.device,
+        )
+
+        def scatter_back() -> None:
+            for i, o in enumerate(outs):
+                o.copy_(flat[i])
+
+        return self._launch(
+            "all_gather",
+            g,
+            lambda: g.comm.Iallgather(self._buf(host), self._buf(flat)),
+            outs,
+            nbytes_of(t),
+            async_op,
+            _chain(scatter_back),
+            keep=(host, flat),
+        )
+
+    def all_gather_into_tensor(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        out = self._t(output_tensor, "output_tensor")
+        inp = self._t(input_tensor, "input_tensor")
+        g = self._g(group)
+        check_gathered_size(out, inp, g.size)
+        hin, _ = self._host(inp)
+        hout, back = self._host(out, copy_in=False)
+        return self._launch(
+            "all_gather_into_tensor",
+            g,
+            lambda: g.comm.Iallgather(self._buf(hin), self._buf(hout)),
+            out,
+            nbytes_of(inp),
+            async_op,
+            _chain(back),
+            keep=(hin, hout),
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: Any,
+        op: Any = "sum",
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        out = self._t(output, "output")
+        rop, mop, mtype, stage = self._reduction(out, op)
+        g = self._g(group)
+        if isinstance(input, torch.Tensor):
+            inp = self._t(input, "input")
+            check_reduce_scatter_flat(out, inp, g.size)
+            flat = inp
+        else:
+            ins = self._ts(input, "input", g.size)
+            check_reduce_scatter_list(out, ins)
+            flat = torch.cat([x.reshape(-1) for x in ins])
+        hin, _ = self._host(flat)
+        hout, back = self._host(out, copy_in=False)
+        win = hin if stage is None else hin.to(stage)
+        wout = hout if stage is None else torch.empty(hout.shape, dtype=stage)
+        avg = (lambda: wout.div_(g.size)) if rop is ReduceOp.AVG else None
+        cast = (lambda: hout.copy_(wout)) if stage is not None else None
+        return self._launch(
+            "reduce_scatter",
+            g,
+            # mpi4py reads the send count as the count of one block
+            lambda: g.comm.Ireduce_scatter_block(
+                self._typed_n(win, wout.numel(), mtype), self._typed(wout, mtype), mop
+            ),
+            out,
+            nbytes_of(flat),
+            async_op,
+            _chain(avg, cast, back),
+            keep=(win, wout),
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        out = self._t(output, "output")
+        inp = self._t(input, "input")
+        g = self._g(group)
+        in_rows = check_splits(inp, input_split_sizes, "input", g.size)
+        out_rows = check_splits(out, output_split_sizes, "output", g.size)
+        hin, _ = self._host(inp)
+        hout, back = self._host(out, copy_in=False)
+        in_row = inp.numel() // max(inp.shape[0], 1) * inp.element_size()
+        out_row = out.numel() // max(out.shape[0], 1) * out.element_size()
+
+        def counts(rows: list[int], row: int) -> tuple[list[int], list[int]]:
+            c = [r * row for r in rows]
+            d = [sum(c[:i]) for i in range(len(c))]
+            return c, d
+
+        def start() -> Any:
+            B = self.MPI.BYTE
+            if input_split_sizes is None and output_split_sizes is None:
+                return g.comm.Ialltoall(self._buf(hin), self._buf(hout))
+            send = [hin if hin.device.type == "cuda" else _bytes(hin), counts(in_rows, in_row), B]
+            recv = [
+                hout if hout.device.type == "cuda" else _bytes(hout),
+                counts(out_rows, out_row),
+                B,
+            ]
+            return g.comm.Ialltoallv(send, recv)
+
+        return self._launch(
+            "all_to_all_single",
+            g,
+            start,
+            out,
+            nbytes_of(inp),
+            async_op,
+            _chain(back),
+            keep=(hin, hout),
+        )
+
+    def all_to_all(
+        self,
+        output_tensor_list: Any,
+        input_tensor_list: Any,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        g = self._g(group)
+        outs = self._ts(output_tensor_list, "output_tensor_list", g.size)
+        ins = self._ts(input_tensor_list, "input_tensor_list", g.size)
+        send = torch.cat([x.detach().reshape(-1).view(torch.uint8).cpu() for x in ins])
+        recv = torch.empty(sum(o.numel() * o.element_size() for o in outs), dtype=torch.uint8)
+        sc = [x.numel() * x.element_size() for x in ins]
+        rc = [o.numel() * o.element_size() for o in outs]
+
+        def start() -> Any:
+            B = self.MPI.BYTE
+            sd = [sum(sc[:i]) for i in range(len(sc))]
+            rd = [sum(rc[:i]) for i in range(len(rc))]
+            return g.comm.Ialltoallv([_bytes(send), (sc, sd), B], [_bytes(recv), (rc, rd), B])
+
+        def unpack() -> None:
+            off = 0
+            for o, n in zip(outs, rc, strict=True):
+                o.copy_(recv[off : off + n].view(o.dtype).view(o.shape))
+                off += n
+
+        return self._launch(
+            "all_to_all",
+            g,
+            start,
+            outs,
+            nbytes_of(ins),
+            async_op,
+            _chain(unpack),
+            keep=(send, recv),
+        )
+
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: Any = None,
+        dst: int = 0,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        t = self._t(tensor, "tensor")
+        g = self._g(group)
+        check_peer(dst, "dst", g.ranks, g.name)
+        root = g.ranks.index(dst)
+        host, _ = self._host(t)
+        if self.global_rank == dst:
+            check_root_list(gather_list, "gather_list", "gather", "destination", dst, g.size)
+            outs = self._ts(gather_list, "gather_list", g.size)
+            check_like(outs, t, "gather_list", "tensor")
+            flat = torch.empty((g.size, *host.shape), dtype=t.dtype)
+
+            def unpack() -> None:
+                for i, o in enumerate(outs):
+                    o.copy_(flat[i])
+
+            return self._launch(
+                "gather",
+                g,
+                lambda: g.comm.Igather(self._buf(host), [_bytes(flat), self.MPI.BYTE], root),
+                outs,
+                nbytes_of(t),
+                async_op,
+                _chain(unpack),
+                keep=(host, flat),
+            )
+        return self._launch(
+            "gather",
+            g,
+            lambda: g.comm.Igather(self._buf(host), None, root),
+            None,
+            nbytes_of(t),
+            async_op,
+            keep=host,
+        )
+
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: Any = None,
+        src: int = 0,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        t = self._t(tensor, "tensor")
+        g = self._g(group)
+        check_peer(src, "src", g.ranks, g.name)
+        root = g.ranks.index(src)
+        host, back = self._host(t, copy_in=False)
+        if self.global_rank == src:
+            check_root_list(scatter_list, "scatter_list", "scatter", "source", src, g.size)
+            ins = self._ts(scatter_list, "scatter_list", g.size)
+            check_like(ins, t, "scatter_list", "tensor")
+            flat = torch.stack([x.detach().cpu() for x in ins])
+
+            def start() -> Any:
+                return g.comm.Iscatter([_bytes(flat), self.MPI.BYTE], self._buf(host), root)
+
+            return self._launch(
+                "scatter", g, start, t, nbytes_of(ins), async_op, _chain(back), keep=(flat, host)
+            )
+        return self._launch(
+            "scatter",
+            g,
+            lambda: g.comm.Iscatter(None, self._buf(host), root),
+            t,
+            0,
+            async_op,
+            _chain(back),
+            keep=host,
+        )
+
+    def barrier(self, group: Any = None, async_op: bool = False) -> Any:
+        g = self._g(group)
+        return self._launch("barrier", g, g.comm.Ibarrier, None, 0, async_op)
+
+    # -------------------------------------------------------------------- point to point
+    def _peer(self, peer: int, what: str, g: MpiGroup) -> int:
+        check_peer(peer, what, g.ranks, g.name)
+        if peer == self.global_rank:
+            raise ValueError(
+                f"{what}={peer} is this rank; a rank cannot send to or receive from itself"
+            )
+        return g.ranks.index(peer)
+
+    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
+        t = self._t(tensor, "tensor")
+        g = self._g(group)
+        dest = self._peer(dst, "dst", g)
+        host, _ = self._host(t)
+        h: Handle = self._launch(
+            "isend",
+            g,
+            lambda: g.comm.Isend(self._buf(host), dest, tag),
+            t,
+            nbytes_of(t),
+            True,
+            keep=host,
+        )
+        return h
+
+    def _irecv(
+        self, t: torch.Tensor, src: int | None, g: MpiGroup, tag: int, sender: list[int]
+    ) -> Handle:
+        source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
+        host, back = self._host(t, copy_in=False)
+
+        def post(status: Any) -> None:
+            sender.append(g.ranks[status.Get_source()])
+            if back is not None:
+                back()
+
+        h: Handle = self._launch(
+            "irecv",
+            g,
+            lambda: g.comm.Irecv(self._buf(host), source, tag),
+            t,
+            nbytes_of(t),
+            True,
+            post,
+            keep=host,
+        )
+        return h
+
+    def irecv(
+        self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
+    ) -> Handle:
+        return self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, [])
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+        self.isend(tensor, dst, group, tag).wait()
+
+    def recv(
+        self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
+    ) -> int:
+        sender: list[int] = []
+        self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, sender).wait()
+        return sender[0]
+
+    def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> list[Handle]:
+        if not p2p_op_list:
+            raise ValueError("batch_isend_irecv needs at least one P2POp")
+        checked = []
+        for i, p in enumerate(p2p_op_list):
+            if not isinstance(p, P2POp):
+                raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
+            kind = p.kind
+            t = self._t(p.tensor, f"p2p_op_list[{i}].tensor")
+            g = self._g(p.group)
+            self._peer(p.peer, f"p2p_op_list[{i}].peer", g)
+            checked.append((kind, t, p))
+        out = []
+        for kind, t, p in checked:
+            # MPI progress is global: whichever of these is waited on progresses them all.
+            out.append(
+                self.isend(t, p.peer, p.group, p.tag)
+                if kind == "isend"
+                else self.irecv(t, p.peer, p.group, p.tag)
+            )
+        return out

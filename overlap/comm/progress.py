@@ -1,0 +1,306 @@
+"""The MPI progress engine: MPI requests made awaitable without a thread per request.
+
+MPI has no completion callbacks and makes progress only inside MPI calls (DESIGN.md §3.5).
+So each event loop that awaits MPI handles gets one :class:`ProgressEngine`:
+
+* while anything is in flight it tests **all** pending requests with one ``Testsome`` per
+  loop tick (a ``call_soon`` chain: other tasks and I/O run between two ticks);
+* after ``busy_s`` seconds without any completion (a receive waiting for a slow peer, not
+  an op waiting for progress) it backs off, doubling the delay up to 1 ms, and returns to
+  every-tick polling as soon as anything completes or a new op is awaited;
+* with nothing in flight it does not run at all;
+* the first op awaited on an idle loop is tested in a tight loop for up to 50 us
+  (``OVERLAP_MPI_SPIN_US``) before joining the ticks: small ops then complete without two
+  loop round trips. Measured on 2 ranks: an awaited 8-byte Iallreduce took 21.7 us with no
+  spin and 12.5 us with a 20 us spin; a 1 MiB one 1.21x the blocking time with none, 1.09x
+  when spinning to completion. Polling longer inside each later tick (10 or 50 us) measured
+  no better than one Testsome per tick.
+
+Measured figures behind these choices (DESIGN.md): tight polling costs about 1-3 us over a
+blocking ``MPI_Wait``; 1 ms polling made a 64 KiB Iallreduce take 5.5 ms instead of 76 us;
+thread hand-offs cost 40-120 us.
+
+An op is completed by whoever holds its lock: the engine (which only try-locks, so it never
+waits), a thread in ``h.wait()`` (``MPI_Wait`` without a timeout, a ``Test`` loop with one),
+or ``h.done()`` (one ``Test``). MPI forbids completing one request from two threads at once;
+the lock is what prevents it. Handles that are dropped, or given a callback, outside any loop
+go to one background "reaper" thread per process that polls them with the same back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from overlap.comm.handle import Handle
+from overlap.errors import CommError
+
+__all__ = ["MpiOp", "ProgressEngine"]
+
+log = logging.getLogger(__name__)
+
+PostFn = Callable[[Any], object]  # called with the MPI.Status of the completed request
+
+BUSY_S = 0.5
+MAX_DELAY_S = 1e-3
+SPIN_S = float(os.environ.get("OVERLAP_MPI_SPIN_US", "50")) * 1e-6
+
+
+class MpiOp:
+    """One MPI request behind a Handle, and that Handle's completion engine."""
+
+    __slots__ = ("MPI", "lock", "post", "rank", "req")
+
+    def __init__(self, MPI: Any, req: Any, post: PostFn | None, rank: int) -> None:
+        self.MPI = MPI
+        self.req = req
+        self.post = post
+        self.rank = rank
+        self.lock = threading.Lock()
+
+    # Called with self.lock held, once the request is complete.
+    def _complete(self, handle: Handle, status: Any) -> None:
+        try:
+            if self.post is not None:
+                self.post(status)
+        except BaseException as exc:
+            handle._finish(_wrap(exc, handle, self.rank))
+            return
+        handle._finish(None)
+
+    def _fail(self, handle: Handle, exc: BaseException) -> None:
+        handle._finish(_wrap(exc, handle, self.rank))
+
+    def test(self, handle: Handle) -> bool:
+        """One non-blocking Test if nobody else holds the op; True once the handle is done."""
+        if handle._state.value != "pending":
+            return True
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if handle._state.value != "pending":
+                return True
+            status = self.MPI.Status()
+            try:
+                flag = self.req.Test(status)
+            except Exception as exc:
+                self._fail(handle, exc)
+                return True
+            if flag:
+                self._complete(handle, status)
+            return bool(flag)
+        finally:
+            self.lock.release()
+
+    # ------------------------------------------------------------- CompletionEngine protocol
+    def start(self, handle: Handle) -> None:
+        if self.test(handle):
+            return
+        loop = asyncio._get_running_loop()
+        if loop is not None:
+            ProgressEngine.for_loop(loop).add(self, handle)
+        else:
+            _reaper().add(self, handle)
+
+    def wait(self, handle: Handle, timeout: float | None) -> bool:
+        if timeout is None:
+            with self.lock:
+                if handle._state.value == "pending":
+                    status = self.MPI.Status()
+                    try:
+                        self.req.Wait(status)  # MPI's own Wait; mpi4py releases the GIL
+                    except Exception as exc:
+                        self._fail(handle, exc)
+                        return True
+                    self._complete(handle, status)
+            return True
+        deadline = time.monotonic() + max(timeout, 0.0)
+        delay = 1e-5
+        while True:
+            if self.test(handle):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, MAX_DELAY_S)
+
+    def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
+        engine = ProgressEngine.for_loop(loop)
+        if not engine.in_flight and SPIN_S > 0:
+            # Nothing else to progress on this loop: test this request in a tight loop for
+            # up to SPIN_S, as MPI_Wait would, so a small op completes without two loop
+            # round trips. Bounded, so the loop is never held longer than a short callback.
+            deadline = time.perf_counter() + SPIN_S
+            while not self.test(handle):
+                if time.perf_counter() >= deadline:
+                    break
+            else:
+                return
+        engine.add(self, handle)
+
+
+def _wrap(exc: BaseException, handle: Handle, rank: int) -> BaseException:
+    if isinstance(exc, CommError):
+        return exc
+    err = CommError(f"{handle.op} on rank {rank} (group {handle.group}) failed: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+class _Poller:
+    """Shared bookkeeping: pending (op, handle) pairs and one Testsome over them."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[MpiOp, Handle]] = []
+        self._last_progress = time.monotonic()
+        self._delay = 0.0
+
+    def _poll(self) -> bool:
+        """Test every pending request once; return True if anything completed."""
+        pending = self._pending
+        if not pending:
+            return False
+        progressed = False
+        held: list[tuple[MpiOp, Handle]] = []
+        keep: list[tuple[MpiOp, Handle]] = []
+        for op, h in pending:
+            if h._state.value != "pending":
+                progressed = True
+                continue
+            if op.lock.acquire(blocking=False):
+                if h._state.value != "pending":
+                    op.lock.release()
+                    progressed = True
+                    continue
+                held.append((op, h))
+            else:
+                keep.append((op, h))  # a thread is waiting on it right now
+        if held:
+            MPI = held[0][0].MPI
+            reqs = [op.req for op, _ in held]
+            statuses = [MPI.Status() for _ in held]
+            try:
+                done = MPI.Request.Testsome(reqs, statuses)
+            except Exception as exc:
+                # Testsome reports errors for the whole batch: test one by one to place them.
+                done = None
+                for op, h in held:
+                    try:
+                        st = MPI.Status()
+                        if op.req.Test(st):
+                            op._complete(h, st)
+                    except Exception:
+                        op._fail(h, exc)
+            if done:
+                progressed = True
+                done_set = set(done)
+                for k in done:
+                    op, h = held[k]
+                    op._complete(h, statuses[k])
+            else:
+                done_set = set()
+            for k, (op, h) in enumerate(held):
+                op.lock.release()
+                if k not in done_set and h._state.value == "pending":
+                    keep.append((op, h))
+        self._pending = keep
+        now = time.monotonic()
+        if progressed:
+            self._last_progress = now
+            self._delay = 0.0
+        elif now - self._last_progress > BUSY_S:
+            self._delay = min(max(self._delay * 2, 1e-5), MAX_DELAY_S)
+        return progressed
+
+
+class ProgressEngine(_Poller):
+    """Polls the MPI requests awaited on one event loop, on that loop's thread."""
+
+    _engines: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ProgressEngine]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._loop = loop
+        self._scheduled = False
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> ProgressEngine:
+        engine = cls._engines.get(loop)
+        if engine is None:
+            engine = cls._engines[loop] = cls(loop)
+        return engine
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def add(self, op: MpiOp, handle: Handle) -> None:
+        """Track ``handle`` (call on the loop's thread). Resets the back-off."""
+        self._pending.append((op, handle))
+        self._last_progress = time.monotonic()
+        self._delay = 0.0
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self._scheduled = False
+        self._poll()
+        if self._pending and not self._loop.is_closed():
+            self._scheduled = True
+            if self._delay:
+                self._loop.call_later(self._delay, self._tick)
+            else:
+                self._loop.call_soon(self._tick)
+
+
+class _Reaper(_Poller):
+    """One daemon thread per process: completes MPI ops nobody awaits on a loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="overlap-mpi-reaper", daemon=True)
+        self._thread.start()
+
+    def add(self, op: MpiOp, handle: Handle) -> None:
+        with self._lock:
+            self._pending.append((op, handle))
+            self._last_progress = time.monotonic()
+            self._delay = 0.0
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._poll()
+                idle = not self._pending
+                delay = self._delay or 5e-5
+            if idle:
+                self._wake.wait()
+                self._wake.clear()
+            else:
+                time.sleep(delay)
+
+
+_reaper_obj: _Reaper | None = None
+_reaper_lock = threading.Lock()
+
+
+def _reaper() -> _Reaper:
+    global _reaper_obj
+    if _reaper_obj is None:
+        with _reaper_lock:
+            if _reaper_obj is None:
+                _reaper_obj = _Reaper()
+    return _reaper_obj

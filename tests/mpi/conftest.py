@@ -1,0 +1,48 @@
+"""Helpers to run scripts under the venv's mpiexec (the mpich wheel's)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+
+needs_mpiexec = pytest.mark.skipif(
+    MPIEXEC is None, reason="needs mpiexec: pip install overlap[mpi]"
+)
+
+
+def clean_env() -> dict[str, str]:
+    """The environment minus any launcher variables, so each launch discovers its own job."""
+    drop = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    assert MPIEXEC is not None
+    return subprocess.run(
+        [MPIEXEC, "-n", str(n), sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(),
+        cwd=ROOT,
+    )

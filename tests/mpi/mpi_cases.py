@@ -1,0 +1,133 @@
+"""MPI-specific checks, run on every rank under mpiexec by tests/mpi/run_cases.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import overlap
+from overlap import comm
+from overlap.comm import state
+from overlap.comm.progress import ProgressEngine
+
+
+def loop_stays_responsive() -> None:
+    """Other tasks keep running while a large awaited op progresses (4 MiB x 8 in flight)."""
+    w = comm.get_world_size()
+
+    async def main() -> None:
+        ts = [torch.ones(1 << 20) for _ in range(8)]
+        ticks = 0
+        stop = False
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tick_task = asyncio.ensure_future(ticker())
+        outs = await asyncio.gather(*[comm.all_reduce(t, async_op=True) for t in ts])
+        stop = True
+        await tick_task
+        assert all(float(o[0]) == w for o in outs)
+        assert ticks >= 8, f"the loop ran other tasks only {ticks} times"
+        assert ProgressEngine.for_loop(asyncio.get_running_loop()).in_flight == 0
+
+    overlap.run(main())
+
+
+def no_thread_per_request() -> None:
+    before = threading.active_count()
+
+    async def main() -> None:
+        hs = [comm.all_reduce(torch.ones(4), async_op=True) for _ in range(200)]
+        assert threading.active_count() == before
+        await asyncio.gather(*hs)
+
+    overlap.run(main())
+    assert threading.active_count() == before
+
+
+def zero_copy_cpu_buffers() -> None:
+    """The NumPy view MPI receives shares the tensor's memory."""
+    from overlap.comm.mpi_backend import _bytes
+
+    t = torch.arange(4, dtype=torch.float32)
+    view = _bytes(t)
+    assert view.ctypes.data == t.data_ptr() and view.nbytes == 16
+
+
+def dtype_reductions() -> None:
+    r, w = comm.get_rank(), comm.get_world_size()
+    b = torch.tensor([r == 0, True, False])
+    comm.all_reduce(b, op="max")  # logical or
+    assert b.tolist() == [True, True, False]
+    for dt in (torch.float16, torch.bfloat16):
+        t = torch.full((3,), 1.5 + r, dtype=dt)
+        comm.all_reduce(t)
+        assert t.float().tolist() == [1.5 * w + w * (w - 1) / 2] * 3, (dt, t)
+        t2 = torch.full((2,), float(r), dtype=dt)
+        comm.all_reduce(t2, op="avg")
+        assert t2.float().tolist() == [(w - 1) / 2] * 2
+    try:
+        comm.all_reduce(torch.ones(2, dtype=torch.bool), op="sum")
+        raise AssertionError("bool sum was accepted")
+    except TypeError as e:
+        assert "MPI cannot reduce bool tensors with op='sum'" in str(e)
+    try:
+        comm.all_reduce(torch.ones(2, dtype=torch.uint16), op="sum")
+        raise AssertionError("uint16 was accepted")
+    except TypeError as e:
+        assert "MPI cannot reduce torch.uint16" in str(e)
+
+
+def large_count_refused_without_support() -> None:
+    backend = state.active()
+    big = torch.empty(2**31, dtype=torch.uint8)  # untouched: no memory is committed
+    saved = backend.large_count
+    backend.large_count = False
+    try:
+        comm.broadcast(big, src=0)
+        raise AssertionError("a >2 GiB message was accepted without large-count support")
+    except ValueError as e:
+        assert "above MPI's int count limit" in str(e) and "chunks below 2 GiB" in str(e)
+    finally:
+        backend.large_count = saved
+    assert backend.large_count  # MPICH 5 (MPI-4+): large counts go through mpi4py
+
+
+def wait_with_timeout_then_complete() -> None:
+    r = comm.get_rank()
+    if r == 0:
+        buf = torch.zeros(2)
+        h = comm.irecv(buf, src=1)
+        t0 = time.monotonic()
+        try:
+            h.wait(timeout=0.2)
+            raise AssertionError("no timeout")
+        except overlap.CommTimeoutError:
+            pass
+        assert 0.15 < time.monotonic() - t0 < 5
+        comm.barrier()
+        assert h.wait().tolist() == [7.0, 8.0]
+    elif r == 1:
+        comm.barrier()
+        comm.send(torch.tensor([7.0, 8.0]), dst=0)
+    else:
+        comm.barrier()
+
+
+CHECKS: dict[str, Callable[[], Any]] = {
+    "mpi/loop_stays_responsive": loop_stays_responsive,
+    "mpi/no_thread_per_request": no_thread_per_request,
+    "mpi/zero_copy_cpu_buffers": zero_copy_cpu_buffers,
+    "mpi/dtype_reductions": dtype_reductions,
+    "mpi/large_count_refused_without_support": large_count_refused_without_support,
+    "mpi/wait_with_timeout_then_complete": wait_with_timeout_then_complete,
+}

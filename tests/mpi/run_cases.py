@@ -1,0 +1,67 @@
+"""Run under mpiexec: the backend-agnostic op cases and contracts, every mode.
+
+Prints one line per rank, ``RESULT {json}``: {case: "ok" | traceback}. Usage:
+    mpiexec -n N python -m tests.mpi.run_cases [backend]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import overlap
+from overlap import comm
+from tests.gloo import bad_input_cases, cases
+from tests.gloo import contract_cases as cc
+from tests.mpi import mpi_cases
+
+MODES = ["blocking", "wait", "uvloop", "asyncio"]
+
+
+def checks() -> dict[str, Callable[[], Any]]:
+    out: dict[str, Callable[[], Any]] = {}
+    for name in sorted(cases.CASES):
+        for mode in MODES:
+            out[f"{name}/{mode}"] = lambda name=name, mode=mode: cases.run_case(name, mode)
+    for loop in ("uvloop", "asyncio"):
+        out[f"many_in_flight/{loop}"] = lambda loop=loop: cc.many_in_flight(1000, loop)
+    if comm.get_world_size() == 2:
+        out["cancelled_awaiter"] = lambda: cc.cancelled_awaiter("uvloop")
+        out["timeout_at_awaiting_side"] = cc.timeout_at_awaiting_side
+        out["handle_keeps_tensors"] = cc.handle_keeps_tensors
+        out["dropped_handle_still_completes"] = cc.dropped_handle_still_completes
+    out.update(mpi_cases.CHECKS)
+    return out
+
+
+def main() -> None:
+    backend = sys.argv[1] if len(sys.argv) > 1 else "mpi"
+    overlap.init_distributed(dist_backend=backend, timeout=60)
+    results: dict[str, Any] = {
+        "rank": comm.get_rank(),
+        "world": comm.get_world_size(),
+        "backend": comm.get_backend(),
+    }
+    threads_before = threading.active_count()
+    for name, fn in checks().items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()[-3000:]
+        comm.barrier()
+    results["threads_before"] = threads_before
+    results["threads_after"] = threading.active_count()
+    if comm.get_world_size() == 3:
+        results["bad_input"] = bad_input_cases.bad_calls()
+    sys.stdout.write("RESULT " + json.dumps(results) + "\n")
+    sys.stdout.flush()
+    comm.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The MPI backend under real mpiexec with 2 and 3 ranks: every op and contract, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gloo.test_bad_input import EXPECTED
+from tests.mpi.conftest import ROOT, clean_env, mpiexec, needs_mpiexec
+
+pytestmark = [pytest.mark.mpi, needs_mpiexec]
+
+_runs: dict[int, list[dict[str, Any]]] = {}
+
+
+def run_all(n: int) -> list[dict[str, Any]]:
+    """All checks of tests/mpi/run_cases.py in one mpiexec launch of n ranks (cached)."""
+    if n not in _runs:
+        out = mpiexec(n, "-m", "tests.mpi.run_cases", "mpi")
+        results = [
+            json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")
+        ]
+        assert out.returncode == 0 and len(results) == n, out.stdout[-3000:] + out.stderr[-3000:]
+        _runs[n] = sorted(results, key=lambda d: d["rank"])
+    return _runs[n]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_op_and_contract_on_mpi(n: int) -> None:
+    results = run_all(n)
+    failures = {
+        (d["rank"], k): v
+        for d in results
+        for k, v in d.items()
+        if isinstance(v, str) and v not in ("ok", "mpi")
+    }
+    assert not failures, "\n".join(f"rank {r} {k}:\n{v}" for (r, k), v in failures.items())
+    names = [k for k, v in results[0].items() if v == "ok"]
+    assert len(names) >= 60  # 14 op cases x 4 modes, plus contract and MPI-specific checks
+    assert all(d["backend"] == "mpi" and d["world"] == n for d in results)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_input_on_mpi_matches_gloo(case: str) -> None:
+    kind, pattern = EXPECTED[case]
+    pattern = pattern.replace("gloo backend", "mpi backend")
+    checked = 0
+    for d in run_all(3):
+        got_kind, msg = d["bad_input"][case]
+        if got_kind == "skip":
+            continue
+        assert got_kind == kind, f"rank {d['rank']}: {got_kind}: {msg}"
+        assert re.search(pattern, msg), f"rank {d['rank']}: {msg!r} !~ {pattern!r}"
+        checked += 1
+    assert checked >= 1
+
+
+def _python(code: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = clean_env()
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def test_outside_mpiexec_runs_as_a_single_rank() -> None:
+    out = _python(
+        """
+        import torch, overlap
+        from overlap import comm
+        overlap.init_distributed("mpi")
+        t = torch.arange(3.)
+        async def main():
+            return await comm.all_reduce(t, async_op=True)
+        out = overlap.run(main()).tolist()
+        print(comm.get_backend(), comm.get_rank(), comm.get_world_size(), out)
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "mpi 0 1 [0.0, 1.0, 2.0]"
+
+
+def test_mpi_backend_without_mpi4py_names_the_extra() -> None:
+    out = _python(
+        """
+        import sys, overlap
+        sys.modules["mpi4py"] = None
+        try:
+            overlap.init_distributed("mpi")
+        except ImportError as e:
+            print("ERR", e)
+        """
+    )
+    assert "ERR dist_backend='mpi' needs mpi4py: pip install overlap[mpi]" in out.stdout, (
+        out.stdout + out.stderr
+    )
+
+
+PEER_EXITS = """
+import asyncio, os, sys, time, torch, overlap
+from overlap import comm
+overlap.init_distributed("mpi")
+if comm.get_rank() == 1:
+    comm.barrier()
+    os._exit(3)                      # dies while rank 0 awaits a message from it
+comm.barrier()
+async def main():
+    try:
+        await asyncio.wait_for(comm.irecv(torch.zeros(1), src=1), 10)
+        return "received"
+    except asyncio.TimeoutError:
+        return "timeout"
+    except overlap.CommError as e:
+        return "CommError"
+t0 = time.monotonic()
+sys.stdout.write(f"RANK0 {overlap.run(main())} after {time.monotonic() - t0:.1f}s\\n")
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_peer_exiting_mid_operation_is_never_a_silent_hang(tmp_path: Path) -> None:
+    script = tmp_path / "peer_exits.py"
+    script.write_text(PEER_EXITS)
+    t0 = time.monotonic()
+    out = mpiexec(2, str(script), timeout=120)
+    took = time.monotonic() - t0
+    # Either rank 0 gets a timeout or an error at its await, or mpiexec tears the job down
+    # because a rank died; both within seconds, never a hang.
+    said = re.search(r"RANK0 (timeout|CommError)", out.stdout)
+    torn_down = "BAD TERMINATION" in out.stdout + out.stderr or out.returncode != 0
+    assert said or torn_down, out.stdout + out.stderr
+    assert took < 60
