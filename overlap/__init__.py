@@ -6,11 +6,13 @@ names used most are re-exported here.
 
 from __future__ import annotations
 
-from overlap import comm
+from overlap import comm, compression
 from overlap.comm import Handle, ReduceOp, destroy_process_group, init_distributed
+from overlap.compression import BF16, FP16, NoCompression, OneBit, PowerSGD
 from overlap.errors import (
     CommError,
     CommTimeoutError,
+    NonFiniteError,
     NotInitializedError,
     OverlapError,
     RankError,
@@ -20,15 +22,22 @@ from overlap.runtime import new_event_loop, run
 __version__ = "0.1.0"
 
 __all__ = [
+    "BF16",
+    "FP16",
     "CommError",
     "CommTimeoutError",
     "Handle",
+    "NoCompression",
+    "NonFiniteError",
     "NotInitializedError",
+    "OneBit",
     "OverlapError",
+    "PowerSGD",
     "RankError",
     "ReduceOp",
     "__version__",
     "comm",
+    "compression",
     "destroy_process_group",
     "init_distributed",
     "new_event_loop",

@@ -141,6 +141,102 @@ def _bench_ops_under_mpiexec(
     return None
 
 
+def cmd_bench_compress(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+
+    from overlap.bench.compress import bench_codec
+    from overlap.bench.harness import Table, human_bytes, parse_size
+    from overlap.bench.link import LinkError, shaped_link
+
+    sizes = [parse_size(s) // 4 for s in args.sizes.split(",")]
+    report: dict[str, Any] = {}
+    if not args.skip_codec:
+        rows = bench_codec(sizes, args.reps, args.device)
+        report["codec"] = rows
+        t = Table(
+            [
+                "floats",
+                "read ms",
+                "worker ms",
+                "worker/read",
+                "pack/read",
+                "unpack/read",
+                "worker GB/s",
+            ],
+            title=f"OneBit codec on {args.device} (median of "
+            f"{args.reps}), against one read pass (torch.sum)",
+        )
+        for r in rows:
+            t.add(
+                **{
+                    "floats": f"{r['floats'] / 2**20:.0f}M",
+                    "read ms": r["read_ms"],
+                    "worker ms": r["worker_ms"],
+                    "worker/read": r["worker/read"],
+                    "pack/read": r["pack/read"],
+                    "unpack/read": r["unpack/read"],
+                    "worker GB/s": r["worker_GBps"],
+                }
+            )
+        if not args.json:
+            _out(t.markdown() if args.markdown else t.render())
+    if args.allreduce_size:
+        nbytes = parse_size(args.allreduce_size)
+        cmd = [
+            sys.executable,
+            "-m",
+            "overlap.bench.compress",
+            str(nbytes),
+            str(args.iters),
+            str(args.world_size),
+        ]
+        try:
+            if args.link:
+                with shaped_link(args.link) as prefix:
+                    out = subprocess.run(prefix + cmd, capture_output=True, text=True)
+            else:
+                out = subprocess.run(cmd, capture_output=True, text=True)
+        except LinkError as exc:
+            _out(f"error: {exc}")
+            return 2
+        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            _out(f"the link benchmark failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+            return 1
+        res = json.loads(line[7:])
+        res["link"] = args.link or "loopback"
+        report["allreduce"] = res
+        if not args.json:
+            t2 = Table(
+                [
+                    "link",
+                    "size",
+                    "fp32 all_reduce ms",
+                    "compressed ms",
+                    "speed-up",
+                    "bytes/rank fp32",
+                    "bytes/rank 1-bit",
+                ],
+                title=f"\n{args.world_size} ranks, median of {args.iters}",
+            )
+            t2.add(
+                **{
+                    "link": res["link"],
+                    "size": human_bytes(res["bytes"]),
+                    "fp32 all_reduce ms": res["allreduce_ms"],
+                    "compressed ms": res["compressed_ms"],
+                    "speed-up": res["speedup"],
+                    "bytes/rank fp32": human_bytes(res["fp32_bytes_per_rank"]),
+                    "bytes/rank 1-bit": human_bytes(res["compressed_bytes_per_rank"]),
+                }
+            )
+            _out(t2.markdown() if args.markdown else t2.render())
+    if args.json:
+        _out(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import platform
 
@@ -208,6 +304,31 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--json", action="store_true", help="print the rows as JSON")
     bo.add_argument("--markdown", action="store_true", help="print a Markdown table")
     bo.set_defaults(func=cmd_bench_ops)
+
+    bc = bsub.add_parser("compress", help="OneBit codec cost; compressed vs fp32 allreduce")
+    bc.add_argument(
+        "--sizes",
+        default="4MiB,16MiB,64MiB,256MiB",
+        help="buffer sizes for the codec part (bytes of fp32)",
+    )
+    bc.add_argument("--reps", type=int, default=5)
+    bc.add_argument("--device", default="cpu", help="cpu or cuda")
+    bc.add_argument("--skip-codec", action="store_true", help="only the allreduce part")
+    bc.add_argument(
+        "--allreduce-size",
+        default="64MiB",
+        help="buffer for compressed vs fp32 allreduce ('' to skip)",
+    )
+    bc.add_argument("--iters", type=int, default=5)
+    bc.add_argument("--world-size", type=int, default=2)
+    bc.add_argument(
+        "--link",
+        default=None,
+        help="run the ranks on a loopback shaped to this rate (e.g. 1gbit; root)",
+    )
+    bc.add_argument("--json", action="store_true")
+    bc.add_argument("--markdown", action="store_true")
+    bc.set_defaults(func=cmd_bench_compress)
 
     e = sub.add_parser("env", help="report torch, backends, MPI, CUDA and uvloop")
     e.set_defaults(func=cmd_env)

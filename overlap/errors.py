@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CommError",
     "CommTimeoutError",
+    "NonFiniteError",
     "NotInitializedError",
     "OverlapError",
     "RankError",
@@ -43,3 +44,16 @@ class CommTimeoutError(CommError, TimeoutError):
 
 class RankError(OverlapError):
     """A rank started by :mod:`overlap.testing` died or hung instead of returning."""
+
+
+class NonFiniteError(OverlapError, FloatingPointError):
+    """A compressed reduction saw NaN or Inf in its input on some rank.
+
+    Raised on every rank alike (the ranks learn it from the exchanged scales, with no extra
+    collective), before any error-feedback state is touched: the buffers are left as they
+    were. ``ranks`` lists the ranks whose input was not finite.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])

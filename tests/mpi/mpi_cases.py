@@ -123,7 +123,18 @@ def wait_with_timeout_then_complete() -> None:
         comm.barrier()
 
 
+def onebit_gather_pattern_matches_reference() -> None:
+    from tests.gloo import compression_cases as cc
+
+    for n in (1, 37, 1001):
+        cc.onebit_matches_reference(n, "blocking")
+    cc.onebit_matches_reference(100, "uvloop")
+    cc.nan_leaves_state_untouched()
+    cc.segmented_onebit_is_consistent()
+
+
 CHECKS: dict[str, Callable[[], Any]] = {
+    "mpi/onebit_gather_pattern_matches_reference": onebit_gather_pattern_matches_reference,
     "mpi/loop_stays_responsive": loop_stays_responsive,
     "mpi/no_thread_per_request": no_thread_per_request,
     "mpi/zero_copy_cpu_buffers": zero_copy_cpu_buffers,

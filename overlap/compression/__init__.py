@@ -1,0 +1,36 @@
+"""Gradient compression: DeepSpeed's 1-bit allreduce, casts and PowerSGD.
+
+``compressed_allreduce(buffer, worker_error, server_error)`` is the exact two-phase 1-bit
+algorithm; the :class:`Compressor` classes wrap each method with per-bucket state for the
+scheduler.
+"""
+
+from __future__ import annotations
+
+from overlap.compression.base import BF16, FP16, Compressor, NoCompression
+from overlap.compression.onebit import (
+    OneBit,
+    compressed_allreduce,
+    compressed_bytes,
+    padded_numel,
+)
+from overlap.compression.packbits import pack_signs, unpack_signs
+from overlap.compression.powersgd import PowerSGD
+from overlap.compression.steps import run, run_async, steps_handle
+
+__all__ = [
+    "BF16",
+    "FP16",
+    "Compressor",
+    "NoCompression",
+    "OneBit",
+    "PowerSGD",
+    "compressed_allreduce",
+    "compressed_bytes",
+    "pack_signs",
+    "padded_numel",
+    "run",
+    "run_async",
+    "steps_handle",
+    "unpack_signs",
+]

@@ -1,0 +1,131 @@
+"""The Compressor interface the scheduler uses, and the simple compressors.
+
+A compressor averages one flat buffer across a group, in place, compressed its own way. It
+keeps its own state per *bucket key* (error feedback, warm-start matrices, step counters),
+and ``state_dict()`` / ``load_state_dict()`` carry that state through a checkpoint so a
+resumed run continues bit-identically.
+
+``summable`` tells the transport: ``True`` means the compressed form can be summed by a
+plain allreduce (casts, PowerSGD's factors); ``False`` means it needs its own exchange
+(OneBit's two-phase gather pattern).
+
+Every compressor implements :meth:`Compressor.reduce_steps`, a steps generator
+(:mod:`overlap.compression.steps`); :meth:`Compressor.reduce` runs it blocking or returns
+an awaitable Handle.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from overlap import comm
+from overlap.compression.steps import Steps, run, steps_handle
+
+__all__ = ["BF16", "FP16", "Compressor", "NoCompression"]
+
+
+class Compressor(ABC):
+    """Averages a flat buffer across a group, compressed; stateful per bucket key."""
+
+    name: ClassVar[str]
+    summable: ClassVar[bool]
+
+    @abstractmethod
+    def reduce_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> Steps:
+        """Average ``flat`` in place; ``shapes`` are the bucket's tensors, in order, if known."""
+
+    def reduce(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``."""
+        steps = self.reduce_steps(key, flat, group=group, shapes=shapes)
+        if not async_op:
+            return run(steps)
+        return steps_handle(
+            self.name, steps, nbytes=flat.numel() * flat.element_size(), backend=comm.get_backend()
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-identically (tensors are cloned)."""
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; ValueError if it belongs to another setup."""
+        if state.get("name") != self.name:
+            raise ValueError(
+                f"this state is for the {state.get('name')!r} compressor, not {self.name!r}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class NoCompression(Compressor):
+    """A plain averaging allreduce in the buffer's own dtype."""
+
+    name = "none"
+    summable = True
+
+    def reduce_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> Steps:
+        yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
+        return flat
+
+
+class _Cast(Compressor):
+    summable = True
+    dtype: ClassVar[torch.dtype]
+
+    def reduce_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> Steps:
+        w = comm.get_world_size(group)
+        # Divide before summing, as torch's fp16 hook does: W values of the narrow type summed
+        # could overflow where their average does not.
+        low = flat.to(self.dtype).div_(w) if flat.dtype != self.dtype else flat.div_(w)
+        yield [comm.all_reduce(low, op="sum", group=group, async_op=True)]
+        if low is not flat:
+            flat.copy_(low)
+        return flat
+
+
+class FP16(_Cast):
+    """Allreduce in float16 (half the bytes of float32), then cast back."""
+
+    name = "fp16"
+    dtype = torch.float16
+
+
+class BF16(_Cast):
+    """Allreduce in bfloat16; works on gloo too (PyTorch's bf16 hook refuses there)."""
+
+    name = "bf16"
+    dtype = torch.bfloat16

@@ -1,0 +1,434 @@
+"""DeepSpeed's two-phase 1-bit compressed allreduce (DESIGN.md §4), exact and portable.
+
+For a buffer of n elements on each of W ranks, padded with zeros to P (a multiple of 8W,
+:func:`padded_numel`), with a worker error e (P floats) and a server error s (P/W floats)
+per rank carried across calls:
+
+1. worker: b = x + e; scale = ||b|| / sqrt(P); e <- b - scale * sign(b); pack sign(b)
+2. phase 1: all_to_all the W sign chunks, all_gather the W worker scales
+3. server (rank j owns chunk j): c = sum_r sign_rj * scale_r / W + s_j;
+   sscale = ||c|| / sqrt(P/W); s_j <- c - sscale * sign(c); pack sign(c)
+4. phase 2: all_gather the server sign chunks and scales
+5. result chunk j = sscale_j * sign_j, padding dropped, in the buffer's shape and dtype.
+
+sign(v) is +1 for v >= 0 (zero included), -1 otherwise. All arithmetic is float32 whatever
+the buffer's dtype, and every rank ends with bitwise-identical results (each value is
+computed once, by one rank, and sent). Sums over ranks run in rank order.
+
+Non-finite input: the worker scale is NaN/Inf exactly when b holds NaN/Inf, and phase 1
+gives every rank every scale, so all ranks learn it together with no extra collective. The
+worker-error update is held back until then: on a non-finite input every rank raises
+:class:`~overlap.errors.NonFiniteError` with the buffer and both error states untouched.
+
+Transport: on torch.distributed, all_to_all_single + all_gather_into_tensor; on the MPI
+backend, DeepSpeed's MpiBackend pattern, one gather per root for the sign chunks, then
+allgathers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from overlap import comm
+from overlap.comm.handle import Handle
+from overlap.compression.base import Compressor
+from overlap.compression.packbits import pack_signs, sign_table
+from overlap.compression.steps import Steps, run, steps_handle
+from overlap.errors import NonFiniteError
+
+__all__ = ["OneBit", "compressed_allreduce", "compressed_bytes", "onebit_steps", "padded_numel"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def padded_numel(n: int, world_size: int) -> int:
+    """P: ``n`` rounded up to a multiple of 8 x ``world_size`` (0 stays 0)."""
+    if n < 0 or world_size < 1:
+        raise ValueError(f"padded_numel needs n >= 0 and world_size >= 1, got {n}, {world_size}")
+    m = 8 * world_size
+    return -(-n // m) * m
+
+
+def compressed_bytes(n: int, world_size: int) -> int:
+    """Bytes one rank sends for one compressed_allreduce of n elements.
+
+    Sign chunks to the W-1 other ranks in each phase, plus a 4-byte scale to each of them in
+    each phase: 2 (W-1)/W P/8 + 8 (W-1). An fp32 ring allreduce sends 2 (W-1)/W 4n.
+    """
+    P = padded_numel(n, world_size)
+    w = world_size
+    return 2 * (w - 1) * (P // 8) // w + 8 * (w - 1)
+
+
+def _check(buffer: Any, worker_error: Any, server_error: Any, w: int) -> tuple[int, int]:
+    for name, t in (
+        ("buffer", buffer),
+        ("worker_error", worker_error),
+        ("server_error", server_error),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
+    if buffer.dtype not in _DTYPES:
+        raise TypeError(
+            f"compressed_allreduce takes float32, float16 or bfloat16 buffers, got {buffer.dtype}"
+        )
+    n = buffer.numel()
+    P = padded_numel(n, w)
+    for name, t, want in (
+        ("worker_error", worker_error, P),
+        ("server_error", server_error, P // w),
+    ):
+        if t.dtype != torch.float32 or t.numel() != want:
+            raise ValueError(
+                f"{name} must be a float32 tensor of {want} elements for a buffer of {n} "
+                f"elements on {w} ranks (got {t.dtype} with {t.numel()}); create it with "
+                f"torch.zeros(overlap.compression.padded_numel({n}, {w})"
+                + (f" // {w}" if name == "server_error" else "")
+                + ")"
+            )
+        if t.device != buffer.device:
+            raise ValueError(f"{name} is on {t.device} but buffer is on {buffer.device}")
+    return n, P
+
+
+def _minus_signed(v: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """out = v - scale * sign(v), sign(v) = +1 for v >= 0.
+
+    ``copysign`` measured 3.5x faster than ``torch.where`` here (40 vs 141 ms for 16M floats).
+    It differs from ``v >= 0`` only at -0.0, which cannot occur: errors start at +0 and every
+    update rounds to +0 (x - x is +0), so ``x + e`` is -0.0 only if both are.
+    """
+    torch.sub(v, torch.copysign(scale.expand_as(v) if scale.dim() == 0 else scale, v), out=out)
+
+
+def _segment_ids(segments: Sequence[int], n: int, P: int, device: torch.device) -> torch.Tensor:
+    """Segment index of each of the P padded elements; the padding is its own last segment."""
+    if sum(segments) != n or any(k < 0 for k in segments):
+        raise ValueError(
+            f"segments {list(segments)} must be non-negative and add up to the "
+            f"buffer's {n} elements"
+        )
+    lengths = torch.tensor([*segments, P - n], dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+
+
+def _rms_by_segment(v: torch.Tensor, ids: torch.Tensor, count: int) -> torch.Tensor:
+    """Per segment: ||v_k|| / sqrt(len_k) (0 for an empty segment)."""
+    sq = torch.zeros(count, dtype=torch.float32, device=v.device).index_add_(0, ids, v * v)
+    lens = torch.zeros(count, dtype=torch.float32, device=v.device).index_add_(
+        0, ids, torch.ones_like(v)
+    )
+    return torch.where(lens > 0, torch.sqrt(sq / lens.clamp(min=1)), torch.zeros_like(sq))
+
+
+def onebit_steps(
+    buffer: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    group: Any = None,
+    segments: Sequence[int] | None = None,
+) -> Steps:
+    """The algorithm as a steps generator (see overlap.compression.steps).
+
+    ``segments`` (lengths adding up to the buffer's numel) gives each segment, typically each
+    tensor of a bucket, its own worker and server scales; the padding gets one of its own.
+    With one segment (or None) this is exactly DESIGN.md section 4.
+    """
+    w = comm.get_world_size(group)
+    n, P = _check(buffer, worker_error, server_error, w)
+    if n == 0:
+        return buffer
+    chunk = P // w
+    dev = buffer.device
+    ranks = [comm.get_global_rank(group, i) for i in range(w)]
+    me = comm.get_rank(group)
+    seg = None if segments is None or len(segments) <= 1 else _segment_ids(segments, n, P, dev)
+    nseg = 1 if seg is None else len(segments) + 1  # type: ignore[arg-type]
+
+    # 1. worker side (the worker error is committed only once every scale is known finite)
+    b = torch.empty(P, dtype=torch.float32, device=dev)
+    torch.add(buffer.reshape(-1), worker_error[:n], out=b[:n])  # one pass: copy and add fused
+    b[n:].copy_(worker_error[n:])
+    if seg is None:
+        scale = (torch.linalg.vector_norm(b) / math.sqrt(P)).reshape(1)
+    else:
+        scale = _rms_by_segment(b, seg, nseg)
+    packed = pack_signs(b)
+
+    # 2. phase 1: sign chunk j to rank j; every worker scale to everyone
+    recv = torch.empty(P // 8, dtype=torch.uint8, device=dev)
+    scales = torch.empty(w * nseg, dtype=torch.float32, device=dev)
+    if comm.get_backend() == "mpi":  # DeepSpeed's MpiBackend: one gather per root
+        sent = packed.view(w, -1)
+        slots = list(recv.view(w, -1))
+        hs = [
+            comm.gather(
+                sent[i], slots if i == me else None, dst=ranks[i], group=group, async_op=True
+            )
+            for i in range(w)
+        ]
+    else:
+        hs = [comm.all_to_all_single(recv, packed, group=group, async_op=True)]
+    hs.append(comm.all_gather_into_tensor(scales, scale, group=group, async_op=True))
+    yield hs
+
+    scales2 = scales.view(w, nseg)
+    bad = [ranks[i] for i in range(w) if not bool(torch.isfinite(scales2[i]).all())]
+    if bad:
+        raise NonFiniteError(
+            f"compressed_allreduce: the input on rank(s) {bad} holds NaN or Inf; the buffer "
+            "and the error-feedback state were left unchanged on every rank. Skip this step "
+            "(e.g. with loss scaling) or find the source of the non-finite gradient",
+            ranks=bad,
+        )
+    s_el = scale[0] if seg is None else scale[seg]
+    _minus_signed(b, s_el, worker_error)
+
+    # 3. server side for the chunk this rank owns
+    table = sign_table(dev)
+    parts = recv.view(w, -1).long()
+    c = torch.zeros(chunk, dtype=torch.float32, device=dev)
+    if seg is None:
+        for r in range(w):
+            c.add_((table * (scales[r] / w))[parts[r]].reshape(-1))
+    else:
+        mine = seg[me * chunk : (me + 1) * chunk]
+        for r in range(w):
+            c.add_(table[parts[r]].reshape(-1) * (scales2[r] / w)[mine])
+    c.add_(server_error)
+    if seg is None:
+        sscale = (torch.linalg.vector_norm(c) / math.sqrt(chunk)).reshape(1)
+        ss_el = sscale[0]
+    else:
+        sscale = _rms_by_segment(c, mine, nseg)
+        ss_el = sscale[mine]
+    _minus_signed(c, ss_el, server_error)
+    spacked = pack_signs(c)
+
+    # 4. phase 2: everyone gets every server chunk and scale
+    all_signs = torch.empty(P // 8, dtype=torch.uint8, device=dev)
+    sscales = torch.empty(w * nseg, dtype=torch.float32, device=dev)
+    yield [
+        comm.all_gather_into_tensor(all_signs, spacked, group=group, async_op=True),
+        comm.all_gather_into_tensor(sscales, sscale, group=group, async_op=True),
+    ]
+
+    # 5. rebuild: element i of chunk j is sscale[j, segment(i)] * sign
+    signs = table[all_signs.long()].reshape(w, chunk)
+    if seg is None:
+        out = signs * sscales.reshape(w, 1)
+    else:
+        owner = torch.arange(w, device=dev).repeat_interleave(chunk) * nseg
+        out = signs.reshape(-1) * sscales[owner + seg]
+    buffer.copy_(out.reshape(-1)[:n].reshape(buffer.shape))
+    return buffer
+
+
+def compressed_allreduce(
+    buffer: torch.Tensor,
+    worker_error: torch.Tensor,
+    server_error: torch.Tensor,
+    *,
+    group: Any = None,
+    async_op: bool = False,
+    segments: Sequence[int] | None = None,
+) -> Any:
+    """Average ``buffer`` across the group with DeepSpeed's 1-bit compression, in place.
+
+    ``worker_error`` (``padded_numel(n, W)`` float32 elements) and ``server_error`` (P/W)
+    carry the error feedback between calls and are updated in place; start them at zero.
+    Returns the buffer, or with ``async_op=True`` a Handle resolving to it (await it, or
+    ``wait()``: phase 1 is issued now, phase 2 when the handle is first waited or awaited).
+    Raises NonFiniteError (on every rank, state untouched) if any rank's input holds NaN/Inf.
+    ``segments`` (element counts adding up to the buffer's) gives each segment its own scales.
+    """
+    steps = onebit_steps(buffer, worker_error, server_error, group, segments)
+    if not async_op:
+        return run(steps)
+    w = comm.get_world_size(group)
+    handle: Handle = steps_handle(
+        "compressed_allreduce",
+        steps,
+        nbytes=compressed_bytes(buffer.numel(), w),
+        backend=comm.get_backend(),
+    )
+    return handle
+
+
+class OneBit(Compressor):
+    """The 1-bit compressor: :func:`compressed_allreduce` with error feedback per bucket key.
+
+    ``per_tensor_scales`` (default True): when the caller passes the bucket's tensor shapes,
+    each tensor gets its own worker and server scales (still 4 collectives). Measured: a
+    2-layer MLP bucket (weights and biases together) under SGD with momentum 0.9, lr 0.01,
+    reached loss 0.45 after 150 steps with per-tensor scales and diverged (5.9) with one scale.
+
+    ``warmup_steps``: each key is reduced uncompressed (a plain averaging allreduce) for its
+    first K calls, like PowerSGD's start iteration; 1-bit compression of raw gradients can
+    diverge early in training where plain averaging converges (measured: 2-layer MLP, SGD with
+    momentum 0.9, lr 0.05 diverged, lr 0.01 converged). ``on_nonfinite``: ``"raise"`` (the
+    default) raises NonFiniteError on every rank; ``"skip"`` leaves the buffer as it was,
+    counts the step in ``skipped_steps`` and sets ``last_skipped``, so the caller can skip the
+    optimizer step. Either way no error-feedback state is touched.
+    """
+
+    name = "onebit"
+    summable = False
+
+    def __init__(
+        self, warmup_steps: int = 0, on_nonfinite: str = "raise", per_tensor_scales: bool = True
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.warmup_steps = warmup_steps
+        self.on_nonfinite = on_nonfinite
+        self.per_tensor_scales = per_tensor_scales
+        self.state: dict[Any, dict[str, Any]] = {}
+        self.skipped_steps = 0
+        self.last_skipped = False
+        self._world: int | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"OneBit(warmup_steps={self.warmup_steps}, on_nonfinite={self.on_nonfinite!r}, "
+            f"per_tensor_scales={self.per_tensor_scales})"
+        )
+
+    def _entry(self, key: Any, flat: torch.Tensor, w: int) -> dict[str, Any]:
+        st = self.state.get(key)
+        n = flat.numel()
+        if st is None:
+            st = self.state[key] = {
+                "step": 0,
+                "numel": n,
+                "worker_error": None,
+                "server_error": None,
+            }
+        elif st["numel"] != n:
+            raise ValueError(
+                f"bucket {key!r} had {st['numel']} elements when its state was made but has "
+                f"{n} now: the model or the bucket layout changed; start a fresh OneBit"
+            )
+        if st["worker_error"] is None and st["step"] >= self.warmup_steps:
+            P = padded_numel(n, w)
+            st["worker_error"] = torch.zeros(P, dtype=torch.float32, device=flat.device)
+            st["server_error"] = torch.zeros(P // w, dtype=torch.float32, device=flat.device)
+        return st
+
+    def reduce_steps(
+        self, key: Any, flat: torch.Tensor, *, group: Any = None, shapes: Any = None
+    ) -> Steps:
+        w = comm.get_world_size(group)
+        self._check_world(w)
+        st = self._entry(key, flat, w)
+        self.last_skipped = False
+        if st["step"] < self.warmup_steps:
+            yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
+            st["step"] += 1
+            return flat
+        try:
+            segments = (
+                [int(torch.Size(x).numel()) for x in shapes]
+                if self.per_tensor_scales and shapes
+                else None
+            )
+            yield from onebit_steps(flat, st["worker_error"], st["server_error"], group, segments)
+        except NonFiniteError:
+            if self.on_nonfinite == "raise":
+                raise
+            self.skipped_steps += 1
+            self.last_skipped = True
+            return flat
+        st["step"] += 1
+        return flat
+
+    def reduce(
+        self,
+        key: Any,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        steps = self.reduce_steps(key, flat, group=group, shapes=shapes)
+        if not async_op:
+            return run(steps)
+        return steps_handle(
+            self.name,
+            steps,
+            nbytes=compressed_bytes(flat.numel(), comm.get_world_size(group)),
+            backend=comm.get_backend(),
+        )
+
+    def _check_world(self, w: int) -> None:
+        if self._world is None:
+            self._world = w
+        elif self._world != w:
+            raise ValueError(
+                f"this OneBit was used with {self._world} ranks, now {w}: its "
+                "error feedback is laid out per rank; use a fresh OneBit"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().clone()
+
+        return {
+            "name": self.name,
+            "world_size": self._world,
+            "warmup_steps": self.warmup_steps,
+            "skipped_steps": self.skipped_steps,
+            "state": {
+                k: {
+                    "step": v["step"],
+                    "numel": v["numel"],
+                    "worker_error": clone(v["worker_error"]),
+                    "server_error": clone(v["server_error"]),
+                }
+                for k, v in self.state.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(
+                f"this state is for the {state.get('name')!r} compressor, not 'onebit'"
+            )
+        saved_w = state.get("world_size")
+        if comm.is_initialized() and saved_w is not None:
+            w = comm.get_world_size()
+            if saved_w != w:
+                raise ValueError(
+                    f"this OneBit state was saved on {saved_w} ranks but this job has {w}: "
+                    "error-feedback buffers are laid out per rank and cannot be resharded; "
+                    "resume on the same number of ranks or start a fresh OneBit"
+                )
+        for k, v in state["state"].items():
+            if v["worker_error"] is not None and saved_w:
+                P = padded_numel(v["numel"], saved_w)
+                if v["worker_error"].numel() != P or v["server_error"].numel() != P // saved_w:
+                    raise ValueError(
+                        f"bucket {k!r}: error buffers do not match {v['numel']} "
+                        f"elements on {saved_w} ranks; the state is corrupt"
+                    )
+        self._world = saved_w
+        self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.state = {
+            k: {
+                "step": v["step"],
+                "numel": v["numel"],
+                "worker_error": None if v["worker_error"] is None else v["worker_error"].clone(),
+                "server_error": None if v["server_error"] is None else v["server_error"].clone(),
+            }
+            for k, v in state["state"].items()
+        }

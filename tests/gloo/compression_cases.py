@@ -1,0 +1,228 @@
+"""Rank-side checks of the compression package (gloo pools here, mpiexec in tests/mpi)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+import overlap
+from overlap import comm
+from overlap.compression import (
+    BF16,
+    FP16,
+    NoCompression,
+    OneBit,
+    PowerSGD,
+    compressed_allreduce,
+    padded_numel,
+)
+from overlap.errors import NonFiniteError
+
+
+def reference(
+    xs: list[torch.Tensor], wes: list[torch.Tensor], ses: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """DESIGN.md section 4 computed locally for all W ranks, straight from the math."""
+    w, n = len(xs), xs[0].numel()
+    P = padded_numel(n, w)
+    chunk = P // w
+    signs, scales, new_we = [], [], []
+    for r in range(w):
+        b = torch.zeros(P)
+        b[:n] = xs[r].reshape(-1).float()
+        b = b + wes[r]
+        scale = torch.linalg.vector_norm(b) / math.sqrt(P)
+        sign = torch.where(b >= 0, 1.0, -1.0)
+        signs.append(sign)
+        scales.append(scale)
+        new_we.append(b - scale * sign)
+    result, new_se = torch.zeros(P), []
+    for j in range(w):
+        c = torch.zeros(chunk)
+        for r in range(w):
+            c = c + signs[r][j * chunk : (j + 1) * chunk] * (scales[r] / w)
+        c = c + ses[j]
+        sscale = torch.linalg.vector_norm(c) / math.sqrt(chunk)
+        csign = torch.where(c >= 0, 1.0, -1.0)
+        new_se.append(c - sscale * csign)
+        result[j * chunk : (j + 1) * chunk] = sscale * csign
+    return result[:n], new_we, new_se
+
+
+def onebit_matches_reference(n: int, mode: str, dtype: str = "float32") -> list[float]:
+    """3 steps of error feedback; bitwise equal to the reference and across ranks."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(1000 + n)
+    P = padded_numel(n, w)
+    we, se = torch.zeros(P), torch.zeros(P // w)
+    ref_we = [torch.zeros(P) for _ in range(w)]
+    ref_se = [torch.zeros(P // w) for _ in range(w)]
+    firsts = []
+    for _step in range(3):
+        xs = [torch.randn(n, generator=gen).to(dt) for _ in range(w)]
+        buf = xs[r].clone().reshape(n)
+        if mode == "blocking":
+            out = compressed_allreduce(buf, we, se)
+        elif mode == "wait":
+            out = compressed_allreduce(buf, we, se, async_op=True).wait(timeout=60)
+        else:
+
+            async def main(buf: torch.Tensor = buf) -> Any:
+                return await compressed_allreduce(buf, we, se, async_op=True)
+
+            out = overlap.run(main(), loop=mode)  # type: ignore[arg-type]
+        assert out is buf and out.dtype == dt
+        want, ref_we, ref_se = reference(xs, ref_we, ref_se)
+        assert torch.equal(out, want.to(dt)), (out[:4], want[:4])
+        assert torch.equal(we, ref_we[r]) and torch.equal(se, ref_se[r])
+        everyone = comm.all_gather(out.float().contiguous())
+        assert all(torch.equal(everyone[0], o) for o in everyone)  # bitwise identical
+        firsts.append(float(out.reshape(-1)[0]))
+    return firsts
+
+
+def nan_leaves_state_untouched() -> list[int]:
+    r, w = comm.get_rank(), comm.get_world_size()
+    n = 50
+    P = padded_numel(n, w)
+    we, se = torch.zeros(P), torch.zeros(P // w)
+    compressed_allreduce(torch.randn(n), we, se)  # some state
+    we0, se0 = we.clone(), se.clone()
+    buf = torch.randn(n)
+    if r == w - 1:
+        buf[7] = float("nan")
+    buf0 = buf.clone()
+    try:
+        compressed_allreduce(buf, we, se)
+        raise AssertionError("no NonFiniteError")
+    except NonFiniteError as e:
+        ranks = e.ranks
+        assert "left unchanged on every rank" in str(e)
+    assert torch.equal(we, we0) and torch.equal(se, se0)
+    assert torch.equal(buf.nan_to_num(-7.0), buf0.nan_to_num(-7.0))
+    compressed_allreduce(torch.randn(n), we, se)  # the group is still in step
+    skipper = OneBit(on_nonfinite="skip")
+    flat = torch.full((n,), float("inf")) if r == 0 else torch.ones(n)
+    skipper.reduce("k", flat)
+    assert skipper.last_skipped and skipper.skipped_steps == 1
+    assert skipper.state["k"]["step"] == 0
+    return ranks
+
+
+def zero_size_and_bad_input() -> list[str]:
+    w = comm.get_world_size()
+    empty = torch.empty(0)
+    assert compressed_allreduce(empty, torch.zeros(0), torch.zeros(0)) is empty
+    h = compressed_allreduce(empty, torch.zeros(0), torch.zeros(0), async_op=True)
+    assert h.done() and h.wait() is empty
+    msgs = []
+    for call in (
+        lambda: compressed_allreduce(torch.ones(10), torch.zeros(10), torch.zeros(5)),
+        lambda: compressed_allreduce(
+            torch.ones(10, dtype=torch.int32), torch.zeros(16 * w), torch.zeros(16)
+        ),
+        lambda: compressed_allreduce(
+            torch.ones(4, 4).t(),
+            torch.zeros(padded_numel(16, w)),
+            torch.zeros(padded_numel(16, w) // w),
+        ),
+    ):
+        try:
+            call()
+            msgs.append("no error")
+        except (ValueError, TypeError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
+    return msgs
+
+
+def compressor_resume_is_bit_identical(name: str) -> bool:
+    r = comm.get_rank()
+    shapes = [torch.Size([8, 6]), torch.Size([6]), torch.Size([5, 4])]
+    n = sum(s.numel() for s in shapes)
+
+    def make() -> Any:
+        return {
+            "onebit": lambda: OneBit(warmup_steps=1),
+            "powersgd": lambda: PowerSGD(rank=2, start_iter=1, min_compression_rate=1.0),
+            "fp16": FP16,
+            "bf16": BF16,
+            "none": NoCompression,
+        }[name]()
+
+    def data(step: int) -> torch.Tensor:
+        return torch.randn(n, generator=torch.Generator().manual_seed(step * 10 + r))
+
+    c = make()
+    for step in range(3):
+        c.reduce("bucket0", data(step), shapes=shapes)
+    saved = c.state_dict()
+    a = [c.reduce("bucket0", data(step), shapes=shapes).clone() for step in (3, 4)]
+    c2 = make()
+    c2.load_state_dict(saved)
+    b = [c2.reduce("bucket0", data(step), shapes=shapes).clone() for step in (3, 4)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def train(name: str, steps: int = 150) -> float:
+    """A 2-layer MLP regression, each rank on its own shard; returns the final eval loss."""
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    true_w = torch.randn(16, 1, generator=torch.Generator().manual_seed(99))
+    gen = torch.Generator().manual_seed(1 + r)
+    comp = {
+        "onebit": OneBit(warmup_steps=20),
+        "powersgd": PowerSGD(rank=2, start_iter=20),
+        "fp16": FP16(),
+        "none": NoCompression(),
+    }[name]
+    params = list(model.parameters())
+    shapes = [p.shape for p in params]
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        y = x @ true_w
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        comp.reduce(0, flat, shapes=shapes)
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p))
+            off += p.numel()
+        opt.step()
+    xe = torch.randn(512, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(xe), xe @ true_w))
+
+
+def segmented_onebit_is_consistent() -> list[float]:
+    """Per-tensor scales: identical results on all ranks; NaN in one segment stops all."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    segments = [10, 3, 24]
+    n = sum(segments)
+    P = padded_numel(n, w)
+    we, se = torch.zeros(P), torch.zeros(P // w)
+    gen = torch.Generator().manual_seed(5 + r)
+    for _ in range(3):
+        buf = torch.randn(n, generator=gen) * torch.tensor([100.0] * 10 + [0.01] * 3 + [1.0] * 24)
+        out = compressed_allreduce(buf, we, se, segments=segments)
+        everyone = comm.all_gather(out)
+        assert all(torch.equal(everyone[0], o) for o in everyone)
+    # each segment keeps its own magnitude (one scale would flatten the 0.01 segment to ~50)
+    assert out[10:13].abs().max() < 1.0 and out[:10].abs().min() > 1.0
+    we0 = we.clone()
+    bad = torch.ones(n)
+    if r == 1:
+        bad[11] = float("inf")
+    try:
+        compressed_allreduce(bad, we, se, segments=segments)
+        raise AssertionError("no NonFiniteError")
+    except NonFiniteError as e:
+        assert e.ranks == [1]
+    assert torch.equal(we, we0)
+    return out[:3].tolist()
