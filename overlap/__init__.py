@@ -18,11 +18,13 @@ from overlap.errors import (
     RankError,
 )
 from overlap.runtime import new_event_loop, run
+from overlap.scheduler import BucketScheduler
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BF16",
+    "BucketScheduler",
     "FP16",
     "CommError",
     "CommTimeoutError",

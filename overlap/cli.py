@@ -70,6 +70,8 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         _out(f"unknown op(s) {unknown}; choose from {list(OPS)}")
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.algorithm != "native":
+        return _bench_algorithm(sizes, args)
     if args.backend == "mpi":
         got = _bench_ops_under_mpiexec(ops, sizes, args)
         if got is None:
@@ -92,6 +94,56 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         )
         table = ops_table(rows, title, reference=ref)
         _out(table.markdown() if args.markdown else table.render())
+    return 0
+
+
+def _bench_algorithm(sizes: list[int], args: argparse.Namespace) -> int:
+    import json
+
+    from overlap.bench.harness import Table, human_bytes
+    from overlap.bench.ops import bench_algorithms_rank
+    from overlap.testing import RankPool
+
+    with RankPool(args.world_size, timeout=3600) as pool:
+        rows = pool.run(
+            bench_algorithms_rank,
+            sizes,
+            args.iters,
+            args.warmup,
+            args.algorithm,
+            args.loop,
+            timeout=3600,
+        )[0]
+    if args.json:
+        _out(json.dumps(rows, indent=2))
+        return 0
+    a = args.algorithm
+    t = Table(
+        [
+            "size",
+            "native us",
+            f"{a} us",
+            f"{a} await us",
+            f"{a}/native",
+            "native busbw GB/s",
+            f"{a} busbw GB/s",
+        ],
+        title=f"all_reduce: {a} (awaitable isend/irecv) vs native gloo, "
+        f"{args.world_size} ranks (median us, rank 0)",
+    )
+    for r in rows:
+        t.add(
+            **{
+                "size": human_bytes(r["bytes"]),
+                "native us": r["native_us"],
+                f"{a} us": r["blocking_us"],
+                f"{a} await us": r["await_us"],
+                f"{a}/native": round(r[f"{a}/native"], 3),
+                "native busbw GB/s": round(r["native_busbw"], 3),
+                f"{a} busbw GB/s": round(r[f"{a}_busbw"], 3),
+            }
+        )
+    _out(t.markdown() if args.markdown else t.render())
     return 0
 
 
@@ -237,6 +289,79 @@ def cmd_bench_compress(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+
+    from overlap.bench.harness import Table, human_bytes
+    from overlap.bench.link import LinkError, shaped_link
+    from overlap.bench.train import VARIANTS
+
+    variants = args.variant or VARIANTS
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        _out(f"unknown variant(s) {bad}; choose from {VARIANTS}")
+        return 2
+    cmd = [
+        sys.executable,
+        "-m",
+        "overlap.bench.train",
+        ",".join(variants),
+        str(args.steps),
+        str(args.warmup),
+        str(args.model_size),
+        str(args.world_size),
+    ]
+    try:
+        if args.link:
+            with shaped_link(args.link) as prefix:
+                out = subprocess.run(prefix + cmd, capture_output=True, text=True)
+        else:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+    except LinkError as exc:
+        _out(f"error: {exc}")
+        return 2
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        _out(f"the training benchmark failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        return 1
+    rows = json.loads(line[7:])
+    if args.json:
+        _out(json.dumps(rows, indent=2))
+        return 0
+    base = next((r["step_ms"] for r in rows if r["variant"] == "ddp"), None)
+    t = Table(
+        [
+            "variant",
+            "step ms",
+            "vs DDP",
+            "bytes/rank/step",
+            "comm ms",
+            "exposed ms",
+            "overlap ratio",
+        ],
+        title=f"overlap bench train: {rows[0]['params'] / 1e6:.1f}M params, "
+        f"{args.world_size} ranks, link {args.link or 'loopback'} "
+        f"(median of {args.steps} steps, rank 0)",
+    )
+    for r in rows:
+        t.add(
+            **{
+                "variant": r["variant"],
+                "step ms": r["step_ms"],
+                "vs DDP": f"{base / r['step_ms']:.2f}x" if base else "",
+                "bytes/rank/step": ""
+                if r["bytes_per_rank"] is None
+                else human_bytes(r["bytes_per_rank"]),
+                "comm ms": r.get("comm_ms", ""),
+                "exposed ms": r.get("exposed_ms", ""),
+                "overlap ratio": round(r["overlap_ratio"], 2) if "overlap_ratio" in r else "",
+            }
+        )
+    _out(t.markdown() if args.markdown else t.render())
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import platform
 
@@ -293,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bo.add_argument("--world-size", type=int, default=2)
     bo.add_argument(
+        "--algorithm",
+        choices=["native", "ring", "naive"],
+        default="native",
+        help="ring/naive: compare that all_reduce algorithm with native",
+    )
+    bo.add_argument(
         "--backend",
         choices=["gloo", "mpi"],
         default="gloo",
@@ -329,6 +460,17 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--json", action="store_true")
     bc.add_argument("--markdown", action="store_true")
     bc.set_defaults(func=cmd_bench_compress)
+
+    bt = bsub.add_parser("train", help="step time: compute only, DDP (+hooks), overlap")
+    bt.add_argument("--variant", action="append", help="variant to run (repeatable)")
+    bt.add_argument("--model-size", type=float, default=25.2, help="million parameters")
+    bt.add_argument("--steps", type=int, default=8)
+    bt.add_argument("--warmup", type=int, default=3)
+    bt.add_argument("--world-size", type=int, default=2)
+    bt.add_argument("--link", default=None, help="shaped loopback rate, e.g. 1gbit (root)")
+    bt.add_argument("--json", action="store_true")
+    bt.add_argument("--markdown", action="store_true")
+    bt.set_defaults(func=cmd_bench_train)
 
     e = sub.add_parser("env", help="report torch, backends, MPI, CUDA and uvloop")
     e.set_defaults(func=cmd_env)

@@ -245,6 +245,54 @@ def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") 
     return table
 
 
+def busbw_allreduce(nbytes: int, seconds: float, world: int) -> float:
+    """nccl-tests' bus bandwidth of an allreduce, GB/s: algbw x 2 (n-1)/n."""
+    return nbytes / seconds / 1e9 * 2 * (world - 1) / world if seconds > 0 else 0.0
+
+
+def bench_algorithms_rank(
+    sizes: list[int], iters: int, warmup: int, algorithm: str, loop: str = "uvloop"
+) -> list[dict[str, Any]]:
+    """Native all_reduce vs ``algorithm`` (blocking and awaited), interleaved per iteration."""
+    import overlap
+
+    w = comm.get_world_size()
+
+    async def main() -> list[dict[str, Any]]:
+        rows = []
+        for nbytes in sizes:
+            t = torch.ones(max(nbytes // 4, 1))
+            times: dict[str, list[float]] = {"native": [], "blocking": [], "await": []}
+            for i in range(warmup + _iters_for(nbytes, iters)):
+                for method in times:
+                    comm.barrier()
+                    t0 = time.perf_counter()
+                    if method == "native":
+                        comm.all_reduce(t)
+                    elif method == "blocking":
+                        comm.all_reduce(t, algorithm=algorithm)
+                    else:
+                        await comm.all_reduce(t, async_op=True, algorithm=algorithm)
+                    if i >= warmup:
+                        times[method].append(time.perf_counter() - t0)
+            med = {k: median(v) for k, v in times.items()}
+            rows.append(
+                {
+                    "bytes": nbytes,
+                    "world": w,
+                    "algorithm": algorithm,
+                    **{f"{k}_us": v * 1e6 for k, v in med.items()},
+                    f"{algorithm}/native": med["blocking"] / med["native"],
+                    "await/native": med["await"] / med["native"],
+                    "native_busbw": busbw_allreduce(nbytes, med["native"], w),
+                    f"{algorithm}_busbw": busbw_allreduce(nbytes, med["blocking"], w),
+                }
+            )
+        return rows
+
+    return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+
+
 def main_mpi(argv: list[str] | None = None) -> None:
     """Entry point under mpiexec: ``python -m overlap.bench.ops OPS SIZES ITERS WARMUP LOOP``.
 

@@ -116,15 +116,34 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
 
 # ---------------------------------------------------------------------------- collectives
 def all_reduce(
-    tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False
+    tensor: torch.Tensor,
+    op: Any = "sum",
+    group: Any = None,
+    async_op: bool = False,
+    algorithm: str = "native",
 ) -> Any:
     """Reduce ``tensor`` across the group, in place, on every rank.
 
     ``op``: "sum", "avg", "product", "min", "max" (also "band", "bor", "bxor"), or a
     ReduceOp. "avg" works on gloo too (a sum, then a division before completion).
+    ``algorithm``: "native" (the backend's own), or "ring" / "naive", built from awaitable
+    isend/irecv (see overlap.comm.algorithms).
     Returns the tensor (or a Handle resolving to it with ``async_op=True``).
     """
-    return state.active().all_reduce(tensor, op, group, async_op)
+    backend = state.active()
+    if algorithm == "native":
+        return backend.all_reduce(tensor, op, group, async_op)
+    from overlap.comm.algorithms import ALGORITHMS
+    from overlap.comm.steps import run, steps_handle
+
+    make = ALGORITHMS.get(algorithm)
+    if make is None:
+        raise ValueError(f"unknown algorithm {algorithm!r}; use 'native', 'ring' or 'naive'")
+    steps = make(tensor, op, group)
+    if not async_op:
+        return run(steps)
+    nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+    return steps_handle(f"all_reduce[{algorithm}]", steps, nbytes=nbytes, backend=backend.name)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:

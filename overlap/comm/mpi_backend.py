@@ -178,7 +178,13 @@ class MpiBackend:
             raise ValueError(f"new_group: ranks {ranks} contain duplicates")
         ranks = sorted(ranks)
         wc = self.world.comm
-        comm = wc.Create(wc.Get_group().Incl(ranks))  # collective over the world, like torch
+        if kwargs.get("use_local_synchronization"):
+            # Only the members call: MPI_Comm_create_group is collective over the group.
+            if self.global_rank not in ranks:
+                return NonMemberGroup(tuple(ranks), self.global_rank)
+            comm = wc.Create_group(wc.Get_group().Incl(ranks))
+        else:
+            comm = wc.Create(wc.Get_group().Incl(ranks))  # collective over the world
         if comm == self.MPI.COMM_NULL:
             return NonMemberGroup(tuple(ranks), self.global_rank)
         return MpiGroup(comm, tuple(ranks), "ranks" + ",".join(map(str, ranks)))

@@ -86,7 +86,10 @@ class TorchBackend:
             raise ValueError(f"new_group: ranks {bad} are outside the world of {world} ranks")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"new_group: ranks {ranks} contain duplicates")
-        # Every rank must call new_group with the same ranks, members or not (torch's rule).
+        # Every rank calls new_group with the same ranks, members or not (torch's rule),
+        # unless use_local_synchronization=True: then only the members call.
+        if kwargs.get("use_local_synchronization") and dist.get_rank() not in ranks:
+            return NonMemberGroup(tuple(sorted(ranks)), dist.get_rank())
         pg = dist.new_group(ranks=sorted(ranks), **kwargs)
         if pg is dist.GroupMember.NON_GROUP_MEMBER:
             return NonMemberGroup(tuple(sorted(ranks)), dist.get_rank())

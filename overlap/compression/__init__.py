@@ -7,6 +7,7 @@ scheduler.
 
 from __future__ import annotations
 
+from overlap.comm.steps import run, run_async, steps_handle
 from overlap.compression.base import BF16, FP16, Compressor, NoCompression
 from overlap.compression.onebit import (
     OneBit,
@@ -16,7 +17,6 @@ from overlap.compression.onebit import (
 )
 from overlap.compression.packbits import pack_signs, unpack_signs
 from overlap.compression.powersgd import PowerSGD
-from overlap.compression.steps import run, run_async, steps_handle
 
 __all__ = [
     "BF16",

@@ -10,7 +10,7 @@ plain allreduce (casts, PowerSGD's factors); ``False`` means it needs its own ex
 (OneBit's two-phase gather pattern).
 
 Every compressor implements :meth:`Compressor.reduce_steps`, a steps generator
-(:mod:`overlap.compression.steps`); :meth:`Compressor.reduce` runs it blocking or returns
+(:mod:`overlap.comm.steps`); :meth:`Compressor.reduce` runs it blocking or returns
 an awaitable Handle.
 """
 
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from overlap import comm
-from overlap.compression.steps import Steps, run, steps_handle
+from overlap.comm.steps import Steps, run, steps_handle
 
 __all__ = ["BF16", "FP16", "Compressor", "NoCompression"]
 
@@ -65,6 +65,12 @@ class Compressor(ABC):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-identically (tensors are cloned)."""
         return {"name": self.name}
+
+    def reset(self) -> None:
+        """Forget all per-bucket state (the scheduler calls this when buckets are rebuilt)."""
+        state = getattr(self, "state", None)
+        if isinstance(state, dict):
+            state.clear()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; ValueError if it belongs to another setup."""

@@ -35,9 +35,9 @@ import torch
 
 from overlap import comm
 from overlap.comm.handle import Handle
+from overlap.comm.steps import Steps, run, steps_handle
 from overlap.compression.base import Compressor
 from overlap.compression.packbits import pack_signs, sign_table
-from overlap.compression.steps import Steps, run, steps_handle
 from overlap.errors import NonFiniteError
 
 __all__ = ["OneBit", "compressed_allreduce", "compressed_bytes", "onebit_steps", "padded_numel"]
@@ -134,7 +134,7 @@ def onebit_steps(
     group: Any = None,
     segments: Sequence[int] | None = None,
 ) -> Steps:
-    """The algorithm as a steps generator (see overlap.compression.steps).
+    """The algorithm as a steps generator (see overlap.comm.steps).
 
     ``segments`` (lengths adding up to the buffer's numel) gives each segment, typically each
     tensor of a bucket, its own worker and server scales; the padding gets one of its own.

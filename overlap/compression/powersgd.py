@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from overlap import comm
+from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
-from overlap.compression.steps import Steps
 
 __all__ = ["PowerSGD"]
 

@@ -8,8 +8,10 @@ import torch
 
 from overlap.compression import pack_signs, unpack_signs
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 def test_pack_on_cuda_matches_numpy() -> None:

@@ -1,0 +1,86 @@
+"""Buckets: parameters grouped into flat buffers that are reduced as one.
+
+Parameters are assigned in the order given (the scheduler passes reverse registration order
+first, then the observed gradient-ready order), one dtype and device per bucket, up to a
+byte cap; the first bucket has its own, smaller cap so the first collective starts early in
+backward (as DDP's ``first_bucket_mb``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Bucket", "assign_buckets"]
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One bucket: its parameters, their offsets in ``flat``, and per-step state."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    flat: torch.Tensor
+    pending: set[int] = field(default_factory=set)  # positions of params without a grad yet
+    ready: bool = False
+    launched: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self.params]
+
+    def view_of(self, pos: int) -> torch.Tensor:
+        p = self.params[pos]
+        return self.flat[self.offsets[pos] : self.offsets[pos] + p.numel()].view_as(p)
+
+    def reset(self) -> None:
+        self.pending = set(range(len(self.params)))
+        self.ready = False
+        self.launched = False
+
+
+def assign_buckets(
+    params: Sequence[torch.nn.Parameter],
+    cap_bytes: int,
+    first_cap_bytes: int,
+    reduce_dtype: torch.dtype | None = None,
+) -> list[Bucket]:
+    """Group ``params`` (in this order) into buckets by (dtype, device), within the caps."""
+    groups: list[list[torch.nn.Parameter]] = []
+    open_: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for p in params:
+        key = (p.dtype, p.device)
+        cap = first_cap_bytes if not groups else cap_bytes
+        size = p.numel() * p.element_size()
+        cur = open_.setdefault(key, [])
+        if cur and open_bytes.get(key, 0) + size > cap:
+            groups.append(cur)
+            cur = open_[key] = []
+            open_bytes[key] = 0
+        cur.append(p)
+        open_bytes[key] = open_bytes.get(key, 0) + size
+    groups.extend(g for g in open_.values() if g)
+    buckets = []
+    for i, ps in enumerate(groups):
+        offsets, off = [], 0
+        for p in ps:
+            offsets.append(off)
+            off += p.numel()
+        dtype = reduce_dtype or ps[0].dtype
+        flat = torch.zeros(off, dtype=dtype, device=ps[0].device)
+        b = Bucket(i, ps, offsets, flat)
+        b.reset()
+        buckets.append(b)
+    return buckets

@@ -1,0 +1,403 @@
+"""BucketScheduler: reduce gradients bucket by bucket while backward is still running.
+
+Life of a step:
+
+1. During backward, a post-accumulate-grad hook per parameter copies its gradient into its
+   bucket (nothing to copy with ``gradient_as_bucket_view=True``: ``.grad`` *is* the bucket).
+   When a bucket has all its gradients it is ready, and ready buckets are launched strictly
+   in bucket-index order (DESIGN.md contract 1): the compressor's reduction runs on the
+   worker thread (a side stream on CUDA) while backward goes on.
+2. ``synchronize()`` (or ``await wait()``) ends the step. One small allreduce on a control
+   group tells every rank which parameters got a gradient anywhere; parameters unused here but
+   used elsewhere contribute zeros, so their buckets launch too (no hang, as DDP's
+   ``find_unused_parameters=True``); it then waits for every bucket and copies the averaged
+   gradients back into ``.grad``. Parameters unused on every rank keep their ``.grad``.
+3. After the first step the buckets are rebuilt from the observed gradient-ready order,
+   rank 0's order broadcast so every rank agrees.
+
+The scheduler's collectives run on a group of their own (created at construction, same
+ranks), so they never interleave with the caller's ops on the default group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from overlap import comm
+from overlap.comm.handle import Handle
+from overlap.comm.steps import Steps, run, run_async
+from overlap.compression.base import Compressor, NoCompression
+from overlap.scheduler.buckets import Bucket, assign_buckets
+from overlap.scheduler.streams import Launcher
+
+__all__ = ["BucketScheduler"]
+
+log = logging.getLogger(__name__)
+MB = 1024 * 1024
+
+
+class BucketScheduler:
+    """Overlap (compressed) gradient reduction with backward.
+
+    Args:
+        model_or_params: a module or an iterable of parameters. Frozen parameters
+            (``requires_grad=False``) are skipped; tied parameters are reduced once.
+        bucket_cap_mb: bucket size cap; ``first_bucket_mb``: cap of the first bucket, small so
+            the first collective starts early.
+        compression: a Compressor (default NoCompression: a plain averaging allreduce).
+        group: the ranks to reduce over (default: the world).
+        average: average (default) or sum the gradients.
+        gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves one copy and
+            one gradient-sized buffer), like DDP's option of that name.
+        reduce_dtype: reduce in this dtype (e.g. float32 for bf16 gradients); default: the
+            gradient's own.
+        rebuild_buckets: rebuild the buckets from the gradient-ready order after step 1.
+    """
+
+    def __init__(
+        self,
+        model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter],
+        *,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        compression: Compressor | None = None,
+        group: Any = None,
+        average: bool = True,
+        gradient_as_bucket_view: bool = False,
+        reduce_dtype: torch.dtype | None = None,
+        rebuild_buckets: bool = True,
+    ) -> None:
+        params = (
+            list(model_or_params.parameters())
+            if isinstance(model_or_params, torch.nn.Module)
+            else list(model_or_params)
+        )
+        seen: set[int] = set()
+        self.params: list[torch.nn.Parameter] = []
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"expected parameters, got {type(p).__name__}")
+            if id(p) in seen or not p.requires_grad:
+                continue  # tied (reduce once) or frozen (skip)
+            seen.add(id(p))
+            self.params.append(p)
+        if not self.params:
+            raise ValueError("no parameter requires grad: nothing to reduce")
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) > 1:
+            raise ValueError(
+                f"parameters are on several devices {devices}; a BucketScheduler reduces one "
+                "device's parameters: create one scheduler per device, or move the model"
+            )
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
+        self.device = self.params[0].device
+        backend = comm.get_backend()
+        want = "cuda" if backend == "nccl" else None
+        if (want and self.device.type != want) or (backend == "gloo" and self.device.type != "cpu"):
+            raise ValueError(
+                f"parameters are on {self.device} but the {backend} backend reduces "
+                f"{'cuda' if backend == 'nccl' else 'cpu'} tensors; move the model or "
+                "initialise the matching backend"
+            )
+        ranks = [comm.get_global_rank(group, i) for i in range(comm.get_world_size(group))]
+        self.world = len(ranks)
+        self.group = comm.new_group(ranks)  # the buckets' collectives
+        self.ctrl = comm.new_group(ranks)  # the per-step used-parameter mask, the rebuild
+        self.compression = compression if compression is not None else NoCompression()
+        self.average = average
+        self.grad_as_view = gradient_as_bucket_view
+        self.reduce_dtype = reduce_dtype
+        self.cap = int(bucket_cap_mb * MB)
+        self.first_cap = int(first_bucket_mb * MB)
+        self.rebuild = rebuild_buckets
+        self._check_same_model()
+        self._pidx = {id(p): i for i, p in enumerate(self.params)}
+        self._set_buckets(
+            assign_buckets(list(reversed(self.params)), self.cap, self.first_cap, reduce_dtype)
+        )
+        self._launcher = Launcher(self.device)
+        self._lock = threading.Lock()
+        self._no_sync = False
+        self._step = 0
+        self._rebuilt = False
+        self._stats: dict[str, Any] = {}
+        self._new_step()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
+            for p in self.params
+        ]
+
+    # ----------------------------------------------------------------------- structure
+    def _check_same_model(self) -> None:
+        sig = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode())
+        mine = torch.tensor([len(self.params), sig], dtype=torch.int64)
+        everyone = comm.all_gather(mine, group=self.ctrl)
+        differ = [i for i, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
+        if differ:
+            ranks = [comm.get_global_rank(self.ctrl, i) for i in differ]
+            raise ValueError(
+                f"the parameters differ across ranks: ranks {ranks} have other shapes or "
+                f"dtypes than rank {comm.get_global_rank(self.ctrl, 0)}; every rank must build "
+                "the same model before creating the BucketScheduler"
+            )
+
+    def _set_buckets(self, buckets: list[Bucket]) -> None:
+        self.buckets = buckets
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        for b in buckets:
+            for pos, p in enumerate(b.params):
+                self._where[id(p)] = (b, pos)
+                if self.grad_as_view and p.grad is not None:
+                    # Only parameters that have a gradient become views: one no rank ever
+                    # uses keeps .grad None, as in DDP (the hook attaches views on first use).
+                    view = b.view_of(pos)
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    def _new_step(self) -> None:
+        for b in self.buckets:
+            b.reset()
+        self._next = 0
+        self._handles: list[Handle] = []
+        self._order: list[int] = []
+        self._timeline: list[dict[str, Any]] = []
+
+    # -------------------------------------------------------------------------- hooks
+    def _hook(self, p: torch.Tensor) -> None:
+        if self._no_sync:
+            return
+        grad = p.grad
+        if grad is not None and grad.is_sparse:
+            raise TypeError(
+                "BucketScheduler got a sparse gradient (e.g. nn.Embedding(sparse=True)); "
+                "it reduces dense gradients only: use sparse=False or exclude the parameter"
+            )
+        with self._lock:
+            b, pos = self._where[id(p)]
+            if pos not in b.pending:
+                raise RuntimeError(
+                    "a second backward produced a gradient before synchronize(); call "
+                    "sched.synchronize() (or await sched.wait()) after each backward, or wrap "
+                    "accumulation steps in `with sched.no_sync():`"
+                )
+            view = b.view_of(pos)
+            if grad is not None and not (self.grad_as_view and grad.data_ptr() == view.data_ptr()):
+                view.copy_(grad)
+                if self.grad_as_view:
+                    p.grad = view
+            b.pending.discard(pos)
+            self._order.append(self._pidx[id(p)])
+            if not b.pending:
+                b.ready = True
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        h = Handle(f"bucket{b.index}", result=b.flat, nbytes=b.nbytes, backend=comm.get_backend())
+        self._handles.append(h)
+        entry: dict[str, Any] = {"bucket": b.index, "bytes": b.nbytes, "ready": time.perf_counter()}
+        self._timeline.append(entry)
+        comp, group, shapes, w, average = (
+            self.compression,
+            self.group,
+            b.shapes,
+            self.world,
+            self.average,
+        )
+
+        def job() -> None:
+            entry["start"] = time.perf_counter()
+            try:
+                comp.reduce(b.index, b.flat, group=group, shapes=shapes)
+                if not average:
+                    b.flat.mul_(w)
+            except BaseException as exc:
+                entry["end"] = time.perf_counter()
+                h._finish(exc)
+                return
+            entry["end"] = time.perf_counter()
+            h._finish(None)
+
+        self._launcher.submit(job, b.flat)
+
+    # -------------------------------------------------------------------- end of step
+    def _finish_steps(self) -> Steps:
+        mask = torch.zeros(len(self.params), dtype=torch.uint8)
+        for i in self._order:
+            mask[i] = 1
+        yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
+        if not bool(mask.any()):
+            self._new_step()
+            raise RuntimeError(
+                "synchronize() was called but no rank produced a gradient since the last "
+                "step: run loss.backward() first (or use `await sched.backward(loss)`)"
+            )
+        with self._lock:
+            for b in self.buckets:
+                if not b.ready:
+                    for pos in b.pending:
+                        b.view_of(pos).zero_()  # unused here: contribute zeros
+                    b.pending.clear()
+                    b.ready = True
+            self._launch_ready()
+            handles = list(self._handles)
+        yield handles
+        self._launcher.wait_compute()
+        used = mask.bool().tolist()
+        for b in self.buckets:
+            for pos, p in enumerate(b.params):
+                if not used[self._pidx[id(p)]]:
+                    continue  # unused on every rank: .grad untouched (None), as DDP
+                view = b.view_of(pos)
+                if self.grad_as_view:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(view)
+        self._stats = {
+            "step": self._step,
+            "buckets": len(self.buckets),
+            "launches": len(handles),
+            "bytes": sum(b.nbytes for b in self.buckets),
+            "timeline": list(self._timeline),
+        }
+        self._step += 1
+        if self.rebuild and not self._rebuilt:
+            order = torch.tensor(self._ready_order(), dtype=torch.int64)
+            yield [
+                comm.broadcast(
+                    order, src=comm.get_global_rank(self.ctrl, 0), group=self.ctrl, async_op=True
+                )
+            ]
+            self._rebuild([self.params[i] for i in order.tolist()])
+        self._new_step()
+        return None
+
+    def _ready_order(self) -> list[int]:
+        order = list(dict.fromkeys(self._order))
+        rest = [i for i in reversed(range(len(self.params))) if i not in set(order)]
+        return order + rest
+
+    def _rebuild(self, ordered: list[torch.nn.Parameter]) -> None:
+        grads = {id(p): p.grad for p in self.params}
+        self._set_buckets(assign_buckets(ordered, self.cap, self.first_cap, self.reduce_dtype))
+        if not self.grad_as_view:
+            for p in self.params:
+                p.grad = grads[id(p)]
+        reset = getattr(self.compression, "reset", None)
+        if reset is not None:
+            reset()  # the bucket layout changed: per-bucket state no longer applies
+        self._rebuilt = True
+        log.info(
+            "BucketScheduler: rebuilt %d buckets from the gradient-ready order", len(self.buckets)
+        )
+
+    # ------------------------------------------------------------------------ the API
+    def synchronize(self) -> None:
+        """End the step: every parameter's .grad holds the averaged (decompressed) gradient."""
+        run(self._finish_steps())
+
+    async def wait(self) -> None:
+        """``synchronize()`` without blocking the event loop (for a backward run elsewhere)."""
+        await run_async(self._finish_steps())
+
+    async def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Run ``loss.backward()`` off the event loop, then ``await wait()``."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: loss.backward(**kwargs))  # type: ignore[no-untyped-call]
+        await self.wait()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no reduction) inside the block, like DDP.no_sync."""
+        prev, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = prev
+
+    def statistics(self) -> dict[str, Any]:
+        """The last finished step: buckets, launches, bytes, and a per-bucket timeline."""
+        out = dict(self._stats)
+        out["bucket_bytes"] = [b.nbytes for b in self.buckets]
+        out["rebuilt"] = self._rebuilt
+        out["steps"] = self._step
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state (error feedback) and the bucket layout."""
+        return {
+            "world_size": self.world,
+            "step": self._step,
+            "rebuilt": self._rebuilt,
+            "layout": [[self._pidx[id(p)] for p in b.params] for b in self.buckets],
+            "shapes": [tuple(p.shape) for p in self.params],
+            "compression": self.compression.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same world size and model, or a clear ValueError)."""
+        if state["world_size"] != self.world:
+            raise ValueError(
+                f"this scheduler state was saved on {state['world_size']} ranks "
+                f"but this group has {self.world}; resume on as many ranks"
+            )
+        if [tuple(s) for s in state["shapes"]] != [tuple(p.shape) for p in self.params]:
+            raise ValueError(
+                "this scheduler state belongs to a model with other parameter "
+                "shapes; load it into the same model"
+            )
+        self._set_buckets(
+            assign_buckets(
+                [self.params[i] for lay in state["layout"] for i in lay],
+                self.cap,
+                self.first_cap,
+                self.reduce_dtype,
+            )
+        )
+        if [[self._pidx[id(p)] for p in b.params] for b in self.buckets] != state["layout"]:
+            self._set_buckets(self._layout_buckets(state["layout"]))
+        self._step = state["step"]
+        self._rebuilt = state["rebuilt"]
+        self.compression.load_state_dict(state["compression"])
+        self._new_step()
+
+    def _layout_buckets(self, layout: list[list[int]]) -> list[Bucket]:
+        out = []
+        for i, lay in enumerate(layout):
+            b = assign_buckets([self.params[j] for j in lay], 1 << 62, 1 << 62, self.reduce_dtype)[
+                0
+            ]
+            b.index = i
+            out.append(b)
+        return out
+
+    def remove(self) -> None:
+        """Remove every hook and stop the worker; the parameters are left as they are."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._launcher.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"BucketScheduler({len(self.params)} params in {len(self.buckets)} buckets, "
+            f"compression={self.compression!r}, world={self.world})"
+        )

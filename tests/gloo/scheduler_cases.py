@@ -1,0 +1,236 @@
+"""Rank-side checks of BucketScheduler against torch DDP on real gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import overlap
+from overlap import BucketScheduler, comm
+from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
+
+
+class Net(nn.Module):
+    """Tied weights, a branch used on rank 0 only, a never-used layer, frozen, float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.branch = nn.Linear(16, 16)
+        self.never = nn.Linear(16, 4)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.d64 = nn.Linear(16, 16).double()
+        self.head = nn.Linear(16, 8)
+        self.head2 = nn.Linear(16, 8)
+        self.head2.weight = self.head.weight  # tied
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.emb(x))
+        h = torch.tanh(self.hidden(h))
+        if use_branch:
+            h = h + self.branch(h)
+        h = self.frozen(h)
+        h = self.d64(h.double()).float()
+        return self.head(h) + self.head2(h)
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def _close(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert (x is None) == (y is None), (i, x is None, y is None)
+        if x is not None and y is not None:
+            assert torch.allclose(x.double(), y.double(), atol=1e-6), (i, (x - y).abs().max())
+
+
+def equals_ddp(mode: str, as_view: bool = False, steps: int = 3) -> int:
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    ours = Net()
+    theirs = copy.deepcopy(ours)
+    ddp = DDP(theirs, find_unused_parameters=True)
+    sched = BucketScheduler(
+        ours, bucket_cap_mb=0.001, first_bucket_mb=0.0005, gradient_as_bucket_view=as_view
+    )
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(10 + r)
+    for _ in range(steps):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        loss_a = nn.functional.mse_loss(ours(x, r == 0), y)
+        if mode == "blocking":
+            loss_a.backward()
+            sched.synchronize()
+        else:
+            overlap.run(sched.backward(loss_a), loop=mode)  # type: ignore[arg-type]
+        nn.functional.mse_loss(ddp(x, r == 0), y).backward()
+        _close(_grads(ours), _grads(theirs))
+        if as_view:
+            b, pos = sched._where[id(ours.emb.weight)]
+            assert ours.emb.weight.grad is not None
+            assert ours.emb.weight.grad.data_ptr() == b.view_of(pos).data_ptr()
+        opt_a.step()
+        opt_b.step()
+    assert ours.never.weight.grad is None  # unused on every rank, as DDP
+    assert ours.frozen.weight.grad is None
+    stats = sched.statistics()
+    assert stats["rebuilt"] and stats["launches"] == stats["buckets"] >= 2
+    sched.remove()
+    return steps
+
+
+def no_sync_equals_ddp() -> bool:
+    r = comm.get_rank()
+    torch.manual_seed(1)
+    ours = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    theirs = copy.deepcopy(ours)
+    ddp = DDP(theirs)
+    sched = BucketScheduler(ours)
+    gen = torch.Generator().manual_seed(r)
+    xs = [torch.randn(5, 6, generator=gen) for _ in range(3)]
+    for i, x in enumerate(xs):
+        last = i == len(xs) - 1
+        with sched.no_sync() if not last else _null():
+            ours(x).sum().backward()
+        with ddp.no_sync() if not last else _null():
+            ddp(x).sum().backward()
+    sched.synchronize()
+    _close(_grads(ours), _grads(theirs))
+    sched.remove()
+    return True
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def first_bucket_starts_before_backward_ends() -> list[float]:
+    torch.manual_seed(2)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(12)])
+    sched = BucketScheduler(model, bucket_cap_mb=0.5, first_bucket_mb=0.3)
+    x = torch.randn(512, 256)
+    margins = []
+    for _ in range(3):  # the last two run on the rebuilt buckets
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        t_end = time.perf_counter()
+        sched.synchronize()
+        first = min(e["start"] for e in sched.statistics()["timeline"])
+        margins.append(t_end - first)
+    sched.remove()
+    assert all(m > 0 for m in margins), margins  # the first collective began during backward
+    return margins
+
+
+def train_with(name: str, steps: int = 120) -> float:
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    comp = {
+        "none": NoCompression(),
+        "fp16": FP16(),
+        "onebit": OneBit(warmup_steps=20),
+        "powersgd": PowerSGD(rank=2, start_iter=20),
+    }[name]
+    sched = BucketScheduler(model, compression=comp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    true_w = torch.randn(16, 1, generator=torch.Generator().manual_seed(99))
+    gen = torch.Generator().manual_seed(1 + r)
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x @ true_w).backward()
+        sched.synchronize()
+        opt.step()
+    sched.remove()
+    xe = torch.randn(512, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(xe), xe @ true_w))
+
+
+def resume_is_bit_identical() -> bool:
+    r = comm.get_rank()
+
+    def setup() -> tuple[nn.Module, Any, BucketScheduler]:
+        torch.manual_seed(3)
+        m = nn.Sequential(nn.Linear(10, 20), nn.Tanh(), nn.Linear(20, 2))
+        s = BucketScheduler(
+            m, compression=OneBit(warmup_steps=1), bucket_cap_mb=0.001, first_bucket_mb=0.0005
+        )
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2), s
+
+    def step(m: nn.Module, opt: Any, s: BucketScheduler, i: int) -> None:
+        g = torch.Generator().manual_seed(100 * i + r)
+        opt.zero_grad()
+        m(torch.randn(8, 10, generator=g)).pow(2).mean().backward()
+        s.synchronize()
+        opt.step()
+
+    m, opt, s = setup()
+    for i in range(4):
+        step(m, opt, s, i)
+    saved = (copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict()), s.state_dict())
+    for i in range(4, 7):
+        step(m, opt, s, i)
+    a = [p.detach().clone() for p in m.parameters()]
+    s.remove()
+    m2, opt2, s2 = setup()
+    m2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    s2.load_state_dict(saved[2])
+    for i in range(4, 7):
+        step(m2, opt2, s2, i)
+    b = [p.detach().clone() for p in m2.parameters()]
+    s2.remove()
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def bad_inputs() -> dict[str, str]:
+    r = comm.get_rank()
+    out: dict[str, str] = {}
+
+    def catch(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    emb = nn.Embedding(10, 4, sparse=True)
+    s1 = BucketScheduler(emb)
+    catch("sparse", lambda: emb(torch.tensor([1, 2])).sum().backward())
+    s1.remove()
+    lin = nn.Linear(3, 3)
+    s2 = BucketScheduler(lin)
+    catch("sync_without_backward", s2.synchronize)
+
+    def twice() -> None:
+        lin(torch.ones(1, 3)).sum().backward()
+        lin(torch.ones(1, 3)).sum().backward()
+
+    catch("second_backward", twice)
+    s2.synchronize()  # the step still completes afterwards
+    s2.remove()
+    other = nn.Linear(3, 3 + (r == 1))
+    catch("different_models", lambda: BucketScheduler(other))
+    mixed = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]
+    catch("several_devices", lambda: BucketScheduler(mixed))
+    catch("nothing_to_reduce", lambda: BucketScheduler(nn.Linear(2, 2).requires_grad_(False)))
+    return out

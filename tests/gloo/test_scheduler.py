@@ -1,0 +1,64 @@
+"""BucketScheduler on real gloo ranks: DDP-equal gradients, overlap, compression, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from overlap.testing import RankPool
+from tests.gloo import scheduler_cases as sc
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("mode", ["blocking", "uvloop", "asyncio"])
+def test_gradients_equal_ddp(pools: Callable[[int], RankPool], world_size: int, mode: str) -> None:
+    assert pools(world_size).run(sc.equals_ddp, mode, timeout=120) == [3] * world_size
+
+
+def test_gradient_as_bucket_view_equals_ddp(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(sc.equals_ddp, "blocking", True, timeout=120) == [3, 3]
+
+
+def test_no_sync_accumulation_equals_ddp(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(sc.no_sync_equals_ddp, timeout=60) == [True, True]
+
+
+def test_first_bucket_collective_starts_before_backward_ends(
+    pools: Callable[[int], RankPool],
+) -> None:
+    pools(2).run(sc.first_bucket_starts_before_backward_ends, timeout=120)
+
+
+def test_compressed_training_converges(pools: Callable[[int], RankPool]) -> None:
+    pool = pools(2)
+    losses = {
+        n: pool.run(sc.train_with, n, timeout=300)[0]
+        for n in ("none", "fp16", "onebit", "powersgd")
+    }
+    base = losses["none"]
+    assert base < 0.5, losses
+    assert losses["fp16"] < base * 1.1 + 1e-3, losses
+    assert losses["onebit"] < base * 3 + 0.05, losses
+    assert losses["powersgd"] < base * 3 + 0.05, losses
+
+
+def test_checkpoint_resume_is_bit_identical(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(sc.resume_is_bit_identical, timeout=120) == [True, True]
+
+
+def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
+    res = pools(2).run(sc.bad_inputs, timeout=120)
+    for r, out in enumerate(res):
+        assert out["sparse"].startswith("TypeError: BucketScheduler got a sparse gradient"), r
+        assert out["sync_without_backward"].startswith(
+            "RuntimeError: synchronize() was called but no rank produced a gradient"
+        ), out
+        assert (
+            "a second backward produced a gradient before synchronize()" in out["second_backward"]
+        ), out
+        assert out["different_models"].startswith(
+            "ValueError: the parameters differ across ranks: ranks [1]"
+        ), out
+        assert "several devices" in out["several_devices"], out
+        assert "no parameter requires grad" in out["nothing_to_reduce"], out
