@@ -19,6 +19,7 @@ from overlap.errors import (
 )
 from overlap.runtime import new_event_loop, run
 from overlap.scheduler import BucketScheduler
+from overlap.trace import OverlapReport, Tracer
 
 __version__ = "0.1.0"
 
@@ -33,9 +34,11 @@ __all__ = [
     "NonFiniteError",
     "NotInitializedError",
     "OneBit",
+    "OverlapReport",
     "OverlapError",
     "PowerSGD",
     "RankError",
+    "Tracer",
     "ReduceOp",
     "__version__",
     "comm",

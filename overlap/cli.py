@@ -362,6 +362,33 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_summarize(args: argparse.Namespace) -> int:
+    from overlap.trace import OverlapReport, TraceFormatError, load_spans
+
+    try:
+        spans, world = load_spans(args.trace)
+    except TraceFormatError as exc:
+        _out(f"error: {exc}")
+        return 2
+    report = OverlapReport.from_spans(spans, world=world)
+    _out(report.to_json() if args.json else report.render())
+    return 0
+
+
+def cmd_trace_plot(args: argparse.Namespace) -> int:
+    from overlap.trace import TraceFormatError, load_spans
+    from overlap.trace.plot import plot_timeline
+
+    try:
+        spans, _ = load_spans(args.trace)
+        plot_timeline(spans, args.output, title=args.trace)
+    except (TraceFormatError, ValueError, ImportError) as exc:
+        _out(f"error: {exc}")
+        return 2
+    _out(f"wrote {args.output}")
+    return 0
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import platform
 
@@ -471,6 +498,17 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")
     bt.set_defaults(func=cmd_bench_train)
+
+    tr = sub.add_parser("trace", help="read a trace written by Tracer.export_chrome")
+    trs = tr.add_subparsers(dest="trace_cmd", required=True)
+    ts = trs.add_parser("summarize", help="print the overlap report of a trace file")
+    ts.add_argument("trace")
+    ts.add_argument("--json", action="store_true")
+    ts.set_defaults(func=cmd_trace_summarize)
+    tp = trs.add_parser("plot", help="draw a per-rank timeline PNG (needs matplotlib)")
+    tp.add_argument("trace")
+    tp.add_argument("-o", "--output", default="overlap-timeline.png")
+    tp.set_defaults(func=cmd_trace_plot)
 
     e = sub.add_parser("env", help="report torch, backends, MPI, CUDA and uvloop")
     e.set_defaults(func=cmd_env)

@@ -242,8 +242,11 @@ class RankPool:
                 self._kill()
                 raise RankError(f"{what}: rank {first} closed its pipe without an answer")
             exc, tb, summary = errors[first]
-            others = {r: (e[2] if e else "died without answering")
-                      for r, e in errors.items() if r != first}
+            others = {
+                r: (e[2] if e else "died without answering")
+                for r, e in errors.items()
+                if r != first
+            }
             cause = RemoteTraceback(
                 f"\n--- rank {first} traceback ---\n{tb}"
                 + (f"\nother ranks failed too: {others}" if others else "")

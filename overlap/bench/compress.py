@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from overlap.bench.harness import median
+from overlap.compression import fused
 from overlap.compression.onebit import _minus_signed
 from overlap.compression.packbits import pack_signs, sign_table
 
@@ -28,6 +29,11 @@ def worker_side(x: torch.Tensor, e: torch.Tensor, b: torch.Tensor) -> torch.Tens
     """The OneBit worker step as compressed_allreduce runs it (b is a P-float scratch)."""
     torch.add(x, e, out=b)
     scale = torch.linalg.vector_norm(b) / math.sqrt(b.numel())
+    if b.device.type == "cpu" and fused.available():
+        packed = torch.empty(b.numel() // 8, dtype=torch.uint8)
+        fused.pack_signs_np(b.numpy(), packed.numpy())
+        fused.error_update(b.numpy(), float(scale), e.numpy())
+        return packed
     packed = pack_signs(b)
     _minus_signed(b, scale, e)
     return packed

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from overlap.comm.waker import LoopWaker, resolve
 from overlap.errors import CommTimeoutError
+from overlap.trace import recorder as _trace
 
 __all__ = ["CompletionEngine", "Handle", "HandleState"]
 
@@ -108,6 +109,7 @@ class Handle:
         "nbytes",
         "op",
         "start_ns",
+        "world",
     )
 
     def __init__(
@@ -120,8 +122,10 @@ class Handle:
         backend: str = "",
         keep: Any = None,
         engine: CompletionEngine = EVENT_ENGINE,
+        world: int = 1,
     ) -> None:
         self.op = op
+        self.world = world
         self.nbytes = nbytes
         self.group = group
         self.backend = backend
@@ -165,6 +169,19 @@ class Handle:
             callbacks, self._callbacks = self._callbacks, None
             self._keep = None
         self._done_lock.release()
+        tracer = _trace.current()
+        if tracer is not None:
+            tracer.record(
+                self.op,
+                "comm",
+                self.start_ns,
+                self.end_ns,
+                op=self.op,
+                bytes=self.nbytes,
+                group=self.group,
+                backend=self.backend,
+                world=self.world,
+            )
         for loop, waker, fut in waiters or ():
             resolve(loop, waker, fut)
         for cb in callbacks or ():

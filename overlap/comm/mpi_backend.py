@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from overlap.comm.validate import (
     nbytes_of,
 )
 from overlap.errors import CommError
+from overlap.trace import recorder as _trace
 
 __all__ = ["MpiBackend", "MpiGroup"]
 
@@ -249,6 +251,7 @@ class MpiBackend:
         post: Post | None = None,
         keep: Any = None,
     ) -> Any:
+        t0 = time.perf_counter_ns()
         try:
             req = start()
             if not async_op:  # blocking: no Handle, just MPI_Wait on this thread
@@ -263,9 +266,28 @@ class MpiBackend:
         if not async_op:
             if post is not None:
                 post(status)
+            tracer = _trace.current()
+            if tracer is not None:
+                tracer.record(
+                    opname,
+                    "comm",
+                    t0,
+                    time.perf_counter_ns(),
+                    op=opname,
+                    bytes=nbytes,
+                    group=g.name,
+                    backend="mpi",
+                    world=g.size,
+                )
             return result
         handle = Handle(
-            opname, result=result, nbytes=nbytes, group=g.name, backend="mpi", keep=keep
+            opname,
+            result=result,
+            nbytes=nbytes,
+            group=g.name,
+            backend="mpi",
+            keep=keep,
+            world=g.size,
         )
         handle._engine = MpiOp(self.MPI, req, post, self.global_rank)
         return handle

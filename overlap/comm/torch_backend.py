@@ -13,6 +13,7 @@ Blocking calls return what awaiting the handle would return (torch returns ``Non
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -27,6 +28,7 @@ from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
 from overlap.comm.validate import check_peer, check_tensor, check_tensor_list, nbytes_of
 from overlap.comm.waiters import TorchOp
 from overlap.errors import CommError
+from overlap.trace import recorder as _trace
 
 __all__ = ["TorchBackend"]
 
@@ -118,6 +120,7 @@ class TorchBackend:
     ) -> Any:
         rank = dist.get_rank()
         if not async_op:
+            t0 = time.perf_counter_ns()
             try:
                 work = issue()
                 if work is not None:
@@ -130,9 +133,28 @@ class TorchBackend:
                 ) from exc
             if post is not None:
                 post()
+            tracer = _trace.current()
+            if tracer is not None:
+                tracer.record(
+                    opname,
+                    "comm",
+                    t0,
+                    time.perf_counter_ns(),
+                    op=opname,
+                    bytes=nbytes,
+                    group=info.name,
+                    backend=self.name,
+                    world=info.size,
+                )
             return result
         handle = Handle(
-            opname, result=result, nbytes=nbytes, group=info.name, backend=self.name, keep=keep
+            opname,
+            result=result,
+            nbytes=nbytes,
+            group=info.name,
+            backend=self.name,
+            keep=keep,
+            world=info.size,
         )
         try:
             work = issue()

@@ -36,6 +36,7 @@ import torch
 from overlap import comm
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, steps_handle
+from overlap.compression import fused
 from overlap.compression.base import Compressor
 from overlap.compression.packbits import pack_signs, sign_table
 from overlap.errors import NonFiniteError
@@ -155,11 +156,16 @@ def onebit_steps(
     b = torch.empty(P, dtype=torch.float32, device=dev)
     torch.add(buffer.reshape(-1), worker_error[:n], out=b[:n])  # one pass: copy and add fused
     b[n:].copy_(worker_error[n:])
+    fast = seg is None and dev.type == "cpu" and fused.available()
     if seg is None:
         scale = (torch.linalg.vector_norm(b) / math.sqrt(P)).reshape(1)
     else:
         scale = _rms_by_segment(b, seg, nseg)
-    packed = pack_signs(b)
+    if fast:
+        packed = torch.empty(P // 8, dtype=torch.uint8)
+        fused.pack_signs_np(b.numpy(), packed.numpy())
+    else:
+        packed = pack_signs(b)
 
     # 2. phase 1: sign chunk j to rank j; every worker scale to everyone
     recv = torch.empty(P // 8, dtype=torch.uint8, device=dev)
@@ -188,28 +194,40 @@ def onebit_steps(
             ranks=bad,
         )
     s_el = scale[0] if seg is None else scale[seg]
-    _minus_signed(b, s_el, worker_error)
+    if fast:
+        fused.error_update(b.numpy(), float(scale[0]), worker_error.numpy())
+    else:
+        _minus_signed(b, s_el, worker_error)
 
     # 3. server side for the chunk this rank owns
     table = sign_table(dev)
     parts = recv.view(w, -1).long()
     c = torch.zeros(chunk, dtype=torch.float32, device=dev)
-    if seg is None:
+    if fast:
+        q = (scales / w).numpy()
+        fused.server_accumulate(recv.view(w, -1).numpy(), q, server_error.numpy(), c.numpy())
+    elif seg is None:
         for r in range(w):
             c.add_((table * (scales[r] / w))[parts[r]].reshape(-1))
     else:
         mine = seg[me * chunk : (me + 1) * chunk]
         for r in range(w):
             c.add_(table[parts[r]].reshape(-1) * (scales2[r] / w)[mine])
-    c.add_(server_error)
+    if not fast:
+        c.add_(server_error)
     if seg is None:
         sscale = (torch.linalg.vector_norm(c) / math.sqrt(chunk)).reshape(1)
         ss_el = sscale[0]
     else:
         sscale = _rms_by_segment(c, mine, nseg)
         ss_el = sscale[mine]
-    _minus_signed(c, ss_el, server_error)
-    spacked = pack_signs(c)
+    if fast:
+        fused.error_update(c.numpy(), float(sscale[0]), server_error.numpy())
+        spacked = torch.empty(chunk // 8, dtype=torch.uint8)
+        fused.pack_signs_np(c.numpy(), spacked.numpy())
+    else:
+        _minus_signed(c, ss_el, server_error)
+        spacked = pack_signs(c)
 
     # 4. phase 2: everyone gets every server chunk and scale
     all_signs = torch.empty(P // 8, dtype=torch.uint8, device=dev)
@@ -220,6 +238,13 @@ def onebit_steps(
     ]
 
     # 5. rebuild: element i of chunk j is sscale[j, segment(i)] * sign
+    if fast:
+        direct = buffer.dtype == torch.float32
+        dst = buffer.detach().reshape(-1) if direct else torch.empty(n, dtype=torch.float32)
+        fused.rebuild(all_signs.numpy(), sscales.numpy(), chunk // 8, n, dst.numpy())
+        if not direct:
+            buffer.copy_(dst.reshape(buffer.shape))
+        return buffer
     signs = table[all_signs.long()].reshape(w, chunk)
     if seg is None:
         out = signs * sscales.reshape(w, 1)

@@ -45,6 +45,32 @@ log = logging.getLogger(__name__)
 MB = 1024 * 1024
 
 
+def _traced_run(steps: Steps, tracer: Any, index: int) -> Any:
+    """Run a reduction's steps, recording the local compute between its comm phases."""
+    t = time.perf_counter_ns()
+    phase = 0
+    try:
+        pending = next(steps)
+        tracer.record(f"compress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index)
+        while True:
+            for h in pending:
+                h.wait()
+            phase += 1
+            t = time.perf_counter_ns()
+            pending = steps.send(None)
+            tracer.record(
+                f"server step bucket {index}",
+                "user",
+                t,
+                time.perf_counter_ns(),
+                bucket=index,
+                phase=phase,
+            )
+    except StopIteration as stop:
+        tracer.record(f"decompress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index)
+        return stop.value
+
+
 class BucketScheduler:
     """Overlap (compressed) gradient reduction with backward.
 
@@ -61,6 +87,10 @@ class BucketScheduler:
         reduce_dtype: reduce in this dtype (e.g. float32 for bf16 gradients); default: the
             gradient's own.
         rebuild_buckets: rebuild the buckets from the gradient-ready order after step 1.
+        tracer: an :class:`overlap.Tracer` to record into (attached if none is): backward
+            compute (first to last gradient hook), each bucket's compress / collective /
+            decompress with a flow arrow from the moment it was ready, the copy-back, the
+            exposed wait in synchronize, and a step mark per step.
     """
 
     def __init__(
@@ -75,6 +105,7 @@ class BucketScheduler:
         gradient_as_bucket_view: bool = False,
         reduce_dtype: torch.dtype | None = None,
         rebuild_buckets: bool = True,
+        tracer: Any = None,
     ) -> None:
         params = (
             list(model_or_params.parameters())
@@ -120,6 +151,12 @@ class BucketScheduler:
         self.cap = int(bucket_cap_mb * MB)
         self.first_cap = int(first_bucket_mb * MB)
         self.rebuild = rebuild_buckets
+        self.tracer = tracer
+        if tracer is not None:
+            from overlap.trace.recorder import current
+
+            if current() is None:
+                tracer.attach()
         self._check_same_model()
         self._pidx = {id(p): i for i, p in enumerate(self.params)}
         self._set_buckets(
@@ -171,6 +208,7 @@ class BucketScheduler:
         self._handles: list[Handle] = []
         self._order: list[int] = []
         self._timeline: list[dict[str, Any]] = []
+        self._bwd: list[int] = []  # first and last gradient-hook time (ns) of this step
 
     # -------------------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
@@ -197,6 +235,11 @@ class BucketScheduler:
                     p.grad = view
             b.pending.discard(pos)
             self._order.append(self._pidx[id(p)])
+            if self.tracer is not None:
+                now = time.perf_counter_ns()
+                if not self._bwd:
+                    self._bwd = [now, now]
+                self._bwd[1] = now
             if not b.pending:
                 b.ready = True
                 self._launch_ready()
@@ -220,10 +263,19 @@ class BucketScheduler:
             self.average,
         )
 
+        tracer = self.tracer
+        ready_ns, ready_tid = time.perf_counter_ns(), threading.get_ident()
+        flow = tracer.next_flow() if tracer is not None else 0
+
         def job() -> None:
             entry["start"] = time.perf_counter()
+            t0 = time.perf_counter_ns()
             try:
-                comp.reduce(b.index, b.flat, group=group, shapes=shapes)
+                if tracer is None:
+                    comp.reduce(b.index, b.flat, group=group, shapes=shapes)
+                else:
+                    steps = comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes)
+                    _traced_run(steps, tracer, b.index)
                 if not average:
                     b.flat.mul_(w)
             except BaseException as exc:
@@ -231,12 +283,28 @@ class BucketScheduler:
                 h._finish(exc)
                 return
             entry["end"] = time.perf_counter()
+            if tracer is not None:
+                tracer.record(
+                    f"reduce bucket {b.index}",
+                    "bucket",
+                    t0,
+                    time.perf_counter_ns(),
+                    bucket=b.index,
+                    bytes=b.nbytes,
+                    flow=flow,
+                    ready_ns=ready_ns,
+                    ready_tid=ready_tid,
+                )
             h._finish(None)
 
         self._launcher.submit(job, b.flat)
 
     # -------------------------------------------------------------------- end of step
     def _finish_steps(self) -> Steps:
+        tracer = self.tracer
+        t_wait = time.perf_counter_ns()
+        if tracer is not None and self._bwd:
+            tracer.record("backward", "compute", self._bwd[0], self._bwd[1])
         mask = torch.zeros(len(self.params), dtype=torch.uint8)
         for i in self._order:
             mask[i] = 1
@@ -258,6 +326,9 @@ class BucketScheduler:
             handles = list(self._handles)
         yield handles
         self._launcher.wait_compute()
+        t_copy = time.perf_counter_ns()
+        if tracer is not None:
+            tracer.record("synchronize", "wait", t_wait, t_copy)
         used = mask.bool().tolist()
         for b in self.buckets:
             for pos, p in enumerate(b.params):
@@ -271,6 +342,9 @@ class BucketScheduler:
                     p.grad = view.to(p.dtype).clone()
                 else:
                     p.grad.copy_(view)
+        if tracer is not None:
+            tracer.record("copy-back", "user", t_copy, time.perf_counter_ns())
+            tracer.step()
         self._stats = {
             "step": self._step,
             "buckets": len(self.buckets),

@@ -1,0 +1,228 @@
+"""Chrome trace event format (what chrome://tracing and ui.perfetto.dev load), both ways.
+
+Export: one process (``pid``) per rank, one track (``tid``) per thread; compute, user, wait
+and bucket spans are complete events (``ph: X``); comm ops are async events (``ph: b``/``e``
+with an id) so concurrent ops never stack on one track; each bucket's reduction gets a flow
+arrow (``ph: s``/``f``) from the moment it became ready. Timestamps are microseconds.
+
+In a multi-rank job every rank calls :func:`export`; the events are gathered to rank 0 with
+every rank's clock shifted onto rank 0's (offsets measured at export, see clock.py), and
+rank 0 writes one file: to a temporary file beside the target, then an atomic rename, so a
+failure never leaves a partial trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from overlap.errors import OverlapError
+
+__all__ = ["TraceFormatError", "events_of", "export", "load_spans"]
+
+
+class TraceFormatError(OverlapError, ValueError):
+    """A file is not a readable overlap/Chrome trace."""
+
+
+def events_of(tracer: Any, rank: int, offset_ns: int) -> list[dict[str, Any]]:
+    """Chrome events for one rank's spans, shifted by -offset_ns."""
+
+    def us(t: int) -> float:
+        return (t - offset_ns) / 1000.0
+
+    ev: list[dict[str, Any]] = [
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": rank,
+            "tid": 0,
+            "args": {"name": f"rank {rank}"},
+        },
+        {
+            "ph": "M",
+            "name": "process_sort_index",
+            "pid": rank,
+            "tid": 0,
+            "args": {"sort_index": rank},
+        },
+    ]
+    for tid, tname in tracer.thread_names.items():
+        ev.append(
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": tname}}
+        )
+    for i, (name, cat, t0, t1, tid, args) in enumerate(tracer.spans):
+        base = {"name": name, "cat": cat, "pid": rank, "tid": tid, "args": {**args, "rank": rank}}
+        if cat == "comm":
+            aid = f"{rank}-{i}"
+            ev.append({**base, "ph": "b", "id": aid, "ts": us(t0)})
+            ev.append({**base, "ph": "e", "id": aid, "ts": us(t1)})
+        elif t0 == t1:
+            ev.append({**base, "ph": "i", "s": "t", "ts": us(t0)})
+        else:
+            ev.append({**base, "ph": "X", "ts": us(t0), "dur": (t1 - t0) / 1000.0})
+        flow = args.get("flow")
+        if cat == "bucket" and flow is not None and "ready_ns" in args:
+            fid = f"{rank}-flow-{flow}"
+            ev.append(
+                {
+                    "ph": "s",
+                    "id": fid,
+                    "name": "ready->reduce",
+                    "cat": "flow",
+                    "pid": rank,
+                    "tid": args.get("ready_tid", tid),
+                    "ts": us(args["ready_ns"]),
+                }
+            )
+            ev.append(
+                {
+                    "ph": "f",
+                    "bp": "e",
+                    "id": fid,
+                    "name": "ready->reduce",
+                    "cat": "flow",
+                    "pid": rank,
+                    "tid": tid,
+                    "ts": us(t0),
+                }
+            )
+    return ev
+
+
+def _gather_bytes(payload: bytes) -> list[bytes] | None:
+    """Every rank's payload on rank 0 (None elsewhere). Collective."""
+    from overlap import comm
+
+    w, r = comm.get_world_size(), comm.get_rank()
+    data = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if payload
+        else torch.zeros(0, dtype=torch.uint8)
+    )
+    sizes = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
+    n = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(max(n, 1), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    slots = [torch.empty_like(padded) for _ in range(w)] if r == 0 else None
+    comm.gather(padded, slots, dst=0)
+    if r != 0:
+        return None
+    assert slots is not None
+    return [bytes(slots[i][: int(sizes[i].item())].numpy()) for i in range(w)]
+
+
+def export(tracer: Any, path: str) -> str | None:
+    from overlap import comm
+    from overlap.trace.clock import clock_offsets
+
+    multi = comm.is_initialized() and comm.get_world_size() > 1
+    rank = comm.get_rank() if comm.is_initialized() else 0
+    offsets = clock_offsets() if multi else [0]
+    mine = events_of(tracer, rank, offsets[rank] if multi else 0)
+    if multi:
+        parts = _gather_bytes(json.dumps(mine).encode())
+        if parts is None:
+            return None
+        events = [e for p in parts for e in json.loads(p.decode())]
+    else:
+        events = mine
+    doc = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "producer": "overlap",
+            "world_size": len(offsets),
+            "clock_offsets_ns": offsets,
+        },
+    }
+    _write_atomic(path, json.dumps(doc))
+    return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".overlap-trace-", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise OSError(
+            f"cannot write the trace to {path}: {exc.strerror}; choose a writable directory"
+        ) from exc
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_spans(path: str) -> tuple[list[Any], int]:
+    """Spans (per rank) back from a trace file written by :func:`export`; (spans, world)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise TraceFormatError(f"{path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); the file may be "
+            "truncated: export it again"
+        ) from None
+    events = doc.get("traceEvents") if isinstance(doc, dict) else doc
+    if not isinstance(events, list):
+        raise TraceFormatError(f"{path} is JSON but not a Chrome trace (no traceEvents list)")
+    spans: list[Any] = []
+    opened: dict[str, dict[str, Any]] = {}
+    ranks = set()
+    for e in events:
+        if not isinstance(e, dict) or "ph" not in e:
+            raise TraceFormatError(f"{path}: an event without 'ph': {str(e)[:80]}")
+        ph = e["ph"]
+        pid = int(e.get("pid", 0))
+        ranks.add(pid)
+        args = dict(e.get("args", {}))
+        if ph == "X":
+            t0 = int(float(e["ts"]) * 1000)
+            spans.append(
+                (
+                    e["name"],
+                    e.get("cat", "user"),
+                    t0,
+                    t0 + int(float(e.get("dur", 0)) * 1000),
+                    e.get("tid", 0),
+                    args,
+                )
+            )
+        elif ph == "b":
+            opened[str(e["id"])] = e
+        elif ph == "e":
+            b = opened.pop(str(e["id"]), None)
+            if b is not None:
+                spans.append(
+                    (
+                        b["name"],
+                        b.get("cat", "comm"),
+                        int(float(b["ts"]) * 1000),
+                        int(float(e["ts"]) * 1000),
+                        b.get("tid", 0),
+                        dict(b.get("args", {})),
+                    )
+                )
+        elif ph == "i":
+            t = int(float(e["ts"]) * 1000)
+            spans.append((e["name"], e.get("cat", "user"), t, t, e.get("tid", 0), args))
+    world = (
+        int(doc.get("otherData", {}).get("world_size", len(ranks) or 1))
+        if isinstance(doc, dict)
+        else max(len(ranks), 1)
+    )
+    return spans, world

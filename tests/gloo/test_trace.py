@@ -1,0 +1,41 @@
+"""A real 2-rank traced run: both ranks, every bucket, comm starting before backward ends."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from overlap.testing import RankPool
+from overlap.trace import OverlapReport, load_spans
+from tests.gloo import trace_cases
+
+
+def test_merged_trace_shows_both_ranks_every_bucket_and_overlap(
+    pools: Callable[[int], RankPool], tmp_path: Path
+) -> None:
+    path = str(tmp_path / "trace.json")
+    res = pools(2).run(trace_cases.traced_training, path, timeout=120)
+    assert res[0]["written"] == path and res[1]["written"] is None  # rank 0 writes
+    doc = json.loads(Path(path).read_text())
+    assert doc["otherData"]["world_size"] == 2
+    spans, world = load_spans(path)
+    by_rank = defaultdict(list)
+    for s in spans:
+        by_rank[s[5]["rank"]].append(s)
+    assert sorted(by_rank) == [0, 1]
+    for r, ss in by_rank.items():
+        buckets = {s[5]["bucket"] for s in ss if s[1] == "bucket"}
+        assert buckets == set(range(res[r]["buckets"])), (r, buckets)
+        backward = sorted((s[2], s[3]) for s in ss if s[0] == "backward")
+        comms = sorted(s[2] for s in ss if s[1] == "comm")
+        assert len(backward) == 3
+        for b0, b1 in backward:  # in every step a collective began before backward ended
+            assert any(b0 <= c < b1 for c in comms), (r, b0, b1)
+        assert any(s[0] == "forward" for s in ss)
+        assert sum(1 for s in ss if s[1] == "step") == 3
+    rep = OverlapReport.from_spans(spans, world=world)
+    assert rep.ranks == 2 and len(rep.steps) >= 3 and rep.comm_ms > 0
+    assert 0 < rep.overlap_ratio <= 1
+    assert any(o["op"] == "all_reduce" for o in rep.ops)

@@ -1,0 +1,173 @@
+"""Tracer, report and Chrome export, single process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.trace import OverlapReport, TraceFormatError, Tracer, load_spans
+from overlap.trace.report import busbw_factor
+
+MS = 1_000_000
+
+
+def spans(*items: tuple[str, int, int]) -> list[tuple]:
+    return [(cat, cat, a * MS, b * MS, 1, {}) for cat, a, b in items]
+
+
+@pytest.mark.parametrize(
+    ("items", "comm", "hidden", "ratio"),
+    [
+        ([("compute", 0, 100), ("comm", 10, 60)], 50, 50, 1.0),  # full overlap
+        ([("compute", 0, 50), ("comm", 60, 100)], 40, 0, 0.0),  # none
+        ([("compute", 0, 100), ("comm", 80, 140)], 60, 20, 1 / 3),  # partial
+        # two comm streams overlapping each other count once
+        ([("compute", 0, 60), ("comm", 10, 50), ("comm", 30, 90)], 80, 50, 50 / 80),
+        # several compute spans, one comm across them
+        ([("compute", 0, 10), ("compute", 20, 30), ("comm", 5, 25)], 20, 10, 0.5),
+    ],
+)
+def test_overlap_ratio_on_known_answers(
+    items: list[tuple[str, int, int]], comm: float, hidden: float, ratio: float
+) -> None:
+    rep = OverlapReport.from_spans(spans(*items))
+    assert rep.comm_ms == pytest.approx(comm)
+    assert rep.hidden_ms == pytest.approx(hidden)
+    assert rep.exposed_ms == pytest.approx(comm - hidden)
+    assert rep.overlap_ratio == pytest.approx(ratio)
+
+
+def test_report_splits_steps_at_marks() -> None:
+    s = spans(
+        ("compute", 0, 10), ("comm", 5, 20), ("step", 25, 25), ("compute", 30, 40), ("comm", 30, 35)
+    )
+    rep = OverlapReport.from_spans(s)
+    assert [round(x.overlap_ratio, 3) for x in rep.steps] == [round(5 / 15, 3), 1.0]
+    d = rep.to_dict()
+    assert json.loads(rep.to_json())["steps"][1]["comm_ms"] == pytest.approx(5)
+    assert d["overlap_ratio"] == pytest.approx(10 / 20)
+    text = rep.render()
+    assert "overlap report" in text and "per step" in text
+
+
+def test_busbw_factors_are_nccl_tests() -> None:
+    assert busbw_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert busbw_factor("all_gather_into_tensor", 4) == pytest.approx(0.75)
+    assert busbw_factor("reduce_scatter", 2) == pytest.approx(0.5)
+    assert busbw_factor("broadcast", 8) == 1.0
+
+
+def make_trace() -> Tracer:
+    t = Tracer()
+    with t.span("forward"):
+        torch.ones(100).sum()
+    t.record("all_reduce", "comm", 1000, 5000, op="all_reduce", bytes=4096, world=2)
+    t.record("all_reduce", "comm", 2000, 9000, op="all_reduce", bytes=4096, world=2)
+    t.record("reduce bucket 0", "bucket", 3000, 4000, bucket=0, bytes=10, flow=1, ready_ns=2500)
+    t.step()
+    return t
+
+
+def test_chrome_export_is_valid(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    assert make_trace().export_chrome(str(path)) == str(path)
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"]
+    open_async: dict[str, dict] = {}
+    for e in events:
+        assert e["ph"] in {"X", "b", "e", "i", "M", "s", "f"}
+        assert {"ph", "pid", "name"} <= set(e)
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], float | int) and "tid" in e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+        if e["ph"] == "b":
+            assert e["id"] not in open_async
+            open_async[e["id"]] = e
+        if e["ph"] == "e":
+            b = open_async.pop(e["id"])
+            assert b["name"] == e["name"] and e["ts"] >= b["ts"]
+    assert not open_async  # every async begin has its end
+    names = {e["name"] for e in events if e["ph"] == "M"}
+    assert {"process_name", "thread_name"} <= names
+    assert any(e["ph"] == "s" for e in events) and any(e["ph"] == "f" for e in events)
+    spans_back, world = load_spans(str(path))
+    assert sum(1 for s in spans_back if s[1] == "comm") == 2
+    rep = OverlapReport.from_spans(spans_back, world=world)
+    assert rep.ops and rep.ops[0]["busbw_GBps"] > 0
+
+
+def test_truncated_and_foreign_files_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    make_trace().export_chrome(str(path))
+    cut = tmp_path / "cut.json"
+    cut.write_text(path.read_text()[:200])
+    with pytest.raises(TraceFormatError, match="truncated"):
+        load_spans(str(cut))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(TraceFormatError, match="not a Chrome trace"):
+        load_spans(str(other))
+    with pytest.raises(TraceFormatError, match="no such file"):
+        load_spans(str(tmp_path / "missing.json"))
+
+
+def test_unwritable_path_errors_and_leaves_nothing(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: use a missing dir instead
+            target = tmp_path / "no" / "such" / "dir" / "t.json"
+        else:
+            target = locked / "t.json"
+        with pytest.raises(OSError, match="cannot write the trace"):
+            make_trace().export_chrome(str(target))
+        assert not target.exists()
+        assert list(locked.iterdir()) == []
+    finally:
+        os.chmod(locked, 0o700)
+
+
+def test_user_spans_reach_torch_profiler() -> None:
+    t = Tracer()
+    with torch.profiler.profile() as prof, t.span("my-forward"):
+        torch.ones(10).sum()
+    assert any(e.name == "my-forward" for e in prof.events())
+    assert t.spans[0][0] == "my-forward"
+
+
+def test_cli_summarize_and_plot(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    make_trace().export_chrome(str(path))
+    out = subprocess.run(
+        [sys.executable, "-m", "overlap.cli", "trace", "summarize", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "overlap report" in out.stdout, out.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    out = subprocess.run(
+        [sys.executable, "-m", "overlap.cli", "trace", "summarize", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "not valid JSON" in out.stdout
+    png = tmp_path / "timeline.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "overlap.cli", "trace", "plot", str(path), "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
