@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -21,41 +20,83 @@ def _out(text: str = "") -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+
     from overlap.bench.harness import Table, human_bytes
+
+    if args.link and not args._in_link:
+        from overlap.bench.link import LinkError, shaped_link
+
+        cmd = [
+            sys.executable,
+            "-m",
+            "overlap.cli",
+            "demo",
+            "--world-size",
+            str(args.world_size),
+            "--steps",
+            str(args.steps),
+            "--model-size",
+            args.model_size,
+            "--out-dir",
+            args.out_dir,
+            "--_in-link",
+            "--link",
+            args.link,
+        ]
+        try:
+            with shaped_link(args.link) as prefix:
+                return subprocess.run(prefix + cmd).returncode
+        except LinkError as exc:
+            _out(f"error: {exc}")
+            return 2
     from overlap.demo import run_demo
 
     _out(
-        f"overlap demo: {args.world_size} local ranks (torch elastic launcher), "
-        f"{args.steps} steps, {args.layers} layers of {args.dim}x{args.dim} gradients"
+        f"overlap demo: {args.world_size} local ranks (torch's elastic launcher), a "
+        f"{args.model_size} transformer, {args.steps} steps each of DDP and overlap "
+        f"(none, fp16, onebit), link: {args.link or 'loopback'}"
     )
-    results = run_demo(args.world_size, args.steps, args.dim, args.layers)
+    results = run_demo(args.world_size, args.steps, args.model_size, args.out_dir)
     r0 = results[0]
-    ser = statistics.median(r0["serial_s"]) * 1e3
-    ovl = statistics.median(r0["overlap_s"]) * 1e3
-    table = Table(
-        ["variant", "median step ms", "bytes all-reduced per rank per step"],
-        title="\nResults (rank 0; gradients checked identical every step)",
+    if args.json:
+        _out(json.dumps(r0, indent=2, default=str))
+        return 0
+    rows = r0["table"]
+    base = rows["ddp"]["step_ms"]
+    t = Table(
+        [
+            "variant",
+            "step ms",
+            "vs DDP",
+            "exposed comm ms",
+            "overlap ratio",
+            "bytes/rank/step",
+            "final loss",
+        ],
+        title=f"\n{r0['params'] / 1e6:.2f}M parameters, {r0['world']} ranks (median step, rank 0)",
     )
-    per_step = r0["bytes"] / max(len(r0["overlap_s"]), 1)
-    table.add(
-        **{
-            "variant": "compute, then blocking all_reduce",
-            "median step ms": ser,
-            "bytes all-reduced per rank per step": human_bytes(per_step),
-        }
-    )
-    table.add(
-        **{
-            "variant": "awaited all_reduce overlapped",
-            "median step ms": ovl,
-            "bytes all-reduced per rank per step": human_bytes(per_step),
-        }
-    )
-    _out(table.render())
-    _out(
-        f"\nspeed-up: {ser / ovl:.2f}x  (communication hidden behind compute: "
-        f"{max(ser - ovl, 0):.1f} ms per step)"
-    )
+    for name, r in rows.items():
+        t.add(
+            **{
+                "variant": name,
+                "step ms": r["step_ms"],
+                "vs DDP": f"{base / r['step_ms']:.2f}x",
+                "exposed comm ms": "" if r["exposed_ms"] is None else r["exposed_ms"],
+                "overlap ratio": "" if r["overlap"] is None else round(r["overlap"], 2),
+                "bytes/rank/step": human_bytes(r["bytes"]),
+                "final loss": round(r["loss"], 4) if r["loss"] is not None else "",
+            }
+        )
+    _out(t.render())
+    if r0["trace"]:
+        _out(
+            f"\ntrace of the OneBit run: {r0['trace']} (open it in https://ui.perfetto.dev "
+            "or chrome://tracing; or run `overlap trace summarize` on it)"
+        )
+    if r0["png"]:
+        _out(f"timeline: {r0['png']}")
     return 0
 
 
@@ -427,11 +468,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="run the local demo: awaited all_reduce hidden behind compute")
+    d = sub.add_parser("demo", help="run the local demo: DDP vs overlap on local ranks")
     d.add_argument("--world-size", type=int, default=2)
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--dim", type=int, default=512)
-    d.add_argument("--layers", type=int, default=6)
+    d.add_argument("--steps", type=int, default=12)
+    d.add_argument("--model-size", choices=["small", "medium", "large"], default="small")
+    d.add_argument(
+        "--link",
+        default=None,
+        help="run the ranks on a loopback shaped to this rate, e.g. 1gbit (root)",
+    )
+    d.add_argument("--out-dir", default=".", help="where to write the trace and the timeline")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--_in-link", dest="_in_link", action="store_true", help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks")

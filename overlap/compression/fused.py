@@ -68,8 +68,45 @@ def _build() -> dict[str, Any] | None:
                     return
                 out[i] = s if (byte >> (7 - j)) & 1 else -s
 
-    return {"pack": jit(pack), "update": jit(update), "server": jit(server),
-            "rebuild": jit(rebuild_)}
+    def update_ranges(v: Any, starts: Any, ends: Any, scales: Any, out: Any) -> None:
+        for k in range(starts.shape[0]):
+            s = scales[k]
+            for i in range(starts[k], ends[k]):
+                x = v[i]
+                out[i] = x - s if x >= 0 else x + s
+
+    def server_ranges(
+        parts: Any, q: Any, starts: Any, ends: Any, segk: Any, err: Any, out: Any
+    ) -> None:
+        # pieces of segments inside this chunk; q[r, k] = rank r's scale of segment k / W
+        w = parts.shape[0]
+        for p in range(starts.shape[0]):
+            k = segk[p]
+            for i in range(starts[p], ends[p]):
+                byte = i >> 3
+                shift = 7 - (i & 7)
+                acc = np.float32(0.0)
+                for r in range(w):
+                    acc = acc + q[r, k] if (parts[r, byte] >> shift) & 1 else acc - q[r, k]
+                out[i] = acc + err[i]
+
+    def rebuild_ranges(
+        signs: Any, scales: Any, starts: Any, ends: Any, owner: Any, segk: Any, out: Any
+    ) -> None:
+        for p in range(starts.shape[0]):
+            s = scales[owner[p], segk[p]]
+            for i in range(starts[p], ends[p]):
+                out[i] = s if (signs[i >> 3] >> (7 - (i & 7))) & 1 else -s
+
+    return {
+        "pack": jit(pack),
+        "update": jit(update),
+        "server": jit(server),
+        "rebuild": jit(rebuild_),
+        "update_ranges": jit(update_ranges),
+        "server_ranges": jit(server_ranges),
+        "rebuild_ranges": jit(rebuild_ranges),
+    }
 
 
 def _get() -> dict[str, Any] | None:
@@ -108,3 +145,10 @@ def rebuild(signs: Any, scales: Any, chunk_bytes: int, n: int, out: Any) -> None
     k = _get()
     assert k is not None
     k["rebuild"](signs, scales, chunk_bytes, n, out)
+
+
+def kernel(name: str) -> Any:
+    """One of the compiled kernels (call only when :func:`available`)."""
+    k = _get()
+    assert k is not None
+    return k[name]

@@ -108,24 +108,64 @@ def _minus_signed(v: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> No
     torch.sub(v, torch.copysign(scale.expand_as(v) if scale.dim() == 0 else scale, v), out=out)
 
 
-def _segment_ids(segments: Sequence[int], n: int, P: int, device: torch.device) -> torch.Tensor:
-    """Segment index of each of the P padded elements; the padding is its own last segment."""
+def _pieces(segments: Sequence[int], n: int, P: int, w: int) -> Any:
+    """Segment boundaries (the padding is its own last segment) and their pieces per chunk.
+
+    Returns (bounds, pieces): bounds[k] = (start, end) of segment k; pieces is a list of
+    (start, end, segment, chunk) covering [0, P) in order.
+    """
     if sum(segments) != n or any(k < 0 for k in segments):
         raise ValueError(
             f"segments {list(segments)} must be non-negative and add up to the "
             f"buffer's {n} elements"
         )
-    lengths = torch.tensor([*segments, P - n], dtype=torch.int64)
-    return torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+    lengths = [*segments, P - n]
+    bounds, off = [], 0
+    for k in lengths:
+        bounds.append((off, off + k))
+        off += k
+    chunk = P // w
+    pieces = []
+    for k, (a, e) in enumerate(bounds):
+        cur = a
+        while cur < e:
+            j = cur // chunk
+            stop = min(e, (j + 1) * chunk)
+            pieces.append((cur, stop, k, j))
+            cur = stop
+    return bounds, pieces
 
 
-def _rms_by_segment(v: torch.Tensor, ids: torch.Tensor, count: int) -> torch.Tensor:
-    """Per segment: ||v_k|| / sqrt(len_k) (0 for an empty segment)."""
-    sq = torch.zeros(count, dtype=torch.float32, device=v.device).index_add_(0, ids, v * v)
-    lens = torch.zeros(count, dtype=torch.float32, device=v.device).index_add_(
-        0, ids, torch.ones_like(v)
-    )
-    return torch.where(lens > 0, torch.sqrt(sq / lens.clamp(min=1)), torch.zeros_like(sq))
+def _rms(
+    v: torch.Tensor, ranges: Sequence[tuple[int, int]], count: int, index: Sequence[int]
+) -> torch.Tensor:
+    """Per range: ||v[a:e]|| / sqrt(e - a), placed at ``index`` in a vector of ``count``."""
+    out = torch.zeros(count, dtype=torch.float32, device=v.device)
+    for (a, e), k in zip(ranges, index, strict=True):
+        if e > a:
+            out[k] = torch.linalg.vector_norm(v[a:e]) / math.sqrt(e - a)
+    return out
+
+
+def _segmented_update(
+    v: torch.Tensor,
+    ranges: Sequence[tuple[int, int]],
+    scales: torch.Tensor,
+    index: Sequence[int],
+    out: torch.Tensor,
+    fast: bool,
+) -> None:
+    if fast:
+        import numpy as np
+
+        starts = np.array([a for a, _ in ranges], dtype=np.int64)
+        ends = np.array([e for _, e in ranges], dtype=np.int64)
+        sc = scales[list(index)].numpy() if len(index) else np.zeros(0, dtype=np.float32)
+        fused.kernel("update_ranges")(v.numpy(), starts, ends, sc, out.numpy())
+        return
+    for (a, e), k in zip(ranges, index, strict=True):
+        if e > a:
+            _minus_signed(v[a:e], scales[k], out[a:e])
 
 
 def onebit_steps(
@@ -149,18 +189,20 @@ def onebit_steps(
     dev = buffer.device
     ranks = [comm.get_global_rank(group, i) for i in range(w)]
     me = comm.get_rank(group)
-    seg = None if segments is None or len(segments) <= 1 else _segment_ids(segments, n, P, dev)
-    nseg = 1 if seg is None else len(segments) + 1  # type: ignore[arg-type]
+    seg = None
+    if segments is not None and len(segments) > 1:
+        seg = _pieces(segments, n, P, w)
+    nseg = 1 if seg is None else len(seg[0])
 
     # 1. worker side (the worker error is committed only once every scale is known finite)
     b = torch.empty(P, dtype=torch.float32, device=dev)
     torch.add(buffer.reshape(-1), worker_error[:n], out=b[:n])  # one pass: copy and add fused
     b[n:].copy_(worker_error[n:])
-    fast = seg is None and dev.type == "cpu" and fused.available()
+    fast = dev.type == "cpu" and fused.available()
     if seg is None:
         scale = (torch.linalg.vector_norm(b) / math.sqrt(P)).reshape(1)
     else:
-        scale = _rms_by_segment(b, seg, nseg)
+        scale = _rms(b, seg[0], nseg, range(nseg))
     if fast:
         packed = torch.empty(P // 8, dtype=torch.uint8)
         fused.pack_signs_np(b.numpy(), packed.numpy())
@@ -193,40 +235,58 @@ def onebit_steps(
             "(e.g. with loss scaling) or find the source of the non-finite gradient",
             ranks=bad,
         )
-    s_el = scale[0] if seg is None else scale[seg]
-    if fast:
+    if seg is not None:
+        _segmented_update(b, seg[0], scale, range(nseg), worker_error, fast)
+    elif fast:
         fused.error_update(b.numpy(), float(scale[0]), worker_error.numpy())
     else:
-        _minus_signed(b, s_el, worker_error)
+        _minus_signed(b, scale[0], worker_error)
 
     # 3. server side for the chunk this rank owns
     table = sign_table(dev)
-    parts = recv.view(w, -1).long()
     c = torch.zeros(chunk, dtype=torch.float32, device=dev)
-    if fast:
-        q = (scales / w).numpy()
-        fused.server_accumulate(recv.view(w, -1).numpy(), q, server_error.numpy(), c.numpy())
-    elif seg is None:
+    base = me * chunk
+    if seg is not None:
+        mine = [(a - base, e - base, k) for a, e, k, j in seg[1] if j == me]
+        local = [(a, e) for a, e, _ in mine]
+        ks = [k for _, _, k in mine]
+        q = scales2 / w
+        if fast:
+            import numpy as np
+
+            fused.kernel("server_ranges")(
+                recv.view(w, -1).numpy(),
+                q.numpy(),
+                np.array([a for a, _ in local], dtype=np.int64),
+                np.array([e for _, e in local], dtype=np.int64),
+                np.array(ks, dtype=np.int64),
+                server_error.numpy(),
+                c.numpy(),
+            )
+        else:
+            signs_r = [table[p].reshape(-1) for p in recv.view(w, -1).long()]
+            for (a, e), k in zip(local, ks, strict=True):
+                for r in range(w):
+                    c[a:e].add_(signs_r[r][a:e] * q[r, k])
+            c.add_(server_error)
+        sscale = _rms(c, local, nseg, ks)
+        _segmented_update(c, local, sscale, ks, server_error, fast)
+    elif fast:
+        qn = (scales / w).numpy()
+        fused.server_accumulate(recv.view(w, -1).numpy(), qn, server_error.numpy(), c.numpy())
+        sscale = (torch.linalg.vector_norm(c) / math.sqrt(chunk)).reshape(1)
+        fused.error_update(c.numpy(), float(sscale[0]), server_error.numpy())
+    else:
+        parts = recv.view(w, -1).long()
         for r in range(w):
             c.add_((table * (scales[r] / w))[parts[r]].reshape(-1))
-    else:
-        mine = seg[me * chunk : (me + 1) * chunk]
-        for r in range(w):
-            c.add_(table[parts[r]].reshape(-1) * (scales2[r] / w)[mine])
-    if not fast:
         c.add_(server_error)
-    if seg is None:
         sscale = (torch.linalg.vector_norm(c) / math.sqrt(chunk)).reshape(1)
-        ss_el = sscale[0]
-    else:
-        sscale = _rms_by_segment(c, mine, nseg)
-        ss_el = sscale[mine]
+        _minus_signed(c, sscale[0], server_error)
     if fast:
-        fused.error_update(c.numpy(), float(sscale[0]), server_error.numpy())
         spacked = torch.empty(chunk // 8, dtype=torch.uint8)
         fused.pack_signs_np(c.numpy(), spacked.numpy())
     else:
-        _minus_signed(c, ss_el, server_error)
         spacked = pack_signs(c)
 
     # 4. phase 2: everyone gets every server chunk and scale
@@ -238,19 +298,35 @@ def onebit_steps(
     ]
 
     # 5. rebuild: element i of chunk j is sscale[j, segment(i)] * sign
+    direct = buffer.dtype == torch.float32
     if fast:
-        direct = buffer.dtype == torch.float32
         dst = buffer.detach().reshape(-1) if direct else torch.empty(n, dtype=torch.float32)
-        fused.rebuild(all_signs.numpy(), sscales.numpy(), chunk // 8, n, dst.numpy())
+        if seg is None:
+            fused.rebuild(all_signs.numpy(), sscales.numpy(), chunk // 8, n, dst.numpy())
+        else:
+            import numpy as np
+
+            pcs = [(a, min(e, n), k, j) for a, e, k, j in seg[1] if a < n]
+            fused.kernel("rebuild_ranges")(
+                all_signs.numpy(),
+                sscales.view(w, nseg).numpy(),
+                np.array([p[0] for p in pcs], dtype=np.int64),
+                np.array([p[1] for p in pcs], dtype=np.int64),
+                np.array([p[3] for p in pcs], dtype=np.int64),
+                np.array([p[2] for p in pcs], dtype=np.int64),
+                dst.numpy(),
+            )
         if not direct:
             buffer.copy_(dst.reshape(buffer.shape))
         return buffer
-    signs = table[all_signs.long()].reshape(w, chunk)
+    signs = table[all_signs.long()].reshape(-1)
     if seg is None:
-        out = signs * sscales.reshape(w, 1)
+        out = signs.reshape(w, chunk) * sscales.reshape(w, 1)
     else:
-        owner = torch.arange(w, device=dev).repeat_interleave(chunk) * nseg
-        out = signs.reshape(-1) * sscales[owner + seg]
+        ss = sscales.view(w, nseg)
+        out = torch.empty(P, dtype=torch.float32, device=dev)
+        for a, e, k, j in seg[1]:
+            out[a:e] = signs[a:e] * ss[j, k]
     buffer.copy_(out.reshape(-1)[:n].reshape(buffer.shape))
     return buffer
 

@@ -70,3 +70,7 @@ def test_compressed_training_converges_close_to_uncompressed(
 def test_per_tensor_scales_consistent_and_nan_safe(pools: Callable[[int], RankPool]) -> None:
     outs = pools(3).run(cc.segmented_onebit_is_consistent, timeout=60)
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_fused_kernels_match_the_torch_path_bitwise(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(cc.fused_and_torch_paths_agree, timeout=120) == [True, True]

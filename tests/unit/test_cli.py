@@ -25,12 +25,24 @@ def test_env_reports_backends() -> None:
         assert word in out.stdout
 
 
-def test_demo_runs_two_ranks_and_reports_speedup() -> None:
-    out = run("demo", "--steps", "2", "--dim", "128", "--layers", "3")
+def test_demo_runs_two_ranks_and_writes_trace_and_timeline(tmp_path: Path) -> None:
+    out = run("demo", "--steps", "2", "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "compute, then blocking all_reduce" in out.stdout
-    assert "awaited all_reduce overlapped" in out.stdout
-    assert "speed-up:" in out.stdout
+    for variant in ("ddp", "overlap-none", "overlap-fp16", "overlap-onebit"):
+        assert variant in out.stdout
+    assert "overlap ratio" in out.stdout and "ui.perfetto.dev" in out.stdout
+    trace = json.loads((tmp_path / "overlap-trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert (tmp_path / "overlap-timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_link_without_root_says_so() -> None:
+    if os.geteuid() == 0:
+        import pytest
+
+        pytest.skip("running as root: the link can be made")
+    out = run("demo", "--link", "1gbit")
+    assert out.returncode == 2 and "needs root" in out.stdout
 
 
 def test_bench_ops_json() -> None:
