@@ -97,7 +97,7 @@ def reference(stages: int) -> dict[str, Any]:
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     return {
-        "loss": float(loss),
+        "loss": loss.item(),
         "grads": [[p.grad.clone() for p in b.parameters()] for b in blocks],
     }  # type: ignore[union-attr]
 

@@ -9,6 +9,7 @@ to handle on purpose.
 from __future__ import annotations
 
 __all__ = [
+    "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
     "NonFiniteError",
@@ -52,6 +53,17 @@ class NonFiniteError(OverlapError, FloatingPointError):
     Raised on every rank alike (the ranks learn it from the exchanged scales, with no extra
     collective), before any error-feedback state is touched: the buffers are left as they
     were. ``ranks`` lists the ranks whose input was not finite.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
+class CollectiveMismatchError(CommError):
+    """Debug mode found ranks about to issue different collectives (op, shapes or order).
+
+    ``ranks`` lists the ranks that differ from the group's first rank.
     """
 
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:

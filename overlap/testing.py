@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -154,8 +154,9 @@ class RankPool:
         self._collect("start-up", self.timeout)
         return self
 
-    def close(self) -> None:
-        """Stop the ranks (politely, then by force)."""
+    def close(self) -> dict[int, int | None]:
+        """Stop the ranks (politely, then by force); return each rank's exit code, or None
+        for a rank that had to be killed."""
         for c in self._conns:
             try:
                 c.send(None)
@@ -164,7 +165,9 @@ class RankPool:
         deadline = time.monotonic() + 10
         for p in self._procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        codes = {r: (None if p.is_alive() else p.exitcode) for r, p in enumerate(self._procs)}
         self._kill()
+        return codes
 
     def _kill(self) -> None:
         for p in self._procs:
@@ -192,17 +195,24 @@ class RankPool:
         *args: Any,
         timeout: float | None = None,
         loop: LoopKind | None = None,
+        expect_dead: Sequence[int] = (),
         **kwargs: Any,
     ) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        Ranks in ``expect_dead`` may die (fault-injection tests): their result is None and
+        the call still waits for the others.
+        """
         if not self.alive:
             self._kill()
             self.start()
         for c in self._conns:
             c.send((fn, args, kwargs, loop))
-        return self._collect(getattr(fn, "__name__", repr(fn)), timeout or self.timeout)
+        return self._collect(
+            getattr(fn, "__name__", repr(fn)), timeout or self.timeout, set(expect_dead)
+        )
 
-    def _collect(self, what: str, timeout: float) -> list[Any]:
+    def _collect(self, what: str, timeout: float, may_die: set[int] | None = None) -> list[Any]:
         pending = dict(enumerate(self._conns))
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
         results: dict[int, tuple[str, Any]] = {}
@@ -224,8 +234,17 @@ class RankPool:
                 try:
                     results[rank] = self._conns[rank].recv()
                 except (EOFError, OSError):
-                    results[rank] = ("dead", None)
+                    results[rank] = ("ok", None) if rank in (may_die or set()) else ("dead", None)
                 del pending[rank]
+            for r in [
+                r
+                for r in pending
+                if r in (may_die or set())
+                and not self._procs[r].is_alive()
+                and not self._conns[r].poll()
+            ]:
+                results[r] = ("ok", None)
+                del pending[r]
             dead = [r for r in pending if not self._procs[r].is_alive()]
             if dead:
                 # Give a dying rank's pipe a moment to deliver a last message.

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check overlap tests examples
 .venv/bin/mypy
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "${TMPDIR:-/tmp}/overlap-site"
 .venv/bin/python -m pytest "$@"

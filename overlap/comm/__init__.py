@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from overlap.comm import debug as _debug
 from overlap.comm import state
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle, HandleState
@@ -62,6 +63,11 @@ __all__ = [
     "scatter",
     "send",
 ]
+
+
+def _check(op: str, group: Any, tensors: list[Any]) -> None:
+    if _debug.enabled():
+        _debug.check(op, group, tensors)
 
 
 # ------------------------------------------------------------------------ process, groups
@@ -131,6 +137,8 @@ def all_reduce(
     Returns the tensor (or a Handle resolving to it with ``async_op=True``).
     """
     backend = state.active()
+    if _debug.enabled():
+        _debug.check(f"all_reduce[{algorithm}]", group, [tensor])
     if algorithm == "native":
         return backend.all_reduce(tensor, op, group, async_op)
     from overlap.comm.algorithms import ALGORITHMS
@@ -148,6 +156,7 @@ def all_reduce(
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     """Copy rank ``src``'s tensor into ``tensor`` on every rank of the group."""
+    _check("broadcast", group, [tensor])
     return state.active().broadcast(tensor, src, group, async_op)
 
 
@@ -159,6 +168,7 @@ def reduce(
     (gloo itself leaves partial results there; overlap restores them, as deepspeed.comm
     documents, at the cost of one copy of the tensor on non-destination ranks.)
     """
+    _check("reduce", group, [tensor])
     return state.active().reduce(tensor, dst, op, group, async_op)
 
 
@@ -171,6 +181,7 @@ def all_gather(
     ``all_gather(tensor)`` allocates and returns the list. Either returns the list (or a Handle
     resolving to it).
     """
+    _check("all_gather", group, [tensor_list, tensor])
     return state.active().all_gather(tensor_list, tensor, group, async_op)
 
 
@@ -181,6 +192,7 @@ def all_gather_into_tensor(
     async_op: bool = False,
 ) -> Any:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (world_size x input)."""
+    _check("all_gather_into_tensor", group, [output_tensor, input_tensor])
     return state.active().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
 
@@ -192,6 +204,7 @@ def reduce_scatter(
     ``input`` is a list of world_size tensors shaped like ``output``, or one flat tensor of
     world_size x output elements.
     """
+    _check("reduce_scatter", group, [output, input])
     return state.active().reduce_scatter(output, input, op, group, async_op)
 
 
@@ -219,6 +232,7 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Any:
     """Split ``input`` along dim 0, send chunk i to rank i, gather the received chunks."""
+    _check("all_to_all_single", group, [output, input])
     return state.active().all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, group, async_op
     )
@@ -228,6 +242,7 @@ def all_to_all(
     output_tensor_list: Any, input_tensor_list: Any, group: Any = None, async_op: bool = False
 ) -> Any:
     """Send ``input_tensor_list[i]`` to rank i; receive rank i's into ``output_tensor_list[i]``."""
+    _check("all_to_all", group, [output_tensor_list, input_tensor_list])
     return state.active().all_to_all(output_tensor_list, input_tensor_list, group, async_op)
 
 
@@ -239,6 +254,7 @@ def gather(
     async_op: bool = False,
 ) -> Any:
     """Collect every rank's tensor into ``gather_list`` on ``dst`` (returns it there, else None)."""
+    _check("gather", group, [tensor])
     return state.active().gather(tensor, gather_list, dst, group, async_op)
 
 
@@ -250,11 +266,13 @@ def scatter(
     async_op: bool = False,
 ) -> Any:
     """Give rank i ``scatter_list[i]`` from ``src``, received into ``tensor``."""
+    _check("scatter", group, [tensor])
     return state.active().scatter(tensor, scatter_list, src, group, async_op)
 
 
 def barrier(group: Any = None, async_op: bool = False) -> Any:
     """Wait until every rank of the group reaches the barrier."""
+    _check("barrier", group, [])
     return state.active().barrier(group, async_op)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -266,10 +267,14 @@ class Handle:
         # Dropped while in flight: let the engine observe the op to the end. The engine keeps
         # this handle (and so the op's tensors) alive until then; gloo must not see a Work
         # freed mid-flight.
+        # Not at interpreter exit: threads cannot start then, and Thread.start() would wait
+        # forever (measured: a survivor of a killed peer hung at exit).
+        if sys.is_finalizing():
+            return
         try:
             if self._state is HandleState.PENDING:
                 self._engine.start(self)
-        except Exception:  # interpreter shutdown: nothing left to protect
+        except Exception:  # a half-torn-down interpreter: nothing left to protect
             pass
 
     def __await__(self) -> Generator[Any, None, Any]:

@@ -115,14 +115,21 @@ def init_distributed(
     *,
     auto_mpi_discovery: bool = True,
     distributed_port: int = 29500,
+    debug: bool | None = None,
 ) -> None:
     """Initialise overlap's communication (and torch.distributed) for this process.
 
     ``dist_backend`` is ``"gloo"``, ``"nccl"`` or ``None`` (nccl when CUDA is usable, gloo
     otherwise). ``timeout`` (seconds or timedelta) bounds every collective in the backend.
     Calling it again is harmless; asking for a different backend while one is active raises
-    ValueError (call ``destroy_process_group()`` first).
+    ValueError (call ``destroy_process_group()`` first). ``debug=True`` (or ``OVERLAP_DEBUG=1``)
+    checks every collective's op, shapes and dtypes across ranks before issuing it
+    (overlap.comm.debug).
     """
+    if debug is not None:
+        from overlap.comm import debug as _debug
+
+        _debug.set_enabled(debug)
     if state.is_active():
         current = state.active().name
         if dist_backend is not None and str(dist_backend).lower() != current:

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from overlap.comm import state as _state
 from overlap.comm.handle import Handle
 from overlap.errors import CommError
 
@@ -90,6 +91,8 @@ class TorchOp:
             return True
 
     def start(self, handle: Handle) -> None:
+        if not _state.is_active():
+            return  # the group was destroyed: its ops can never be observed now
         if self._claim():
             get_pool().submit(self.work, handle, self.post, self.rank)
 

@@ -38,3 +38,61 @@ def test_pipeline_example_runs_standalone() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "loss" in out.stdout
+
+
+def _torchrun(script: str, *args: str, n: int = 2) -> subprocess.CompletedProcess[str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(n),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            script,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_async_training_example_under_torchrun() -> None:
+    out = _torchrun("examples/train_async.py", "--steps", "40")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gloo: 40 steps on 2 ranks" in out.stdout
+    ticks = int(out.stdout.split(", ")[-1].split()[0])
+    assert ticks > 0  # the event loop ran other tasks while backward ran
+
+
+def test_async_training_example_under_mpiexec() -> None:
+    from tests.mpi.conftest import MPIEXEC, mpiexec
+
+    if MPIEXEC is None:
+        pytest.skip("needs mpiexec")
+    out = mpiexec(2, "examples/train_async.py", "--backend", "mpi", "--steps", "40")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "mpi: 40 steps on 2 ranks" in out.stdout
+
+
+def test_tracing_example(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    out = _torchrun("examples/trace_training.py", "--out", str(trace))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "overlap report" in out.stdout and trace.exists()
+
+
+def test_checkpoint_resume_example(tmp_path: Path) -> None:
+    out = _torchrun("examples/checkpoint_resume.py", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("bit-identical: True") == 2

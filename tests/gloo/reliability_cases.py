@@ -1,0 +1,141 @@
+"""Rank-side fault injection and load checks (docs/reliability.md has the figures)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import overlap
+from overlap import BucketScheduler, CommError, comm
+from overlap.comm import debug
+from overlap.compression import OneBit, compressed_allreduce, padded_numel
+from overlap.errors import CollectiveMismatchError
+
+
+def mismatch_is_detected() -> dict[str, Any]:
+    r = comm.get_rank()
+    debug.set_enabled(True)
+    out: dict[str, Any] = {}
+    try:
+        for name, fn in (
+            ("shape", lambda: comm.all_reduce(torch.ones(4 if r == 0 else 8))),
+            (
+                "op",
+                lambda: (
+                    comm.all_reduce(torch.ones(4))
+                    if r == 0
+                    else comm.broadcast(torch.ones(4), src=0)
+                ),
+            ),
+            (
+                "dtype",
+                lambda: comm.all_reduce(torch.ones(4, dtype=torch.float64 if r else torch.float32)),
+            ),
+        ):
+            try:
+                fn()
+                out[name] = "no error"
+            except CollectiveMismatchError as e:
+                out[name] = (e.ranks, str(e))
+        t = torch.ones(3)
+        comm.all_reduce(t)  # a matching op still works afterwards, checked
+        out["after"] = t.tolist()
+    finally:
+        debug.set_enabled(False)
+    return out
+
+
+def many_ops(n: int) -> int:
+    from tests.gloo.contract_cases import many_in_flight
+
+    return many_in_flight(n, "uvloop")
+
+
+def long_training_is_flat(steps: int) -> dict[str, float]:
+    import psutil
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    sched = BucketScheduler(model, compression=OneBit(warmup_steps=5))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    proc = psutil.Process()
+    gen = torch.Generator().manual_seed(comm.get_rank())
+    warm, rss0, threads0 = steps // 10, 0, 0
+    for i in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 64, generator=gen)).pow(2).mean().backward()
+        sched.synchronize()
+        opt.step()
+        if i == warm:
+            rss0, threads0 = proc.memory_info().rss, proc.num_threads()
+    rss1, threads1 = proc.memory_info().rss, proc.num_threads()
+    sched.remove()
+    return {
+        "rss_growth": (rss1 - rss0) / rss0,
+        "threads_before": threads0,
+        "threads_after": threads1,
+    }
+
+
+def _die_soon(delay: float) -> None:
+    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+
+def peer_killed(where: str) -> Any:
+    """Rank 1 is SIGKILLed mid-operation; rank 0 must see CommError, not a hang."""
+    r = comm.get_rank()
+    if where == "collective":
+        if r == 1:
+            _die_soon(0.3)
+            time.sleep(30)
+        t0 = time.monotonic()
+        try:
+
+            async def main() -> None:
+                await comm.all_reduce(torch.ones(1 << 16), async_op=True)
+
+            overlap.run(main())
+        except CommError as e:
+            return ["CommError", time.monotonic() - t0, type(e.__cause__).__name__]
+        return ["no error"]
+    if where == "compressed":
+        n = 1 << 16
+        we, se = torch.zeros(padded_numel(n, 2)), torch.zeros(padded_numel(n, 2) // 2)
+        if r == 1:
+            _die_soon(0.3)
+            time.sleep(30)
+        t0 = time.monotonic()
+        try:
+            compressed_allreduce(torch.ones(n), we, se)
+        except CommError as e:
+            return ["CommError", time.monotonic() - t0, type(e.__cause__).__name__]
+        return ["no error"]
+    # a bucket reduction: rank 1 dies inside backward of its third step
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)])
+    sched = BucketScheduler(model, bucket_cap_mb=0.07, first_bucket_mb=0.07)
+    if r == 1:
+        calls = [0]
+
+        def hook(_: torch.Tensor) -> None:
+            calls[0] += 1
+            if calls[0] == 3 * 2 + 2:  # a few gradients into step 3: buckets in flight
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        model[2].weight.register_post_accumulate_grad_hook(hook)
+        model[3].weight.register_post_accumulate_grad_hook(hook)
+    t0 = time.monotonic()
+    try:
+        for _ in range(10):
+            t0 = time.monotonic()
+            model(torch.randn(32, 128)).sum().backward()
+            sched.synchronize()
+    except CommError as e:
+        return ["CommError", time.monotonic() - t0, type(e.__cause__).__name__]
+    return ["no error"]

@@ -1,0 +1,48 @@
+"""Faults become errors, never hangs; bad collectives are caught; load is held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from overlap.testing import RankPool
+from tests.gloo import reliability_cases as rc
+
+TIMEOUT = 10.0  # the process-group timeout of the fault-injection jobs
+
+
+def test_debug_mode_names_the_mismatch(pools: Callable[[int], RankPool]) -> None:
+    res = pools(2).run(rc.mismatch_is_detected, timeout=60)
+    for r in (0, 1):
+        assert res[r]["after"] == [2.0, 2.0, 2.0]
+        for case in ("shape", "op", "dtype"):
+            ranks, msg = res[r][case]
+            assert ranks == [1] and "collective mismatch" in msg, (r, case, msg)
+        assert "float32[4]" in res[r]["shape"][1] and "float32[8]" in res[r]["shape"][1]
+        assert "broadcast" in res[r]["op"][1]
+
+
+def test_10000_concurrent_awaited_ops(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(rc.many_ops, 10_000, timeout=300) == [10_000, 10_000]
+
+
+def test_2000_steps_keep_rss_flat_and_threads_constant(pools: Callable[[int], RankPool]) -> None:
+    for r in pools(2).run(rc.long_training_is_flat, 2000, timeout=600):
+        assert r["rss_growth"] < 0.05, r
+        assert r["threads_after"] == r["threads_before"], r
+
+
+@pytest.mark.parametrize("where", ["collective", "compressed", "bucket"])
+def test_sigkilled_peer_becomes_comm_error(where: str) -> None:
+    pool = RankPool(2, timeout=TIMEOUT)
+    pool.start()
+    try:
+        res = pool.run(rc.peer_killed, where, timeout=120, expect_dead=(1,))
+    finally:
+        codes = pool.close()
+    kind, seconds, *cause = res[0]
+    assert kind == "CommError", res
+    assert seconds < TIMEOUT + 5, res
+    assert cause and cause[0] not in ("NoneType", "")  # the backend's error is kept
+    assert codes[0] == 0, codes  # the survivor then exited by itself, nothing stuck
