@@ -19,6 +19,30 @@ def _out(text: str = "") -> None:
     sys.stdout.flush()
 
 
+def _run_json(cmd: list[str], link: str | None, what: str) -> tuple[Any, int]:
+    """Run a benchmark subprocess (in a shaped link if asked); (its RESULT json, 0) or
+    (None, exit code) after saying what went wrong."""
+    import json
+    import subprocess
+
+    from overlap.bench.link import LinkError, shaped_link
+
+    try:
+        if link:
+            with shaped_link(link) as prefix:
+                out = subprocess.run(prefix + cmd, capture_output=True, text=True)
+        else:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+    except LinkError as exc:
+        _out(f"error: {exc}")
+        return None, 2
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        _out(f"{what} failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        return None, 1
+    return json.loads(line[7:]), 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import json
     import subprocess
@@ -236,11 +260,9 @@ def _bench_ops_under_mpiexec(
 
 def cmd_bench_compress(args: argparse.Namespace) -> int:
     import json
-    import subprocess
 
     from overlap.bench.compress import bench_codec
     from overlap.bench.harness import Table, human_bytes, parse_size
-    from overlap.bench.link import LinkError, shaped_link
 
     sizes = [parse_size(s) // 4 for s in args.sizes.split(",")]
     report: dict[str, Any] = {}
@@ -284,20 +306,9 @@ def cmd_bench_compress(args: argparse.Namespace) -> int:
             str(args.iters),
             str(args.world_size),
         ]
-        try:
-            if args.link:
-                with shaped_link(args.link) as prefix:
-                    out = subprocess.run(prefix + cmd, capture_output=True, text=True)
-            else:
-                out = subprocess.run(cmd, capture_output=True, text=True)
-        except LinkError as exc:
-            _out(f"error: {exc}")
-            return 2
-        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            _out(f"the link benchmark failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-            return 1
-        res = json.loads(line[7:])
+        res, code = _run_json(cmd, args.link, "the link benchmark")
+        if res is None:
+            return code
         res["link"] = args.link or "loopback"
         report["allreduce"] = res
         if not args.json:
@@ -332,10 +343,8 @@ def cmd_bench_compress(args: argparse.Namespace) -> int:
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
     import json
-    import subprocess
 
     from overlap.bench.harness import Table, human_bytes
-    from overlap.bench.link import LinkError, shaped_link
     from overlap.bench.train import VARIANTS
 
     variants = args.variant or VARIANTS
@@ -353,20 +362,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         str(args.model_size),
         str(args.world_size),
     ]
-    try:
-        if args.link:
-            with shaped_link(args.link) as prefix:
-                out = subprocess.run(prefix + cmd, capture_output=True, text=True)
-        else:
-            out = subprocess.run(cmd, capture_output=True, text=True)
-    except LinkError as exc:
-        _out(f"error: {exc}")
-        return 2
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        _out(f"the training benchmark failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-        return 1
-    rows = json.loads(line[7:])
+    rows, code = _run_json(cmd, args.link, "the training benchmark")
+    if rows is None:
+        return code
     if args.json:
         _out(json.dumps(rows, indent=2))
         return 0
@@ -470,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run the local demo: DDP vs overlap on local ranks")
     d.add_argument("--world-size", type=int, default=2)
-    d.add_argument("--steps", type=int, default=12)
+    d.add_argument("--steps", type=int, default=40, help="steps per variant (about 30 s)")
     d.add_argument("--model-size", choices=["small", "medium", "large"], default="small")
     d.add_argument(
         "--link",

@@ -102,6 +102,7 @@ def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
             )
         v["opt"] = torch.optim.AdamW(model.parameters(), lr=3e-4)
         runs[name] = v
+    tracer.detach()  # the scheduler attached it; attach only around the OneBit steps
     nparams = sum(p.numel() for p in runs["ddp"]["model"].parameters())
     gen = torch.Generator().manual_seed(rank)
     progress = _Progress(steps * len(VARIANTS)) if rank == 0 else None
@@ -110,6 +111,9 @@ def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
         target = torch.roll(tokens, -1, dims=1)
         for name, v in runs.items():
             comm.barrier()
+            traced = name == "overlap-onebit"
+            if traced:
+                tracer.attach()  # record only this variant's ops
             t0 = time.perf_counter()
             v["opt"].zero_grad()
             logits = v["fwd"](tokens)
@@ -120,6 +124,8 @@ def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
                 v["sched"].synchronize()
             v["opt"].step()
             t1 = time.perf_counter()
+            if traced:
+                tracer.detach()
             if step == 0:
                 continue  # warm-up
             v["times"].append(t1 - t0)
@@ -227,7 +233,7 @@ def _free_port() -> int:
 
 
 def run_demo(
-    world_size: int = 2, steps: int = 12, model_size: str = "small", out_dir: str = "."
+    world_size: int = 2, steps: int = 40, model_size: str = "small", out_dir: str = "."
 ) -> dict[int, dict[str, Any]]:
     """Launch ``world_size`` local ranks with torch's elastic launcher; return their results."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

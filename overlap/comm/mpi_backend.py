@@ -37,6 +37,7 @@ from overlap.comm.reduce_op import ReduceOp, parse_op
 from overlap.comm.validate import (
     check_gathered_size,
     check_like,
+    check_p2p_peer,
     check_peer,
     check_reduce_scatter_flat,
     check_reduce_scatter_list,
@@ -644,12 +645,7 @@ class MpiBackend:
 
     # -------------------------------------------------------------------- point to point
     def _peer(self, peer: int, what: str, g: MpiGroup) -> int:
-        check_peer(peer, what, g.ranks, g.name)
-        if peer == self.global_rank:
-            raise ValueError(
-                f"{what}={peer} is this rank; a rank cannot send to or receive from itself"
-            )
-        return g.ranks.index(peer)
+        return check_p2p_peer(peer, what, g.ranks, g.name, self.global_rank)
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         t = self._t(tensor, "tensor")

@@ -25,7 +25,13 @@ from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, resolve_
 from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
-from overlap.comm.validate import check_peer, check_tensor, check_tensor_list, nbytes_of
+from overlap.comm.validate import (
+    check_p2p_peer,
+    check_peer,
+    check_tensor,
+    check_tensor_list,
+    nbytes_of,
+)
 from overlap.comm.waiters import TorchOp
 from overlap.errors import CommError
 from overlap.trace import recorder as _trace
@@ -486,11 +492,7 @@ class TorchBackend:
 
     # -------------------------------------------------------------------- point to point
     def _p2p_check(self, peer: int, what: str, info: GroupInfo) -> None:
-        check_peer(peer, what, info.ranks, info.name)
-        if peer == dist.get_rank():
-            raise ValueError(
-                f"{what}={peer} is this rank; a rank cannot send to or receive from itself"
-            )
+        check_p2p_peer(peer, what, info.ranks, info.name, dist.get_rank())
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         t = self._t(tensor, "tensor")

@@ -60,6 +60,18 @@ def check_peer(rank: int, what: str, group_ranks: Sequence[int], group_name: str
         )
 
 
+def check_p2p_peer(
+    peer: int, what: str, group_ranks: Sequence[int], group_name: str, me: int
+) -> int:
+    """A point-to-point peer: a member of the group, and not this rank. Returns its index."""
+    check_peer(peer, what, group_ranks, group_name)
+    if peer == me:
+        raise ValueError(
+            f"{what}={peer} is this rank; a rank cannot send to or receive from itself"
+        )
+    return list(group_ranks).index(peer)
+
+
 def nbytes_of(*tensors: torch.Tensor | Sequence[torch.Tensor] | None) -> int:
     total = 0
     for t in tensors:

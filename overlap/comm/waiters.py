@@ -184,15 +184,9 @@ def _future_of(work: Any) -> Any:
 
 
 def _complete_from_future(fut: Any, handle: Handle, post: PostFn | None, rank: int) -> None:
-    # Runs on a gloo/nccl worker thread: the future is complete, so nothing here blocks.
-    try:
-        fut.wait()
-        if post is not None:
-            post()
-    except BaseException as exc:
-        handle._finish(translate_error(exc, handle, rank))
-        return
-    handle._finish(None)
+    # Runs on a gloo/nccl worker thread: the future is complete, so its wait() returns at once
+    # and nothing here blocks (DESIGN.md contract 2).
+    observe(fut, handle, post, rank)
 
 
 _pool: WaiterPool | None = None
