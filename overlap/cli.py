@@ -124,7 +124,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rerun_in_link(args: argparse.Namespace) -> int | None:
+    """If --link was given (and we are not inside it yet), run this same command inside a
+    shaped network namespace and return its exit code; else None."""
+    if not getattr(args, "link", None) or getattr(args, "_in_link", False):
+        return None
+    import subprocess
+
+    from overlap.bench.link import LinkError, shaped_link
+
+    argv = [a for a in sys.argv[1:]]
+    try:
+        with shaped_link(args.link) as prefix:
+            return subprocess.run(
+                [*prefix, sys.executable, "-m", "overlap.cli", *argv, "--_in-link"]
+            ).returncode
+    except LinkError as exc:
+        _out(f"error: {exc}")
+        return 2
+
+
 def cmd_bench_ops(args: argparse.Namespace) -> int:
+    code = _rerun_in_link(args)
+    if code is not None:
+        return code
     from overlap.bench.harness import parse_size
     from overlap.bench.ops import OPS, bench_ops_rank, ops_table
     from overlap.testing import RankPool
@@ -507,6 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     bo.add_argument("--json", action="store_true", help="print the rows as JSON")
     bo.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    bo.add_argument(
+        "--link",
+        default=None,
+        help="run the ranks on a loopback shaped to this rate, e.g. 1gbit (root)",
+    )
+    bo.add_argument("--_in-link", dest="_in_link", action="store_true", help=argparse.SUPPRESS)
     bo.set_defaults(func=cmd_bench_ops)
 
     bc = bsub.add_parser("compress", help="OneBit codec cost; compressed vs fp32 allreduce")

@@ -234,3 +234,59 @@ def bad_inputs() -> dict[str, str]:
     catch("several_devices", lambda: BucketScheduler(mixed))
     catch("nothing_to_reduce", lambda: BucketScheduler(nn.Linear(2, 2).requires_grad_(False)))
     return out
+
+
+def saved_states() -> dict[str, Any]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4))
+    s = BucketScheduler(m, compression=OneBit())
+    m(torch.randn(2, 4)).sum().backward()
+    s.synchronize()
+    out = {"sched": s.state_dict(), "onebit": s.compression.state_dict()}
+    s.remove()
+    return out
+
+
+def restore_elsewhere(states: dict[str, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4))
+    s = BucketScheduler(m, compression=OneBit())
+    for name, fn in (
+        ("sched", lambda: s.load_state_dict(states["sched"])),
+        ("onebit", lambda: OneBit().load_state_dict(states["onebit"])),
+    ):
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    other = nn.Sequential(nn.Linear(4, 5))
+    s2 = BucketScheduler(other)
+    try:
+        s2.load_state_dict({**states["sched"], "world_size": comm.get_world_size()})
+        out["shapes"] = "no error"
+    except ValueError as e:
+        out["shapes"] = str(e)
+    s.remove()
+    s2.remove()
+    return out
+
+
+def low_precision_grads(reduce_dtype: str | None) -> list[float]:
+    r, w = comm.get_rank(), comm.get_world_size()
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2).to(torch.bfloat16)
+    s = BucketScheduler(m, reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None)
+    assert s.buckets[0].flat.dtype == (torch.float32 if reduce_dtype else torch.bfloat16)
+    x = torch.full((3, 4), float(r + 1), dtype=torch.bfloat16)
+    m(x).sum().backward()
+    sched_grad = None
+    s.synchronize()
+    sched_grad = m.weight.grad
+    assert sched_grad is not None and sched_grad.dtype == torch.bfloat16
+    # expected: the average over ranks of 3 * (r + 1) per weight entry
+    want = 3 * sum(q + 1 for q in range(w)) / w
+    assert torch.allclose(sched_grad.float(), torch.full((2, 4), want)), sched_grad
+    s.remove()
+    return sched_grad.float().flatten().tolist()[:2]

@@ -62,3 +62,22 @@ def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
         ), out
         assert "several devices" in out["several_devices"], out
         assert "no parameter requires grad" in out["nothing_to_reduce"], out
+
+
+def test_restore_into_another_world_size_or_model_is_refused(
+    pools: Callable[[int], RankPool],
+) -> None:
+    states = pools(2).run(sc.saved_states, timeout=60)[0]
+    res = pools(3).run(sc.restore_elsewhere, states, timeout=60)
+    for out in res:
+        assert "saved on 2 ranks but this group has 3" in out["sched"], out
+        assert "saved on 2 ranks but this job has 3" in out["onebit"], out
+        assert "other parameter shapes" in out["shapes"], out
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "float32"])
+def test_bf16_gradients_reduce_in_their_dtype_or_fp32(
+    pools: Callable[[int], RankPool], reduce_dtype: str | None
+) -> None:
+    res = pools(2).run(sc.low_precision_grads, reduce_dtype, timeout=60)
+    assert res[0] == res[1] == [4.5, 4.5]
