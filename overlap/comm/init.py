@@ -148,7 +148,8 @@ def init_distributed(
 
     backend = _pick_backend(dist_backend)
     if backend == "mpi":
-        _init_mpi()
+        td = _timeout(timeout)
+        _init_mpi(None if td is None else td.total_seconds())
         return
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
@@ -191,8 +192,29 @@ def init_distributed(
     log.info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
 
 
-def _init_mpi() -> None:
+def _finalize_mpi() -> None:
+    """atexit: MPI_Finalize, unless an op expired. With a dead peer and requests still
+    pending, MPICH's MPI_Finalize blocks forever (measured), so a broken job skips it."""
+    from mpi4py import MPI
+
+    from overlap.comm.progress import _graveyard
+
+    if not _graveyard and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def _init_mpi(timeout: float | None = None) -> None:
+    import sys
+
     try:
+        import mpi4py
+
+        if "mpi4py.MPI" not in sys.modules:
+            # overlap initialises MPI, so it also finalises it (see _finalize_mpi)
+            mpi4py.rc.finalize = False
+            import atexit
+
+            atexit.register(_finalize_mpi)
         from mpi4py import MPI
     except ImportError as exc:
         raise ImportError(
@@ -205,7 +227,7 @@ def _init_mpi() -> None:
     proc = MPI.Get_processor_name()
     procs = comm.allgather(proc)
     local_rank = sum(1 for p in procs[: comm.Get_rank()] if p == proc)
-    state.set_active(MpiBackend(), local_rank)
+    state.set_active(MpiBackend(timeout), local_rank)
     if comm.Get_size() == 1 and not in_mpi_env():
         log.info("init_distributed(mpi): not under mpiexec; running as a single rank")
     log.info(

@@ -127,9 +127,10 @@ class MpiBackend:
 
     name = "mpi"
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
         from mpi4py import MPI
 
+        self.timeout = timeout  # seconds; None: wait as long as MPI does (MPI_Wait)
         self.MPI = MPI
         world = MPI.COMM_WORLD
         self.world = MpiGroup(world, tuple(range(world.Get_size())), "world")
@@ -255,7 +256,7 @@ class MpiBackend:
         t0 = time.perf_counter_ns()
         try:
             req = start()
-            if not async_op:  # blocking: no Handle, just MPI_Wait on this thread
+            if not async_op and self.timeout is None:  # blocking: just MPI_Wait here
                 status = self.MPI.Status()
                 req.Wait(status)
         except (ValueError, TypeError):
@@ -264,6 +265,20 @@ class MpiBackend:
             raise CommError(
                 f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}"
             ) from exc
+        if not async_op and self.timeout is not None:
+            # A job timeout is configured: wait through an MpiOp, which enforces it.
+            h = Handle(
+                opname,
+                result=result,
+                nbytes=nbytes,
+                group=g.name,
+                backend="mpi",
+                keep=keep,
+                world=g.size,
+            )
+            h._engine = MpiOp(self.MPI, req, post, self.global_rank, self.timeout)
+            h.wait()
+            return result
         if not async_op:
             if post is not None:
                 post(status)
@@ -290,7 +305,7 @@ class MpiBackend:
             keep=keep,
             world=g.size,
         )
-        handle._engine = MpiOp(self.MPI, req, post, self.global_rank)
+        handle._engine = MpiOp(self.MPI, req, post, self.global_rank, self.timeout)
         return handle
 
     def _reduction(self, t: torch.Tensor, op: Any) -> tuple[ReduceOp, Any, Any, torch.dtype | None]:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from overlap.comm.handle import Handle
-from overlap.errors import CommError
+from overlap.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiOp", "ProgressEngine"]
 
@@ -49,20 +49,44 @@ PostFn = Callable[[Any], object]  # called with the MPI.Status of the completed 
 
 BUSY_S = 0.5
 MAX_DELAY_S = 1e-3
+_graveyard: list[Any] = []  # requests that expired: MPI may still use their buffers
 SPIN_S = float(os.environ.get("OVERLAP_MPI_SPIN_US", "50")) * 1e-6
 
 
 class MpiOp:
     """One MPI request behind a Handle, and that Handle's completion engine."""
 
-    __slots__ = ("MPI", "lock", "post", "rank", "req")
+    __slots__ = ("MPI", "deadline", "lock", "post", "rank", "req")
 
-    def __init__(self, MPI: Any, req: Any, post: PostFn | None, rank: int) -> None:
+    def __init__(
+        self, MPI: Any, req: Any, post: PostFn | None, rank: int, timeout: float | None = None
+    ) -> None:
         self.MPI = MPI
         self.req = req
         self.post = post
         self.rank = rank
         self.lock = threading.Lock()
+        # The job timeout (init_distributed(timeout=...)): past it the op fails with
+        # CommTimeoutError instead of waiting on a peer that may have died.
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def expire(self, handle: Handle) -> None:
+        """Fail ``handle`` with CommTimeoutError (call with the lock held, or from the engine).
+
+        MPI cannot cancel a collective, so the request and its buffers are kept alive for
+        good: MPI may still write into them.
+        """
+        _graveyard.append((self.req, handle._keep, handle._result))
+        handle._finish(
+            CommTimeoutError(
+                f"{handle.op} on rank {self.rank} (group {handle.group}) did not complete within "
+                "the job timeout given to init_distributed(timeout=...): a peer may have died, "
+                "or not issued the same op"
+            )
+        )
+
+    def overdue(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     # Called with self.lock held, once the request is complete.
     def _complete(self, handle: Handle, status: Any) -> None:
@@ -109,6 +133,13 @@ class MpiOp:
             _reaper().add(self, handle)
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
+        if timeout is None and self.deadline is not None:
+            # A job timeout is configured: poll (tightly, then backing off) up to it.
+            if not self._wait_until(handle, self.deadline):
+                with self.lock:
+                    if handle._state.value == "pending":
+                        self.expire(handle)
+            return True
         if timeout is None:
             with self.lock:
                 if handle._state.value == "pending":
@@ -120,16 +151,29 @@ class MpiOp:
                         return True
                     self._complete(handle, status)
             return True
+        assert timeout is not None
         deadline = time.monotonic() + max(timeout, 0.0)
+        if self.deadline is not None and self.deadline < deadline:
+            if not self._wait_until(handle, self.deadline):
+                with self.lock:
+                    if handle._state.value == "pending":
+                        self.expire(handle)
+            return True
+        return self._wait_until(handle, deadline)
+
+    def _wait_until(self, handle: Handle, deadline: float) -> bool:
+        """Test until done or ``deadline`` (monotonic): tight for BUSY_S, then backing off."""
+        start = time.monotonic()
         delay = 1e-5
         while True:
             if self.test(handle):
                 return True
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, MAX_DELAY_S)
+            if now - start > BUSY_S:
+                time.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, MAX_DELAY_S)
 
     def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
         engine = ProgressEngine.for_loop(loop)
@@ -207,9 +251,13 @@ class _Poller:
             else:
                 done_set = set()
             for k, (op, h) in enumerate(held):
-                op.lock.release()
                 if k not in done_set and h._state.value == "pending":
-                    keep.append((op, h))
+                    if op.overdue():
+                        op.expire(h)
+                        progressed = True
+                    else:
+                        keep.append((op, h))
+                op.lock.release()
         self._pending = keep
         now = time.monotonic()
         if progressed:

@@ -144,3 +144,21 @@ def test_peer_exiting_mid_operation_is_never_a_silent_hang(tmp_path: Path) -> No
     torn_down = "BAD TERMINATION" in out.stdout + out.stderr or out.returncode != 0
     assert said or torn_down, out.stdout + out.stderr
     assert took < 60
+
+
+@pytest.mark.parametrize("where", ["collective", "compressed", "bucket"])
+def test_peer_death_gives_comm_error_within_the_job_timeout(where: str) -> None:
+    """With Hydra's auto-cleanup off the survivor stays up: it must raise CommError within
+    the configured timeout + 5 s, then exit by itself (no MPI_Finalize hang)."""
+    from tests.mpi.conftest import MPIEXEC
+
+    assert MPIEXEC is not None
+    t0 = time.monotonic()
+    out = subprocess.run([MPIEXEC, "-disable-auto-cleanup", "-n", "2", sys.executable,
+                          "tests/mpi/peer_death.py", where], capture_output=True, text=True,
+                         timeout=120, env=clean_env(), cwd=ROOT)
+    took = time.monotonic() - t0
+    m = re.search(rf"RANK0 {where} CommError \w+ after ([\d.]+)s", out.stdout)
+    assert m, out.stdout + out.stderr
+    assert float(m.group(1)) < 5.0 + 5
+    assert took < 60, took  # both processes are gone: nothing hung at exit
