@@ -30,15 +30,15 @@ def _run_json(cmd: list[str], link: str | None, what: str) -> tuple[Any, int]:
     try:
         if link:
             with shaped_link(link) as prefix:
-                out = subprocess.run(prefix + cmd, capture_output=True, text=True)
+                out = subprocess.run(prefix + cmd, stdout=subprocess.PIPE, text=True)
         else:
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # progress: stderr
     except LinkError as exc:
         _out(f"error: {exc}")
         return None, 2
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
-        _out(f"{what} failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+        _out(f"{what} failed (exit {out.returncode}):\n{out.stdout[-2000:]}")
         return None, 1
     return json.loads(line[7:]), 0
 

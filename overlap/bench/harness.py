@@ -13,7 +13,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Table", "human_bytes", "median", "parse_size"]
+__all__ = ["Progress", "Table", "human_bytes", "median", "parse_size"]
+
+
+class Progress:
+    """A transient progress bar on stderr (rank 0 of a benchmark); silent when disabled."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self._p: Any = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
+        self._p = RichProgress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task = self._p.add_task("benchmark", total=total)
+        self._p.start()
+
+    def advance(self, what: str) -> None:
+        if self._p is not None:
+            self._p.update(self._task, advance=1, description=what)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
 
 
 def median(xs: Sequence[float]) -> float:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import comm
-from overlap.bench.harness import Table, human_bytes, median
+from overlap.bench.harness import Progress, Table, human_bytes, median
 
 __all__ = ["OPS", "bench_ops_rank", "ops_table"]
 
@@ -170,8 +170,10 @@ def bench_ops_rank(
 
     async def main() -> list[dict[str, Any]]:
         rows = []
+        bar = Progress(len(ops) * len(sizes), enabled=r == 0)
         for name in ops:
             for nbytes in sizes:
+                bar.advance(f"{name} {human_bytes(nbytes)}")
                 n = max(nbytes // 4, 1)
                 issue, torch_call = OPS[name](n, r, w)
                 times: dict[str, list[float]] = {
@@ -210,6 +212,7 @@ def bench_ops_rank(
                         "wait/blocking": med["wait"] / med["blocking"],
                     }
                 )
+        bar.close()
         return rows
 
     return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
@@ -260,7 +263,9 @@ def bench_algorithms_rank(
 
     async def main() -> list[dict[str, Any]]:
         rows = []
+        bar = Progress(len(sizes), enabled=comm.get_rank() == 0)
         for nbytes in sizes:
+            bar.advance(f"{algorithm} {human_bytes(nbytes)}")
             t = torch.ones(max(nbytes // 4, 1))
             times: dict[str, list[float]] = {"native": [], "blocking": [], "await": []}
             for i in range(warmup + _iters_for(nbytes, iters)):
@@ -288,6 +293,7 @@ def bench_algorithms_rank(
                     f"{algorithm}_busbw": busbw_allreduce(nbytes, med["blocking"], w),
                 }
             )
+        bar.close()
         return rows
 
     return overlap.run(main(), loop=loop)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from overlap.bench.harness import median
+from overlap.bench.harness import Progress, median
 
 __all__ = ["VARIANTS", "bench_train_rank"]
 
@@ -105,9 +105,11 @@ def bench_train_rank(
     rec: dict[str, dict[str, list[float]]] = {
         v["name"]: {"step": [], "comm": [], "hidden": [], "exposed": []} for v in vs
     }
+    bar = Progress((warmup + steps) * len(vs), enabled=comm.get_rank() == 0)
     for i in range(warmup + steps):
         x = torch.randn(batch, WIDTH, generator=gen)
         for v in vs:
+            bar.advance(f"{v['name']} step {i + 1}/{warmup + steps}")
             comm.barrier()
             t0 = time.perf_counter()
             v["opt"].zero_grad()
@@ -128,6 +130,7 @@ def bench_train_rank(
                 r["comm"].append(_union(iv))
                 r["hidden"].append(_union(iv, t0, t_bwd))
                 r["exposed"].append(t_sync - t_bwd)
+    bar.close()
     rows = []
     fp32 = 2 * (w - 1) / w * nparams * 4
     sent = {

@@ -270,6 +270,11 @@ class BucketScheduler:
         def job() -> None:
             entry["start"] = time.perf_counter()
             t0 = time.perf_counter_ns()
+            dev_events = None
+            if tracer is not None and b.flat.is_cuda:  # GPU time of this reduction
+                ev: Any = torch.cuda.Event
+                dev_events = (ev(enable_timing=True), ev(enable_timing=True))
+                dev_events[0].record()
             try:
                 if tracer is None:
                     comp.reduce(b.index, b.flat, group=group, shapes=shapes)
@@ -283,6 +288,15 @@ class BucketScheduler:
                 h._finish(exc)
                 return
             entry["end"] = time.perf_counter()
+            if dev_events is not None and tracer is not None:
+                dev_events[1].record()
+                tracer.device_span(
+                    f"reduce bucket {b.index} (GPU)",
+                    "comm",
+                    *dev_events,
+                    bucket=b.index,
+                    bytes=b.nbytes,
+                )
             if tracer is not None:
                 tracer.record(
                     f"reduce bucket {b.index}",

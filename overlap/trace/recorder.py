@@ -46,6 +46,8 @@ class Tracer:
         self.rank = 0
         self.world = 1
         self._flow = 0
+        self._device: list[tuple[str, str, Any, Any, int, dict[str, Any]]] = []
+        self._ref: tuple[Any, int] | None = None  # (CUDA event, host ns) for device time
 
     # --------------------------------------------------------------------- attachment
     def attach(self) -> Tracer:
@@ -79,6 +81,41 @@ class Tracer:
         if tid not in self.thread_names:
             self.thread_names[tid] = threading.current_thread().name
         self.spans.append((name, cat, start_ns, end_ns, tid, args))
+
+    def device_span(
+        self, name: str, cat: str, start_event: Any, end_event: Any, **args: Any
+    ) -> None:
+        """A span timed on the GPU by two CUDA events (``enable_timing=True``), already
+        recorded on some stream. It is resolved later (report, export) once the events have
+        completed, with ``Event.query()``: no device-wide synchronize. The GPU clock is mapped
+        to the host clock through one reference event, synchronised once, here, on first use.
+        """
+        if self._ref is None:
+            import torch
+
+            ref = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            ref.record()
+            ref.synchronize()
+            self._ref = (ref, time.perf_counter_ns())
+        tid = threading.get_ident()
+        self.thread_names.setdefault(tid, threading.current_thread().name)
+        self._device.append((name, cat, start_event, end_event, tid, args))
+
+    def resolve_device(self) -> int:
+        """Turn completed device spans into spans; returns how many are still pending."""
+        if not self._device or self._ref is None:
+            return len(self._device)
+        ref, ref_ns = self._ref
+        pending = []
+        for name, cat, s, e, tid, args in self._device:
+            if e.query():
+                t0 = ref_ns + int(ref.elapsed_time(s) * 1e6)
+                t1 = ref_ns + int(ref.elapsed_time(e) * 1e6)
+                self.spans.append((name, cat, t0, t1, tid, {**args, "device": True}))
+            else:
+                pending.append((name, cat, s, e, tid, args))
+        self._device = pending
+        return len(pending)
 
     def instant(self, name: str, cat: str = "user", **args: Any) -> None:
         t = time.perf_counter_ns()
@@ -120,6 +157,7 @@ class Tracer:
         """The :class:`~overlap.trace.report.OverlapReport` of what was recorded."""
         from overlap.trace.report import OverlapReport
 
+        self.resolve_device()
         return OverlapReport.from_spans(self.spans, world=self.world)
 
     def export_chrome(self, path: str) -> str | None:
@@ -127,4 +165,5 @@ class Tracer:
         merged file with the ranks' clocks aligned. Returns the path on the writing rank."""
         from overlap.trace.chrome import export
 
+        self.resolve_device()
         return export(self, path)

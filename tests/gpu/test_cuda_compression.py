@@ -24,3 +24,20 @@ def test_pack_on_cuda_matches_numpy() -> None:
 def test_codec_same_bits_on_cpu_and_cuda() -> None:
     x = torch.randn(8 * 1000)
     assert torch.equal(pack_signs(x), pack_signs(x.cuda()).cpu())
+
+
+def test_device_spans_resolve_without_a_device_wide_sync() -> None:
+    from overlap.trace import Tracer
+
+    t = Tracer()
+    a = torch.randn(2048, 2048, device="cuda")
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    a @ a
+    e.record()
+    t.device_span("matmul", "compute", s, e)
+    e.synchronize()
+    assert t.resolve_device() == 0
+    name, cat, t0, t1, _, args = t.spans[-1]
+    assert cat == "compute"
+    assert name == "matmul" and args["device"] and t1 > t0

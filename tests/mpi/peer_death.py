@@ -20,8 +20,11 @@ def main(where: str) -> None:
     overlap.init_distributed("mpi", timeout=TIMEOUT)
     r = comm.get_rank()
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
-    sched = overlap.BucketScheduler(model, bucket_cap_mb=0.02, first_bucket_mb=0.02) \
-        if where == "bucket" else None
+    sched = (
+        overlap.BucketScheduler(model, bucket_cap_mb=0.02, first_bucket_mb=0.02)
+        if where == "bucket"
+        else None
+    )
     comm.barrier()
     if r == 1:
         time.sleep(0.2)
@@ -46,7 +49,6 @@ def main(where: str) -> None:
         result = f"CommError {type(e).__name__}"
     sys.stdout.write(f"RANK0 {where} {result} after {time.monotonic() - t0:.2f}s\n")
     sys.stdout.flush()
-
 
 
 async def _await_all_reduce() -> None:

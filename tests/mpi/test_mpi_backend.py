@@ -154,9 +154,22 @@ def test_peer_death_gives_comm_error_within_the_job_timeout(where: str) -> None:
 
     assert MPIEXEC is not None
     t0 = time.monotonic()
-    out = subprocess.run([MPIEXEC, "-disable-auto-cleanup", "-n", "2", sys.executable,
-                          "tests/mpi/peer_death.py", where], capture_output=True, text=True,
-                         timeout=120, env=clean_env(), cwd=ROOT)
+    out = subprocess.run(
+        [
+            MPIEXEC,
+            "-disable-auto-cleanup",
+            "-n",
+            "2",
+            sys.executable,
+            "tests/mpi/peer_death.py",
+            where,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+        cwd=ROOT,
+    )
     took = time.monotonic() - t0
     m = re.search(rf"RANK0 {where} CommError \w+ after ([\d.]+)s", out.stdout)
     assert m, out.stdout + out.stderr
