@@ -131,12 +131,11 @@ def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
             v["times"].append(t1 - t0)
             v["loss"] = loss.item()
             if v["sched"] is not None:
-                tl = v["sched"].statistics()["timeline"]
-                from overlap.bench.train import _union
+                from overlap.bench.train import comm_overlap
 
-                iv = [(e["start"], e["end"]) for e in tl]
-                v["comm"].append(_union(iv))
-                v["hidden"].append(_union(iv, t0, t_bwd))
+                c, h = comm_overlap(v["sched"].statistics()["timeline"], t0, t_bwd)
+                v["comm"].append(c)
+                v["hidden"].append(h)
                 v["exposed"].append(t1 - t_bwd)
             if progress is not None:
                 progress.advance(f"{name} step {step}/{steps}")

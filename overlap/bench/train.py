@@ -53,6 +53,13 @@ def _union(
     return total
 
 
+def comm_overlap(timeline: list[dict[str, Any]], t0: float, t_bwd: float) -> tuple[float, float]:
+    """(comm, hidden) seconds of one step from a scheduler timeline: the union of the bucket
+    reductions, and the part of it that ran while backward did (between t0 and t_bwd)."""
+    iv = [(e["start"], e["end"]) for e in timeline]
+    return _union(iv), _union(iv, t0, t_bwd)
+
+
 def _variant(name: str, million: float) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -125,10 +132,9 @@ def bench_train_rank(
             r = rec[v["name"]]
             r["step"].append(t1 - t0)
             if v["sched"] is not None:
-                tl = v["sched"].statistics()["timeline"]
-                iv = [(e["start"], e["end"]) for e in tl]
-                r["comm"].append(_union(iv))
-                r["hidden"].append(_union(iv, t0, t_bwd))
+                c, h = comm_overlap(v["sched"].statistics()["timeline"], t0, t_bwd)
+                r["comm"].append(c)
+                r["hidden"].append(h)
                 r["exposed"].append(t_sync - t_bwd)
     bar.close()
     rows = []

@@ -265,21 +265,7 @@ class MpiBackend:
             raise CommError(
                 f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}"
             ) from exc
-        if not async_op and self.timeout is not None:
-            # A job timeout is configured: wait through an MpiOp, which enforces it.
-            h = Handle(
-                opname,
-                result=result,
-                nbytes=nbytes,
-                group=g.name,
-                backend="mpi",
-                keep=keep,
-                world=g.size,
-            )
-            h._engine = MpiOp(self.MPI, req, post, self.global_rank, self.timeout)
-            h.wait()
-            return result
-        if not async_op:
+        if not async_op and self.timeout is None:
             if post is not None:
                 post(status)
             tracer = _trace.current()
@@ -306,6 +292,9 @@ class MpiBackend:
             world=g.size,
         )
         handle._engine = MpiOp(self.MPI, req, post, self.global_rank, self.timeout)
+        if not async_op:  # a job timeout is configured: the MpiOp enforces it while waiting
+            handle.wait()
+            return result
         return handle
 
     def _reduction(self, t: torch.Tensor, op: Any) -> tuple[ReduceOp, Any, Any, torch.dtype | None]:
