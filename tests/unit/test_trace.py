@@ -77,6 +77,7 @@ def make_trace() -> Tracer:
 def test_chrome_export_is_valid(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     assert make_trace().export_chrome(str(path)) == str(path)
+    assert path.stat().st_mode & 0o044  # readable by others, like any file the user writes
     doc = json.loads(path.read_text())
     events = doc["traceEvents"]
     open_async: dict[str, dict] = {}
