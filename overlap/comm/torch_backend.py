@@ -26,8 +26,14 @@ from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
 from overlap.comm.validate import (
+    check_gathered_size,
+    check_like,
     check_p2p_peer,
     check_peer,
+    check_reduce_scatter_flat,
+    check_reduce_scatter_list,
+    check_root_list,
+    check_splits,
     check_tensor,
     check_tensor_list,
     nbytes_of,
@@ -264,12 +270,7 @@ class TorchBackend:
             t = self._t(tensor, "tensor")
             info = resolve_group(group)
             outs = self._ts(tensor_list, "tensor_list", info.size)
-            for i, o in enumerate(outs):
-                if o.shape != t.shape or o.dtype != t.dtype:
-                    raise ValueError(
-                        f"tensor_list[{i}] is {o.dtype}{list(o.shape)} but tensor is "
-                        f"{t.dtype}{list(t.shape)}; every output must match the input"
-                    )
+            check_like(outs, t, "tensor_list", "tensor")
         return self._launch(
             "all_gather",
             info,
@@ -289,13 +290,7 @@ class TorchBackend:
         out = self._t(output_tensor, "output_tensor")
         inp = self._t(input_tensor, "input_tensor")
         info = resolve_group(group)
-        if out.numel() != inp.numel() * info.size:
-            raise ValueError(
-                f"all_gather_into_tensor: output has {out.numel()} elements, expected "
-                f"world_size ({info.size}) x input ({inp.numel()}) = {inp.numel() * info.size}"
-            )
-        if out.dtype != inp.dtype:
-            raise TypeError(f"output dtype {out.dtype} differs from input dtype {inp.dtype}")
+        check_gathered_size(out, inp, info.size)
         return self._launch(
             "all_gather_into_tensor",
             info,
@@ -319,14 +314,7 @@ class TorchBackend:
         post: PostFn | None = (lambda: out.div_(info.size)) if divide else None
         if isinstance(input, torch.Tensor):
             inp = self._t(input, "input")
-            if inp.numel() != out.numel() * info.size:
-                raise ValueError(
-                    f"reduce_scatter: input has {inp.numel()} elements, which is not "
-                    f"world_size ({info.size}) x output ({out.numel()}) = "
-                    f"{out.numel() * info.size}; size the input as world_size x output"
-                )
-            if inp.dtype != out.dtype:
-                raise TypeError(f"input dtype {inp.dtype} differs from output dtype {out.dtype}")
+            check_reduce_scatter_flat(out, inp, info.size)
             flat = inp
             return self._launch(
                 "reduce_scatter",
@@ -339,12 +327,7 @@ class TorchBackend:
                 keep=inp,
             )
         ins = self._ts(input, "input", info.size)
-        for i, x in enumerate(ins):
-            if x.numel() != out.numel() or x.dtype != out.dtype:
-                raise ValueError(
-                    f"reduce_scatter: input[{i}] is {x.dtype}[{x.numel()}] but output is "
-                    f"{out.dtype}[{out.numel()}]; every input chunk must match the output"
-                )
+        check_reduce_scatter_list(out, ins)
         return self._launch(
             "reduce_scatter",
             info,
@@ -368,22 +351,8 @@ class TorchBackend:
         out = self._t(output, "output")
         inp = self._t(input, "input")
         info = resolve_group(group)
-        for name, t, splits in (
-            ("input", inp, input_split_sizes),
-            ("output", out, output_split_sizes),
-        ):
-            if splits is None:
-                if t.shape[0] % info.size if t.dim() else True:
-                    raise ValueError(
-                        f"all_to_all_single: {name} dim 0 ({t.shape[0] if t.dim() else 0}) "
-                        f"does not divide by world_size ({info.size}); pass {name}_split_sizes"
-                    )
-            else:
-                if len(splits) != info.size or sum(splits) != t.shape[0]:
-                    raise ValueError(
-                        f"all_to_all_single: {name}_split_sizes {list(splits)} must have "
-                        f"{info.size} entries summing to {name} dim 0 ({t.shape[0]})"
-                    )
+        check_splits(inp, input_split_sizes, "input", info.size)
+        check_splits(out, output_split_sizes, "output", info.size)
         return self._launch(
             "all_to_all_single",
             info,
@@ -429,15 +398,9 @@ class TorchBackend:
         check_peer(dst, "dst", info.ranks, info.name)
         outs: list[torch.Tensor] | None = None
         if dist.get_rank() == dst:
-            if gather_list is None:
-                raise ValueError(
-                    f"gather: the destination rank {dst} must pass gather_list, one tensor "
-                    f"per rank ({info.size})"
-                )
+            check_root_list(gather_list, "gather_list", "gather", "destination", dst, info.size)
             outs = self._ts(gather_list, "gather_list", info.size)
-            for i, o in enumerate(outs):
-                if o.shape != t.shape or o.dtype != t.dtype:
-                    raise ValueError(f"gather_list[{i}] must match tensor's shape and dtype")
+            check_like(outs, t, "gather_list", "tensor")
         return self._launch(
             "gather",
             info,
@@ -460,15 +423,9 @@ class TorchBackend:
         check_peer(src, "src", info.ranks, info.name)
         ins: list[torch.Tensor] | None = None
         if dist.get_rank() == src:
-            if scatter_list is None:
-                raise ValueError(
-                    f"scatter: the source rank {src} must pass scatter_list, one tensor per "
-                    f"rank ({info.size})"
-                )
+            check_root_list(scatter_list, "scatter_list", "scatter", "source", src, info.size)
             ins = self._ts(scatter_list, "scatter_list", info.size)
-            for i, x in enumerate(ins):
-                if x.shape != t.shape or x.dtype != t.dtype:
-                    raise ValueError(f"scatter_list[{i}] must match tensor's shape and dtype")
+            check_like(ins, t, "scatter_list", "tensor")
         return self._launch(
             "scatter",
             info,
