@@ -59,8 +59,12 @@ class Compressor(ABC):
         if not async_op:
             return run(steps)
         return steps_handle(
-            self.name, steps, nbytes=flat.numel() * flat.element_size(), backend=comm.get_backend()
+            self.name, steps, nbytes=self.wire_bytes(flat, group), backend=comm.get_backend()
         )
+
+    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
+        """Bytes this rank sends to reduce ``flat`` (what the Handle reports as ``nbytes``)."""
+        return flat.numel() * flat.element_size()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-identically (tensors are cloned)."""

@@ -451,24 +451,8 @@ class OneBit(Compressor):
         st["step"] += 1
         return flat
 
-    def reduce(
-        self,
-        key: Any,
-        flat: torch.Tensor,
-        *,
-        group: Any = None,
-        shapes: Any = None,
-        async_op: bool = False,
-    ) -> Any:
-        steps = self.reduce_steps(key, flat, group=group, shapes=shapes)
-        if not async_op:
-            return run(steps)
-        return steps_handle(
-            self.name,
-            steps,
-            nbytes=compressed_bytes(flat.numel(), comm.get_world_size(group)),
-            backend=comm.get_backend(),
-        )
+    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
+        return compressed_bytes(flat.numel(), comm.get_world_size(group))
 
     def _check_world(self, w: int) -> None:
         if self._world is None:

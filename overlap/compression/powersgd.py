@@ -82,7 +82,6 @@ class PowerSGD(Compressor):
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
     ) -> Steps:
-        w = comm.get_world_size(group)
         shapes = list(shapes) if shapes is not None else [flat.shape]
         if sum(int(torch.Size(s).numel()) for s in shapes) != flat.numel():
             raise ValueError(
@@ -151,7 +150,6 @@ class PowerSGD(Compressor):
         if data is not flat:
             flat.copy_(data)
         st["step"] += 1
-        _ = w
         return flat
 
     def state_dict(self) -> dict[str, Any]:
