@@ -8,7 +8,7 @@ call (Iallreduce, Ibcast, ..., Isend, Irecv) and wrapped in the same
 
 Buffers:
 
-* CPU tensors go to MPI without copies, as NumPy byte views of the tensor's memory.
+* CPU tensors go to MPI without copies, as NumPy views of the tensor's memory (``_np``).
 * CUDA tensors go straight to MPI when the library is CUDA-aware (set
   ``OVERLAP_MPI_CUDA_AWARE=1`` to assert that it is), otherwise through pinned host staging
   buffers, as DeepSpeed's ``cuda_aware=False`` path does.
@@ -103,11 +103,6 @@ def _np(t: torch.Tensor) -> Any:
     if alias is not None:
         t = t.view(alias)
     return t.numpy()
-
-
-def _bytes(t: torch.Tensor) -> Any:
-    """A zero-copy NumPy uint8 view of a contiguous CPU tensor's memory."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _chain(*fns: Callable[[], object] | None) -> Post | None:
@@ -229,18 +224,20 @@ class MpiBackend:
 
         return staged, back
 
+    @staticmethod
+    def _mem(t: torch.Tensor) -> Any:
+        """What MPI reads and writes: a CUDA tensor as is (CUDA-aware MPI reads its
+        __cuda_array_interface__), a CPU tensor as a zero-copy NumPy view."""
+        return t if t.device.type == "cuda" else _np(t)
+
     def _buf(self, t: torch.Tensor) -> Any:
-        if t.device.type == "cuda":  # CUDA-aware MPI: mpi4py reads __cuda_array_interface__
-            return [t, self.MPI.BYTE]
-        return [_np(t), self.MPI.BYTE]
+        return [self._mem(t), self.MPI.BYTE]
 
     def _typed(self, t: torch.Tensor, mtype: Any) -> Any:
         return self._typed_n(t, t.numel(), mtype)
 
     def _typed_n(self, t: torch.Tensor, count: int, mtype: Any) -> Any:
-        if t.device.type == "cuda":
-            return [t, count, mtype]
-        return [_np(t), count, mtype]
+        return [self._mem(t), count, mtype]
 
     def _launch(
         self,
@@ -507,12 +504,8 @@ class MpiBackend:
             B = self.MPI.BYTE
             if input_split_sizes is None and output_split_sizes is None:
                 return g.comm.Ialltoall(self._buf(hin), self._buf(hout))
-            send = [hin if hin.device.type == "cuda" else _bytes(hin), counts(in_rows, in_row), B]
-            recv = [
-                hout if hout.device.type == "cuda" else _bytes(hout),
-                counts(out_rows, out_row),
-                B,
-            ]
+            send = [self._mem(hin), counts(in_rows, in_row), B]
+            recv = [self._mem(hout), counts(out_rows, out_row), B]
             return g.comm.Ialltoallv(send, recv)
 
         return self._launch(
@@ -545,7 +538,7 @@ class MpiBackend:
             B = self.MPI.BYTE
             sd = [sum(sc[:i]) for i in range(len(sc))]
             rd = [sum(rc[:i]) for i in range(len(rc))]
-            return g.comm.Ialltoallv([_bytes(send), (sc, sd), B], [_bytes(recv), (rc, rd), B])
+            return g.comm.Ialltoallv([_np(send), (sc, sd), B], [_np(recv), (rc, rd), B])
 
         def unpack() -> None:
             off = 0
@@ -590,7 +583,7 @@ class MpiBackend:
             return self._launch(
                 "gather",
                 g,
-                lambda: g.comm.Igather(self._buf(host), [_bytes(flat), self.MPI.BYTE], root),
+                lambda: g.comm.Igather(self._buf(host), self._buf(flat), root),
                 outs,
                 nbytes_of(t),
                 async_op,
@@ -627,7 +620,7 @@ class MpiBackend:
             flat = torch.stack([x.detach().cpu() for x in ins])
 
             def start() -> Any:
-                return g.comm.Iscatter([_bytes(flat), self.MPI.BYTE], self._buf(host), root)
+                return g.comm.Iscatter(self._buf(flat), self._buf(host), root)
 
             return self._launch(
                 "scatter", g, start, t, nbytes_of(ins), async_op, _chain(back), keep=(flat, host)

@@ -56,10 +56,10 @@ def no_thread_per_request() -> None:
 
 def zero_copy_cpu_buffers() -> None:
     """The NumPy view MPI receives shares the tensor's memory."""
-    from overlap.comm.mpi_backend import _bytes
+    from overlap.comm.mpi_backend import _np
 
     t = torch.arange(4, dtype=torch.float32)
-    view = _bytes(t)
+    view = _np(t)
     assert view.ctypes.data == t.data_ptr() and view.nbytes == 16
 
 
