@@ -26,7 +26,6 @@ class Bucket:
     flat: torch.Tensor
     pending: set[int] = field(default_factory=set)  # positions of params without a grad yet
     ready: bool = False
-    launched: bool = False
 
     @property
     def numel(self) -> int:
@@ -47,7 +46,6 @@ class Bucket:
     def reset(self) -> None:
         self.pending = set(range(len(self.params)))
         self.ready = False
-        self.launched = False
 
 
 def assign_buckets(

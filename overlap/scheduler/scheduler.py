@@ -250,7 +250,6 @@ class BucketScheduler:
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
-        b.launched = True
         h = Handle(f"bucket{b.index}", result=b.flat, nbytes=b.nbytes, backend=comm.get_backend())
         self._handles.append(h)
         entry: dict[str, Any] = {"bucket": b.index, "bytes": b.nbytes, "ready": time.perf_counter()}
