@@ -19,7 +19,9 @@ def _out(text: str = "") -> None:
     sys.stdout.flush()
 
 
-def _run_json(cmd: list[str], link: str | None, what: str) -> tuple[Any, int]:
+def _run_json(
+    cmd: list[str], link: str | None, what: str, env: dict[str, str] | None = None
+) -> tuple[Any, int]:
     """Run a benchmark subprocess (in a shaped link if asked); (its RESULT json, 0) or
     (None, exit code) after saying what went wrong."""
     import json
@@ -30,9 +32,9 @@ def _run_json(cmd: list[str], link: str | None, what: str) -> tuple[Any, int]:
     try:
         if link:
             with shaped_link(link) as prefix:
-                out = subprocess.run(prefix + cmd, stdout=subprocess.PIPE, text=True)
+                out = subprocess.run(prefix + cmd, stdout=subprocess.PIPE, text=True, env=env)
         else:
-            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # progress: stderr
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: live
     except LinkError as exc:
         _out(f"error: {exc}")
         return None, 2
@@ -45,36 +47,12 @@ def _run_json(cmd: list[str], link: str | None, what: str) -> tuple[Any, int]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import json
-    import subprocess
 
     from overlap.bench.harness import Table, human_bytes
 
-    if args.link and not args._in_link:
-        from overlap.bench.link import LinkError, shaped_link
-
-        cmd = [
-            sys.executable,
-            "-m",
-            "overlap.cli",
-            "demo",
-            "--world-size",
-            str(args.world_size),
-            "--steps",
-            str(args.steps),
-            "--model-size",
-            args.model_size,
-            "--out-dir",
-            args.out_dir,
-            "--_in-link",
-            "--link",
-            args.link,
-        ]
-        try:
-            with shaped_link(args.link) as prefix:
-                return subprocess.run(prefix + cmd).returncode
-        except LinkError as exc:
-            _out(f"error: {exc}")
-            return 2
+    code = _rerun_in_link(args)
+    if code is not None:
+        return code
     from overlap.demo import run_demo
 
     _out(
@@ -133,7 +111,7 @@ def _rerun_in_link(args: argparse.Namespace) -> int | None:
 
     from overlap.bench.link import LinkError, shaped_link
 
-    argv = [a for a in sys.argv[1:]]
+    argv = list(args._argv)  # what main() parsed (sys.argv, or main(argv)'s list)
     try:
         with shaped_link(args.link) as prefix:
             return subprocess.run(
@@ -238,10 +216,8 @@ def _bench_algorithm(sizes: list[int], args: argparse.Namespace) -> int:
 def _bench_ops_under_mpiexec(
     ops: list[str], sizes: list[int], args: argparse.Namespace
 ) -> list[Any] | None:
-    import json
     import os
     import shutil
-    import subprocess
     from pathlib import Path
 
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
@@ -269,16 +245,8 @@ def _bench_ops_under_mpiexec(
         str(args.warmup),
         args.loop,
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            rows: list[Any] = json.loads(line[7:])
-            return rows
-    _out(
-        f"the MPI benchmark failed (exit {out.returncode}):\n{out.stdout[-2000:]}"
-        f"{out.stderr[-2000:]}"
-    )
-    return None
+    rows, _ = _run_json(cmd, None, "the MPI benchmark", env=env)
+    return rows if rows is None else list(rows)
 
 
 def cmd_bench_compress(args: argparse.Namespace) -> int:
@@ -591,7 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args._argv = argv
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
