@@ -336,13 +336,39 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     import json
 
     from overlap.bench.harness import Table, human_bytes
-    from overlap.bench.train import VARIANTS
+    from overlap.bench.train import CUDA_VARIANTS, VARIANTS
 
-    variants = args.variant or VARIANTS
+    variants = args.variant or (CUDA_VARIANTS if args.device == "cuda" else VARIANTS)
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         _out(f"unknown variant(s) {bad}; choose from {VARIANTS}")
         return 2
+    if args.device not in ("cpu", "cuda"):
+        _out(f"--device {args.device!r}: choose cpu or cuda")
+        return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            _out(
+                "--device cuda: no CUDA device is visible here (torch "
+                f"{torch.__version__}); run on a GPU machine, or use --device cpu"
+            )
+            return 2
+        world = args.world_size or 1
+        if world > torch.cuda.device_count():
+            _out(
+                f"--device cuda --world-size {world}: NCCL needs one GPU per rank and this "
+                f"machine has {torch.cuda.device_count()}; use --world-size "
+                f"{torch.cuda.device_count()}"
+            )
+            return 2
+        if args.link:
+            _out("--link shapes loopback between CPU ranks; it does not apply to --device cuda")
+            return 2
+    else:
+        world = args.world_size or 2
+    batch = args.batch or (1024 if args.device == "cuda" else 64)
     cmd = [
         sys.executable,
         "-m",
@@ -351,7 +377,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         str(args.steps),
         str(args.warmup),
         str(args.model_size),
-        str(args.world_size),
+        str(world),
+        str(batch),
+        args.device,
     ]
     rows, code = _run_json(cmd, args.link, "the training benchmark")
     if rows is None:
@@ -370,8 +398,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             "exposed ms",
             "overlap ratio",
         ],
-        title=f"overlap bench train: {rows[0]['params'] / 1e6:.1f}M params, "
-        f"{args.world_size} ranks, link {args.link or 'loopback'} "
+        title=f"overlap bench train: {rows[0]['params'] / 1e6:.1f}M params, batch {batch}, "
+        f"{world} ranks on {rows[0]['device']}, link "
+        f"{'NCCL' if args.device == 'cuda' else args.link or 'loopback'} "
         f"(median of {args.steps} steps, rank 0)",
     )
     for r in rows:
@@ -536,8 +565,16 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--model-size", type=float, default=25.2, help="million parameters")
     bt.add_argument("--steps", type=int, default=8)
     bt.add_argument("--warmup", type=int, default=3)
-    bt.add_argument("--world-size", type=int, default=2)
+    bt.add_argument(
+        "--world-size", type=int, default=None, help="ranks (default 2 on cpu, 1 on cuda)"
+    )
     bt.add_argument("--link", default=None, help="shaped loopback rate, e.g. 1gbit (root)")
+    bt.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (gloo ranks) or cuda (NCCL, one rank per GPU; the scheduler's GPU overhead)",
+    )
+    bt.add_argument("--batch", type=int, default=None, help="default 64 on cpu, 1024 on cuda")
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")
     bt.set_defaults(func=cmd_bench_train)

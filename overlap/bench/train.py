@@ -1,7 +1,12 @@
 """``overlap bench train``: step time of DDP and overlap variants on one model, one run.
 
 Every variant trains the same MLP (``--model-size`` million parameters, 2048-wide layers) on
-the same data; the variants are interleaved step by step so noise hits them alike. Reported
+the same data; the variants are interleaved step by step so noise hits them alike.
+
+``--device cuda`` runs the model on the GPU with NCCL (one rank per GPU: NCCL refuses two
+ranks on one device). At world size 1 there is no wire, so it measures what the scheduler
+itself costs on a GPU against DDP's C++ reducer. Each CUDA step ends with a device
+synchronize, so step times are GPU times, not launch times. Reported
 per variant (rank 0, median over steps): step time, bytes sent per rank per step, and for
 overlap variants the communication timeline: total comm time (union of bucket reductions),
 hidden comm (the part that ran during backward), exposed comm (the wait in synchronize) and
@@ -30,15 +35,17 @@ VARIANTS = [
     "overlap-onebit",
     "overlap-powersgd",
 ]
+# On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
+CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
 WIDTH = 2048
 
 
-def _model(million: float) -> nn.Module:
+def _model(million: float, device: str = "cpu") -> nn.Module:
     layers = max(1, round(million * 1e6 / (WIDTH * WIDTH + WIDTH)))
     torch.manual_seed(0)
     return nn.Sequential(
         *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(layers)]
-    )
+    ).to(device)
 
 
 def _union(
@@ -60,14 +67,14 @@ def comm_overlap(timeline: list[dict[str, Any]], t0: float, t_bwd: float) -> tup
     return _union(iv), _union(iv, t0, t_bwd)
 
 
-def _variant(name: str, million: float) -> dict[str, Any]:
+def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from overlap import BucketScheduler
     from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
 
-    model = _model(million)
+    model = _model(million, device)
     v: dict[str, Any] = {"name": name, "model": model, "sched": None}
     if name.startswith("ddp"):
         # DDP's PowerSGD hook issues its 2nd and 3rd allreduce from gloo's callback thread;
@@ -99,14 +106,20 @@ def _variant(name: str, million: float) -> dict[str, Any]:
 
 
 def bench_train_rank(
-    variants: list[str], steps: int, warmup: int, million: float, batch: int = 64
+    variants: list[str],
+    steps: int,
+    warmup: int,
+    million: float,
+    batch: int = 64,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     from overlap import comm
     from overlap.compression import compressed_bytes
 
     torch.set_num_threads(1)
+    cuda = device == "cuda"
     w = comm.get_world_size()
-    vs = [_variant(n, million) for n in variants]
+    vs = [_variant(n, million, device) for n in variants]
     nparams = sum(p.numel() for p in vs[0]["model"].parameters())
     gen = torch.Generator().manual_seed(comm.get_rank())
     rec: dict[str, dict[str, list[float]]] = {
@@ -114,10 +127,12 @@ def bench_train_rank(
     }
     bar = Progress((warmup + steps) * len(vs), enabled=comm.get_rank() == 0)
     for i in range(warmup + steps):
-        x = torch.randn(batch, WIDTH, generator=gen)
+        x = torch.randn(batch, WIDTH, generator=gen).to(device)
         for v in vs:
             bar.advance(f"{v['name']} step {i + 1}/{warmup + steps}")
             comm.barrier()
+            if cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             v["opt"].zero_grad()
             v["forward"](x).pow(2).mean().backward()
@@ -126,6 +141,8 @@ def bench_train_rank(
                 v["sched"].synchronize()
             t_sync = time.perf_counter()
             v["opt"].step()
+            if cuda:
+                torch.cuda.synchronize()
             t1 = time.perf_counter()
             if i < warmup:
                 continue
@@ -154,6 +171,8 @@ def bench_train_rank(
             "variant": n,
             "params": nparams,
             "world": w,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "batch": batch,
             "step_ms": median(r["step"]) * 1e3,
             "bytes_per_rank": sent.get(n),
         }
@@ -172,16 +191,27 @@ def bench_train_rank(
 
 
 def main_train(argv: list[str] | None = None) -> None:
-    """``python -m overlap.bench.train VARIANTS STEPS WARMUP MILLION WORLD``: prints RESULT."""
+    """``python -m overlap.bench.train VARIANTS STEPS WARMUP MILLION WORLD [BATCH DEVICE]``:
+    prints RESULT."""
     import json
     import sys
 
     from overlap.testing import RankPool
 
     a = sys.argv[1:] if argv is None else argv
-    with RankPool(int(a[4]), timeout=7200) as pool:
+    batch = int(a[5]) if len(a) > 5 else 64
+    device = a[6] if len(a) > 6 else "cpu"
+    backend = "nccl" if device == "cuda" else "gloo"
+    with RankPool(int(a[4]), backend=backend, timeout=7200) as pool:
         rows = pool.run(
-            bench_train_rank, a[0].split(","), int(a[1]), int(a[2]), float(a[3]), timeout=7200
+            bench_train_rank,
+            a[0].split(","),
+            int(a[1]),
+            int(a[2]),
+            float(a[3]),
+            batch,
+            device,
+            timeout=7200,
         )[0]
     sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
 

@@ -180,7 +180,8 @@ class TorchBackend:
             handle._finish(None)
             return handle
 
-        handle._engine = TorchOp(work, post, rank)
+        stream = torch.cuda.current_stream() if self.name == "nccl" else None
+        handle._engine = TorchOp(work, post, rank, stream)
         return handle
 
     def _reduce_args(self, op: Any, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
@@ -529,9 +530,10 @@ class TorchBackend:
             for kind, t, info, _ in torch_ops
         ]
         # Started at once: batched p2p ops usually depend on each other across ranks.
+        stream = torch.cuda.current_stream() if self.name == "nccl" else None
         if len(works) == len(handles):
             for w, h in zip(works, handles, strict=True):
-                h._engine = TorchOp(w, None, rank)
+                h._engine = TorchOp(w, None, rank, stream)
                 h._engine.start(h)
         else:  # one coalesced Work (NCCL): observe it once, complete all handles from it
             lead, rest = handles[0], handles[1:]
@@ -541,7 +543,7 @@ class TorchBackend:
                     h._finish(done._exc)
 
             lead.add_done_callback(fan_out)
-            lead._engine = TorchOp(_AllWorks(works), None, rank)
+            lead._engine = TorchOp(_AllWorks(works), None, rank, stream)
             lead._engine.start(lead)
         return handles
 

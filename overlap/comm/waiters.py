@@ -8,6 +8,11 @@ Facts this module is built on (torch 2.13, gloo; DESIGN.md §3):
   (``get_future()`` raises) and ``is_completed()`` stays False until ``wait()`` runs, so
   someone has to call ``wait()``.
 * Blocking inside a torch future callback deadlocks gloo's two worker threads.
+* On NCCL, ``Work.wait()`` does not block the host: it makes the *calling thread's current
+  CUDA stream* wait for the collective. A waiter thread's current stream is the device's
+  default stream, so a Work issued from another stream (the scheduler's side stream, a user's
+  ``torch.cuda.stream(s)`` block) is waited for under the stream that was current when it was
+  issued: the result is then ordered on the stream that asked for it (DESIGN.md contract 4).
 
 So every Work is handed to a small pool of waiter threads; a thread calls ``wait()`` (which
 releases the GIL), runs the op's post-processing (the average's division, restoring a
@@ -39,7 +44,7 @@ __all__ = ["TorchOp", "WaiterPool", "translate_error"]
 log = logging.getLogger(__name__)
 
 PostFn = Callable[[], object]
-_Item = tuple[Any, Handle, "PostFn | None", int]
+_Item = tuple[Any, Handle, "PostFn | None", int, Any]
 
 
 def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseException:
@@ -51,12 +56,21 @@ def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseExcept
     return err
 
 
-def observe(work: Any, handle: Handle, post: PostFn | None, rank: int) -> None:
-    """Wait for ``work`` (blocking), post-process, complete ``handle``. Never raises."""
+def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any = None) -> None:
+    """Wait for ``work`` (blocking; on NCCL: order it on ``stream``), post-process, complete
+    ``handle``. Never raises."""
     try:
-        work.wait()
-        if post is not None:
-            post()
+        if stream is None:
+            work.wait()
+            if post is not None:
+                post()
+        else:
+            import torch
+
+            with torch.cuda.stream(stream):
+                work.wait()
+                if post is not None:
+                    post()
     except BaseException as exc:
         handle._finish(translate_error(exc, handle, rank))
         return
@@ -74,12 +88,13 @@ class TorchOp:
       handle hand the Work to the waiter pool.
     """
 
-    __slots__ = ("_claimed", "_lock", "post", "rank", "work")
+    __slots__ = ("_claimed", "_lock", "post", "rank", "stream", "work")
 
-    def __init__(self, work: Any, post: PostFn | None, rank: int) -> None:
+    def __init__(self, work: Any, post: PostFn | None, rank: int, stream: Any = None) -> None:
         self.work = work
         self.post = post
         self.rank = rank
+        self.stream = stream  # NCCL: the CUDA stream current at issue, None otherwise
         self._claimed = False
         self._lock = threading.Lock()
 
@@ -94,11 +109,11 @@ class TorchOp:
         if not _state.is_active():
             return  # the group was destroyed: its ops can never be observed now
         if self._claim():
-            get_pool().submit(self.work, handle, self.post, self.rank)
+            get_pool().submit(self.work, handle, self.post, self.rank, self.stream)
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
         if timeout is None and self._claim():
-            observe(self.work, handle, self.post, self.rank)
+            observe(self.work, handle, self.post, self.rank, self.stream)
             return True
         self.start(handle)
         return handle._block_until_done(timeout)
@@ -128,6 +143,7 @@ class WaiterPool:
         handle: Handle,
         post: PostFn | None,
         rank: int,
+        stream: Any = None,
     ) -> None:
         """Arrange for ``handle`` to complete when ``work`` does. Non-blocking."""
         with self._lock:
@@ -137,12 +153,14 @@ class WaiterPool:
             if saturated and len(self._threads) >= self.max_threads:
                 fut = _future_of(work)
                 if fut is not None:
-                    fut.add_done_callback(lambda f: _complete_from_future(f, handle, post, rank))
+                    fut.add_done_callback(
+                        lambda f: _complete_from_future(f, handle, post, rank, stream)
+                    )
                     return
             self._outstanding += 1
             if saturated and len(self._threads) < self.max_threads:
                 self._spawn()
-        self._queue.put((work, handle, post, rank))
+        self._queue.put((work, handle, post, rank, stream))
 
     def _spawn(self) -> None:
         t = threading.Thread(
@@ -183,10 +201,12 @@ def _future_of(work: Any) -> Any:
         return None
 
 
-def _complete_from_future(fut: Any, handle: Handle, post: PostFn | None, rank: int) -> None:
+def _complete_from_future(
+    fut: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any
+) -> None:
     # Runs on a gloo/nccl worker thread: the future is complete, so its wait() returns at once
     # and nothing here blocks (DESIGN.md contract 2).
-    observe(fut, handle, post, rank)
+    observe(fut, handle, post, rank, stream)
 
 
 _pool: WaiterPool | None = None

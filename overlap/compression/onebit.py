@@ -168,6 +168,66 @@ def _segmented_update(
             _minus_signed(v[a:e], scales[k], out[a:e])
 
 
+class _SegIndex:
+    """Per-element segment indices for the vectorised (CUDA) path, built once per layout.
+
+    On a GPU the per-segment loops of the CPU path launch a few kernels per tensor of a bucket
+    (hundreds per bucket), so the codec is launch-bound. Here each segmented step is a fixed
+    number of kernels: per-segment sums of squares with ``segment_reduce`` over the contiguous
+    ranges (deterministic, unlike an atomic ``index_add``), and per-element scales by a gather.
+    """
+
+    def __init__(self, seg: Any, n: int, P: int, w: int, me: int, dev: torch.device) -> None:
+        bounds, pieces = seg
+        chunk = P // w
+        lengths = [e - a for a, e in bounds]
+        self.nseg = len(bounds)
+        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=dev)
+        self.count = self.lengths.clamp(min=1).to(torch.float32)
+        seg_id = torch.repeat_interleave(
+            torch.arange(self.nseg, device=dev), self.lengths, output_size=P
+        )
+        self.seg_id = seg_id
+        # rebuild: element i of chunk j takes sscale[j, segment(i)]
+        self.rebuild = (torch.arange(P, device=dev) // chunk) * self.nseg + seg_id
+        mine = [(a, e, k) for a, e, k, j in pieces if j == me]
+        self.local_lengths = torch.tensor(
+            [e - a for a, e, _ in mine], dtype=torch.int64, device=dev
+        )
+        self.local_ks = torch.tensor([k for _, _, k in mine], dtype=torch.int64, device=dev)
+        self.local_id = seg_id[me * chunk : (me + 1) * chunk]
+
+
+_SEG_CACHE: dict[tuple[Any, ...], _SegIndex] = {}
+# Devices that take the vectorised segmented path. CPU keeps the per-segment path (numba's
+# fused kernels, or torch ops bitwise equal to them); tests add "cpu" to compare the two.
+VECTOR_DEVICES: set[str] = {"cuda"}
+
+
+def _seg_index(
+    segments: Sequence[int], seg: Any, n: int, P: int, w: int, me: int, dev: torch.device
+) -> _SegIndex:
+    key = (tuple(segments), n, P, w, me, str(dev))
+    idx = _SEG_CACHE.get(key)
+    if idx is None:
+        if len(_SEG_CACHE) > 256:
+            _SEG_CACHE.clear()
+        idx = _SEG_CACHE[key] = _SegIndex(seg, n, P, w, me, dev)
+    return idx
+
+
+def _seg_rms(v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """sqrt(mean(v**2)) per contiguous segment (0 for an empty one)."""
+    sq = torch.segment_reduce(v * v, "sum", lengths=lengths)
+    return torch.sqrt(sq / lengths.clamp(min=1).to(v.dtype))
+
+
+def _finite_rows(scales: torch.Tensor) -> list[bool]:
+    """Which ranks' scales are all finite: one host read for all of them."""
+    ok: list[bool] = torch.isfinite(scales).all(dim=1).tolist()
+    return ok
+
+
 def onebit_steps(
     buffer: torch.Tensor,
     worker_error: torch.Tensor,
@@ -193,6 +253,8 @@ def onebit_steps(
     if segments is not None and len(segments) > 1:
         seg = _pieces(segments, n, P, w)
     nseg = 1 if seg is None else len(seg[0])
+    vec = seg is not None and segments is not None and dev.type in VECTOR_DEVICES
+    sx = _seg_index(segments, seg, n, P, w, me, dev) if vec and segments is not None else None
 
     # 1. worker side (the worker error is committed only once every scale is known finite)
     b = torch.empty(P, dtype=torch.float32, device=dev)
@@ -201,6 +263,8 @@ def onebit_steps(
     fast = dev.type == "cpu" and fused.available()
     if seg is None:
         scale = (torch.linalg.vector_norm(b) / math.sqrt(P)).reshape(1)
+    elif sx is not None:
+        scale = _seg_rms(b, sx.lengths)
     else:
         scale = _rms(b, seg[0], nseg, range(nseg))
     if fast:
@@ -227,7 +291,7 @@ def onebit_steps(
     yield hs
 
     scales2 = scales.view(w, nseg)
-    bad = [ranks[i] for i in range(w) if not bool(torch.isfinite(scales2[i]).all())]
+    bad = [ranks[i] for i, ok in enumerate(_finite_rows(scales2)) if not ok]
     if bad:
         raise NonFiniteError(
             f"compressed_allreduce: the input on rank(s) {bad} holds NaN or Inf; the buffer "
@@ -235,7 +299,9 @@ def onebit_steps(
             "(e.g. with loss scaling) or find the source of the non-finite gradient",
             ranks=bad,
         )
-    if seg is not None:
+    if sx is not None:
+        torch.sub(b, torch.copysign(scale[sx.seg_id], b), out=worker_error)
+    elif seg is not None:
         _segmented_update(b, seg[0], scale, range(nseg), worker_error, fast)
     elif fast:
         fused.error_update(b.numpy(), float(scale[0]), worker_error.numpy())
@@ -246,7 +312,17 @@ def onebit_steps(
     table = sign_table(dev)
     c = torch.zeros(chunk, dtype=torch.float32, device=dev)
     base = me * chunk
-    if seg is not None:
+    if sx is not None:
+        # c = sum over ranks r (in order) of sign_r * scale_r[segment] / W, plus the error
+        q = scales2 / w
+        sgn = table[recv.view(w, -1).long()].reshape(w, chunk)
+        for r in range(w):
+            c.addcmul_(sgn[r], q[r][sx.local_id])
+        c.add_(server_error)
+        sscale = torch.zeros(nseg, dtype=torch.float32, device=dev)
+        sscale[sx.local_ks] = _seg_rms(c, sx.local_lengths)
+        torch.sub(c, torch.copysign(sscale[sx.local_id], c), out=server_error)
+    elif seg is not None:
         mine = [(a - base, e - base, k) for a, e, k, j in seg[1] if j == me]
         local = [(a, e) for a, e, _ in mine]
         ks = [k for _, _, k in mine]
@@ -322,6 +398,8 @@ def onebit_steps(
     signs = table[all_signs.long()].reshape(-1)
     if seg is None:
         out = signs.reshape(w, chunk) * sscales.reshape(w, 1)
+    elif sx is not None:
+        out = signs * sscales[sx.rebuild]
     else:
         ss = sscales.view(w, nseg)
         out = torch.empty(P, dtype=torch.float32, device=dev)

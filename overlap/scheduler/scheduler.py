@@ -140,6 +140,9 @@ class BucketScheduler:
                 f"{'cuda' if backend == 'nccl' else 'cpu'} tensors; move the model or "
                 "initialise the matching backend"
             )
+        # The control collectives (model check, used-parameter mask, rebuild order) run on the
+        # backend's own device: NCCL reduces only CUDA tensors.
+        self._ctrl_device = self.device if backend == "nccl" else torch.device("cpu")
         ranks = [comm.get_global_rank(group, i) for i in range(comm.get_world_size(group))]
         self.world = len(ranks)
         self.group = comm.new_group(ranks)  # the buckets' collectives
@@ -177,7 +180,7 @@ class BucketScheduler:
     # ----------------------------------------------------------------------- structure
     def _check_same_model(self) -> None:
         sig = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode())
-        mine = torch.tensor([len(self.params), sig], dtype=torch.int64)
+        mine = torch.tensor([len(self.params), sig], dtype=torch.int64, device=self._ctrl_device)
         everyone = comm.all_gather(mine, group=self.ctrl)
         differ = [i for i, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
         if differ:
@@ -282,11 +285,8 @@ class BucketScheduler:
                     _traced_run(steps, tracer, b.index)
                 if not average:
                     b.flat.mul_(w)
-            except BaseException as exc:
+            finally:
                 entry["end"] = time.perf_counter()
-                h._finish(exc)
-                return
-            entry["end"] = time.perf_counter()
             if dev_events is not None and tracer is not None:
                 dev_events[1].record()
                 tracer.device_span(
@@ -308,9 +308,8 @@ class BucketScheduler:
                     ready_ns=ready_ns,
                     ready_tid=ready_tid,
                 )
-            h._finish(None)
 
-        self._launcher.submit(job, b.flat)
+        self._launcher.submit(job, h._finish, b.flat)
 
     # -------------------------------------------------------------------- end of step
     def _finish_steps(self) -> Steps:
@@ -319,9 +318,10 @@ class BucketScheduler:
         if tracer is not None and self._bwd:
             tracer.record("backward", "compute", self._bwd[0], self._bwd[1])
         mask = torch.zeros(len(self.params), dtype=torch.uint8)
-        for i in self._order:
-            mask[i] = 1
+        mask[self._order] = 1
+        mask = mask.to(self._ctrl_device)
         yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
+        mask = mask.cpu()
         if not bool(mask.any()):
             self._new_step()
             raise RuntimeError(
@@ -367,13 +367,13 @@ class BucketScheduler:
         }
         self._step += 1
         if self.rebuild and not self._rebuilt:
-            order = torch.tensor(self._ready_order(), dtype=torch.int64)
+            order = torch.tensor(self._ready_order(), dtype=torch.int64, device=self._ctrl_device)
             yield [
                 comm.broadcast(
                     order, src=comm.get_global_rank(self.ctrl, 0), group=self.ctrl, async_op=True
                 )
             ]
-            self._rebuild([self.params[i] for i in order.tolist()])
+            self._rebuild([self.params[i] for i in order.cpu().tolist()])
         self._new_step()
         return None
 

@@ -8,6 +8,12 @@
   gradient; the bucket buffer is marked with ``record_stream`` for the side stream; a
   completion event is recorded there, and ``wait_compute()`` makes the compute stream wait on
   it before anything reads the gradients.
+
+The completion event is recorded *before* the bucket's handle is finished. The order matters:
+``synchronize()`` calls ``wait_compute()`` once every handle is done, and a CUDA stream that
+waits on an event not yet recorded does not wait at all, so finishing first would let the
+compute stream read a bucket that the side stream is still writing (tests/gpu proves the
+wait with a delayed side-stream kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ __all__ = ["Launcher"]
 log = logging.getLogger(__name__)
 
 Job = Callable[[], None]
+Finish = Callable[[BaseException | None], None]
 
 
 class Launcher:
@@ -37,36 +44,62 @@ class Launcher:
             torch.cuda.Stream(device=device) if self.cuda else None  # type: ignore[no-untyped-call]
         )
         self._events: list[Any] = []
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._events_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="overlap-bucket-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job, flat: torch.Tensor) -> None:
-        """Run ``job`` on the worker (after the compute stream's current work, on CUDA)."""
-        if self.cuda:
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(torch.cuda.current_stream(self.device))
-            flat.record_stream(self.stream)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._events.append(done)
+    def submit(self, job: Job, finish: Finish, flat: torch.Tensor) -> None:
+        """Run ``job`` on the worker, then ``finish(error or None)``.
 
-            def on_stream() -> None:
-                with torch.cuda.stream(self.stream):
-                    self.stream.wait_event(ready)
+        On CUDA the job runs on the side stream after the compute stream's current work, and
+        its completion event is recorded before ``finish`` is called.
+        """
+        if not self.cuda:
+
+            def on_cpu() -> None:
+                try:
                     job()
-                    done.record(self.stream)
+                except BaseException as exc:
+                    finish(exc)
+                    return
+                finish(None)
 
-            self._queue.put(on_stream)
-        else:
-            self._queue.put(job)
+            self._queue.put(on_cpu)
+            return
+
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(torch.cuda.current_stream(self.device))
+        # The bucket was allocated on the compute stream and is used on the side stream: tell
+        # the caching allocator, so its memory is not handed out again (when the bucket is
+        # freed, e.g. at a rebuild) before the side stream's work on it is done.
+        flat.record_stream(self.stream)
+        stream = self.stream
+
+        def on_stream() -> None:
+            err: BaseException | None = None
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                try:
+                    job()
+                except BaseException as exc:
+                    err = exc
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(stream)
+            with self._events_lock:
+                self._events.append(done)
+            finish(err)
+
+        self._queue.put(on_stream)
 
     def wait_compute(self) -> None:
-        """Make the compute stream wait for every submitted reduction (CUDA; no-op on CPU)."""
+        """Make the compute stream wait for every finished reduction (CUDA; no-op on CPU)."""
         if self.cuda:
             cur = torch.cuda.current_stream(self.device)
-            for ev in self._events:
+            with self._events_lock:
+                events, self._events = self._events, []
+            for ev in events:
                 cur.wait_event(ev)
-            self._events.clear()
 
     def _run(self) -> None:
         while True:
@@ -74,6 +107,9 @@ class Launcher:
             if job is None:
                 return
             job()
+            # Drop the closure now, not at the next get(): it holds the bucket, and the
+            # caller may rely on the bucket's memory going back once the job is issued.
+            del job
 
     def close(self) -> None:
         self._queue.put(None)

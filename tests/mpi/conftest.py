@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+# OVERLAP_MPIEXEC names the launcher that matches mpi4py's MPI (scripts/gpu-check.sh sets it:
+# the GPU image has an Open MPI build of mpi4py and no mpiexec beside its python).
+MPIEXEC = (
+    os.environ.get("OVERLAP_MPIEXEC")
+    or shutil.which("mpiexec", path=str(Path(sys.executable).parent))
+    or shutil.which("mpiexec")
+)
 
 needs_mpiexec = pytest.mark.skipif(
     MPIEXEC is None, reason="needs mpiexec: pip install overlap[mpi]"
@@ -32,7 +38,8 @@ def clean_env() -> dict[str, str]:
     )
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(ROOT)
+    # the repo first; keep what was there (gpu-check.sh puts carried wheels on the path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -1,0 +1,183 @@
+"""Run under mpiexec: several ranks sharing one GPU, over the MPI backend with CUDA tensors.
+
+NCCL refuses two ranks on one GPU, so this is overlap's supported way to run the CUDA
+scheduler with several processes on one device (MPI stages CUDA tensors through pinned host
+memory unless ``OVERLAP_MPI_CUDA_AWARE=1``). Prints one line per rank,
+``RESULT {json}``: {case: result | "error: traceback"}. Usage:
+
+    mpiexec -n N python -m tests.gpu.mpi_cuda_cases
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import overlap
+from overlap import comm
+from overlap.compression import FP16, NoCompression, OneBit, compressed_allreduce, padded_numel
+from overlap.runtime import run
+from overlap.scheduler import BucketScheduler
+
+
+def _model(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 8)).to(device)
+
+
+def _batch(rank: int, step: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 32, generator=g).to(device)
+
+
+def _reference_grads(world: int, step: int) -> list[torch.Tensor]:
+    """What DDP computes: the average over ranks of each rank's gradient, here on one rank
+    (every rank's batch is reproducible), in float64 so it is the exact answer."""
+    model = _model("cpu").double()
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for r in range(world):
+        model.zero_grad()
+        model(_batch(r, step, "cpu").double()).pow(2).mean().backward()
+        for t, p in zip(total, model.parameters(), strict=True):
+            t += p.grad  # type: ignore[operator]
+    return [t / world for t in total]
+
+
+def scheduler_equals_reference(compression: str, mode: str) -> float:
+    """Three steps of the CUDA scheduler; the worst error against the exact average."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = _model("cuda")
+    comp = {"none": NoCompression(), "fp16": FP16()}[compression]
+    sched = BucketScheduler(model, compression=comp, bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    worst = 0.0
+    try:
+        for step in range(3):
+            model.zero_grad()
+            loss = model(_batch(rank, step, "cuda")).pow(2).mean()
+            if mode == "blocking":
+                loss.backward()
+                sched.synchronize()
+            else:
+
+                async def go(loss: torch.Tensor = loss) -> None:
+                    await sched.backward(loss)
+
+                run(go(), loop=mode)
+            ref = _reference_grads(world, step)
+            for p, r in zip(model.parameters(), ref, strict=True):
+                assert p.grad is not None and p.grad.is_cuda
+                worst = max(worst, (p.grad.double().cpu() - r).abs().max().item())
+    finally:
+        sched.remove()
+    return worst
+
+
+def no_sync_equals_reference() -> float:
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = _model("cuda")
+    sched = BucketScheduler(model, bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    try:
+        with sched.no_sync():
+            model(_batch(rank, 0, "cuda")).pow(2).mean().backward()
+        model(_batch(rank, 1, "cuda")).pow(2).mean().backward()
+        sched.synchronize()
+        ref = [a + b for a, b in zip(*(_reference_grads(world, s) for s in (0, 1)), strict=True)]
+        return max(
+            (p.grad.double().cpu() - r).abs().max().item()  # type: ignore[union-attr]
+            for p, r in zip(model.parameters(), ref, strict=True)
+        )
+    finally:
+        sched.remove()
+
+
+def onebit_scheduler_cuda_equals_cpu() -> float:
+    """OneBit through the scheduler: the CUDA model's gradients equal the CPU model's (same
+    data, same error feedback), step after step."""
+    rank = comm.get_rank()
+    models = {d: _model(d) for d in ("cpu", "cuda")}
+    scheds = {
+        d: BucketScheduler(
+            m, compression=OneBit(warmup_steps=1), bucket_cap_mb=0.01, first_bucket_mb=0.005
+        )
+        for d, m in models.items()
+    }
+    worst = 0.0
+    try:
+        for step in range(4):
+            for d, m in models.items():
+                m.zero_grad()
+                m(_batch(rank, step, d)).pow(2).mean().backward()
+                scheds[d].synchronize()
+            for p, q in zip(models["cuda"].parameters(), models["cpu"].parameters(), strict=True):
+                diff = (p.grad.cpu() - q.grad).abs()  # type: ignore[union-attr,operator]
+                scale = q.grad.abs().max().item() or 1.0  # type: ignore[union-attr]
+                worst = max(worst, diff.max().item() / scale)
+    finally:
+        for s in scheds.values():
+            s.remove()
+    return worst
+
+
+def codec_cuda_equals_cpu() -> dict[str, Any]:
+    """compressed_allreduce on CUDA tensors against the same call on CPU tensors, at several
+    sizes, over 3 steps of error feedback: the first step (no error yet) must agree to float
+    rounding, later steps may differ only where float rounding flips a sign near zero."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    out: dict[str, Any] = {}
+    for n in (8, 1000, 8 * world * 1024 + 3, 1 << 18):
+        g = torch.Generator().manual_seed(rank * 7919 + n)
+        xs = [torch.randn(n, generator=g) for _ in range(3)]
+        P = padded_numel(n, world)
+        res: dict[str, list[torch.Tensor]] = {}
+        for d in ("cpu", "cuda"):
+            we = torch.zeros(P, device=d)
+            se = torch.zeros(P // world, device=d)
+            res[d] = []
+            for x in xs:
+                buf = x.clone().to(d)
+                compressed_allreduce(buf, we, se)
+                res[d].append(buf.cpu())
+        first = (res["cuda"][0] - res["cpu"][0]).abs().max().item()
+        scale = res["cpu"][0].abs().max().item() or 1.0
+        mism = [
+            ((a - b).abs() > 1e-4 * (b.abs().max().item() or 1.0)).float().mean().item()
+            for a, b in zip(res["cuda"][1:], res["cpu"][1:], strict=True)
+        ]
+        out[str(n)] = {"first_rel": first / scale, "later_mismatch_fraction": max(mism)}
+    return out
+
+
+CASES: dict[str, Callable[[], Any]] = {
+    "none/blocking": lambda: scheduler_equals_reference("none", "blocking"),
+    "none/uvloop": lambda: scheduler_equals_reference("none", "uvloop"),
+    "none/asyncio": lambda: scheduler_equals_reference("none", "asyncio"),
+    "fp16/blocking": lambda: scheduler_equals_reference("fp16", "blocking"),
+    "no_sync": no_sync_equals_reference,
+    "onebit_cuda_vs_cpu": onebit_scheduler_cuda_equals_cpu,
+    "codec_cuda_vs_cpu": codec_cuda_equals_cpu,
+}
+
+
+def main() -> None:
+    overlap.init_distributed(dist_backend="mpi", timeout=120)
+    torch.cuda.set_device(0)
+    results: dict[str, Any] = {"rank": comm.get_rank(), "world": comm.get_world_size()}
+    for name, fn in CASES.items():
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = "error: " + traceback.format_exc()[-3000:]
+        comm.barrier()
+    sys.stdout.write("RESULT " + json.dumps(results) + "\n")
+    sys.stdout.flush()
+    comm.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Several ranks on one GPU: the CUDA scheduler and codec over MPI with CUDA tensors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.mpi.conftest import mpiexec, needs_mpiexec
+
+pytestmark = [pytest.mark.mpi, needs_mpiexec]
+
+_runs: dict[int, list[dict[str, Any]]] = {}
+
+
+def run_all(n: int) -> list[dict[str, Any]]:
+    """Every case of tests/gpu/mpi_cuda_cases.py in one mpiexec launch of n ranks (cached)."""
+    if n not in _runs:
+        out = mpiexec(n, "-m", "tests.gpu.mpi_cuda_cases", timeout=300)
+        results = [
+            json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")
+        ]
+        assert out.returncode == 0 and len(results) == n, out.stdout[-3000:] + out.stderr[-3000:]
+        assert sorted(r["rank"] for r in results) == list(range(n)), results
+        _runs[n] = sorted(results, key=lambda d: d["rank"])
+    return _runs[n]
+
+
+def _values(n: int, case: str) -> list[Any]:
+    vals = [r[case] for r in run_all(n)]
+    errors = [v for v in vals if isinstance(v, str)]
+    assert not errors, errors[0]
+    return vals
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("mode", ["blocking", "uvloop", "asyncio"])
+def test_cuda_scheduler_equals_the_exact_average(n: int, mode: str) -> None:
+    assert max(_values(n, f"none/{mode}")) < 1e-6
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_cuda_scheduler_fp16(n: int) -> None:
+    assert max(_values(n, "fp16/blocking")) < 2e-3
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_cuda_scheduler_no_sync(n: int) -> None:
+    assert max(_values(n, "no_sync")) < 1e-6
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_onebit_scheduler_cuda_equals_cpu(n: int) -> None:
+    assert max(_values(n, "onebit_cuda_vs_cpu")) < 1e-4
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_codec_cuda_equals_cpu(n: int) -> None:
+    for per_rank in _values(n, "codec_cuda_vs_cpu"):
+        for size, r in per_rank.items():
+            assert r["first_rel"] < 1e-5, (size, r)
+            assert r["later_mismatch_fraction"] < 1e-3, (size, r)

@@ -1,0 +1,59 @@
+"""BucketScheduler on CUDA with NCCL (one rank, one GPU): DDP-equal gradients, side streams,
+allocator safety."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap.testing import RankPool
+from tests.gpu import nccl_cases as nc
+
+
+@pytest.mark.parametrize("mode", ["blocking", "uvloop", "asyncio"])
+def test_gradients_equal_ddp(nccl: RankPool, mode: str) -> None:
+    assert nccl.run(nc.scheduler_equals_ddp, "none", mode, timeout=120) == [0.0]
+
+
+def test_gradient_as_bucket_view_equals_ddp(nccl: RankPool) -> None:
+    assert nccl.run(nc.scheduler_equals_ddp, "none", "blocking", True, timeout=120) == [0.0]
+
+
+@pytest.mark.parametrize("compression", ["fp16", "onebit"])
+def test_compressed_gradients_are_close(nccl: RankPool, compression: str) -> None:
+    # one rank: fp16 rounds each gradient; 1-bit keeps only signs and one scale per segment,
+    # so only the fp16 error is small enough to bound tightly.
+    (worst,) = nccl.run(nc.scheduler_equals_ddp, compression, "blocking", timeout=120)
+    assert worst < (1e-3 if compression == "fp16" else 1.0), worst
+
+
+def test_no_sync_accumulation_equals_ddp(nccl: RankPool) -> None:
+    assert nccl.run(nc.no_sync_equals_ddp, timeout=120) == [0.0]
+
+
+def test_buckets_run_on_the_side_stream_and_compute_waits(nccl: RankPool) -> None:
+    (r,) = nccl.run(nc.side_stream_wait, timeout=120)
+    assert r["correct"], r
+    assert r["on_side_stream"] and r["side_streams"] == 1, r
+    # the compute stream waited for every bucket's sleep (they run one after another)
+    assert r["gpu_ms"] >= 0.9 * r["buckets"] * r["sleep_ms"], r
+
+
+def test_without_the_wait_the_read_is_wrong(nccl: RankPool) -> None:
+    """Negative control: the case above can fail, and does when the wait is removed."""
+    (r,) = nccl.run(nc.side_stream_wait, True, timeout=120)
+    assert not r["correct"], r
+
+
+def test_record_stream_keeps_in_flight_buckets_safe(nccl: RankPool) -> None:
+    assert nccl.run(nc.record_stream_stress, 20, timeout=120) == [0]
+
+
+def test_without_record_stream_memory_is_reused_in_flight(nccl: RankPool) -> None:
+    """Negative control: the same churn without record_stream corrupts the result, so the
+    stress test above would catch a missing record_stream."""
+    (bad,) = nccl.run(nc.record_stream_stress, 5, False, timeout=120)
+    assert bad > 0
+
+
+def test_scheduler_under_allocation_churn(nccl: RankPool) -> None:
+    assert nccl.run(nc.scheduler_churn, 12, timeout=180) == [0.0]
