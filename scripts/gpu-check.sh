@@ -20,15 +20,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         --target "$SITE" .whl/*.whl || exit 1
     export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$SITE/bin:$PATH"
-    export LD_LIBRARY_PATH="$SITE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    if [ -x "$SITE/bin/mpiexec" ]; then
+    # pip --target installs the mpich wheel's bin/ but drops its lib/: unpack that by hand.
+    "$PY" - "$SITE/mpich" <<'PYEOF'
+import glob, sys, zipfile
+for whl in glob.glob(".whl/mpich-*.whl"):
+    with zipfile.ZipFile(whl) as z:
+        for m in z.namelist():
+            if "/data/lib/" in m and not m.endswith("/"):
+                z.extract(m, sys.argv[1])
+PYEOF
+    LIBMPI="$(find "$SITE/mpich" -name 'libmpi.so.12' 2>/dev/null | head -1)"
+    if [ -x "$SITE/bin/mpiexec" ] && [ -n "$LIBMPI" ]; then
         # mpi4py's wheel holds builds for several MPI ABIs and picks the first libmpi.so it
         # can dlopen: on the GPU image that is the system Open MPI, which the mpich wheel's
         # mpiexec cannot launch (measured: segfault in PMPI_Iallreduce). Name the library:
         # mpi4py dlopens it globally and detects its ABI (MPI4PY_MPIABI would skip that load
-        # and leave libmpi.so.12 to the loader, which does not look in $SITE/lib).
+        # and leave libmpi.so.12 to the loader, which does not look in $SITE).
         export OVERLAP_MPIEXEC="$SITE/bin/mpiexec"
-        export MPI4PY_LIBMPI="$SITE/lib/libmpi.so.12"
+        export MPI4PY_LIBMPI="$LIBMPI"
     fi
 else
     echo "gpu-check: no .whl/ (run scripts/gpu-wheels.sh where PyPI is reachable); MPI cases" \

@@ -59,5 +59,7 @@ def test_onebit_scheduler_cuda_equals_cpu(n: int) -> None:
 def test_codec_cuda_equals_cpu(n: int) -> None:
     for per_rank in _values(n, "codec_cuda_vs_cpu"):
         for size, r in per_rank.items():
-            assert r["first_rel"] < 1e-5, (size, r)
+            # float32 norms summed in another order: ~sqrt(n) * eps relative (measured on an
+            # H100: 2.6e-5 at 2**18 floats); the signs themselves agree bit for bit
+            assert r["first_rel"] < 1e-4, (size, r)
             assert r["later_mismatch_fraction"] < 1e-3, (size, r)
