@@ -65,8 +65,9 @@ def _tests(path: Path) -> dict[str, Any]:
                 "message": msg,
             }
         )
-    count = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error")}
-    count["skipped"] = sum(c["outcome"] == "skipped" for c in cases)
+    count = {
+        k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")
+    }
     return {"counts": count, "seconds": float(suite.get("time", 0)), "cases": cases}
 
 
@@ -94,8 +95,8 @@ def main() -> None:
     for r in codec:
         # worker side moves: read x and e, write e (3 passes) + signs; one read pass is n*4 B
         r["worker_min_passes"] = 3.0
-        r["worker_vs_copy_bw"] = 3 * r["floats"] * 4 / (r["worker_ms"] / 1e3) / 1e9 / (
-            gpu["copy_GBps"]
+        r["worker_vs_copy_bw"] = (
+            3 * r["floats"] * 4 / (r["worker_ms"] / 1e3) / 1e9 / (gpu["copy_GBps"])
         )
     (out / "gpu-report.json").write_text(json.dumps(report, indent=2))
 

@@ -180,9 +180,13 @@ class TorchBackend:
             handle._finish(None)
             return handle
 
-        stream = torch.cuda.current_stream() if self.name == "nccl" else None
-        handle._engine = TorchOp(work, post, rank, stream)
+        handle._engine = TorchOp(work, post, rank, self._issue_stream())
         return handle
+
+    def _issue_stream(self) -> Any:
+        """NCCL: the CUDA stream current at issue, which a handle's wait orders the result on
+        (overlap.comm.waiters); None on gloo."""
+        return torch.cuda.current_stream() if self.name == "nccl" else None
 
     def _reduce_args(self, op: Any, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
         rop = parse_op(op)
@@ -530,7 +534,7 @@ class TorchBackend:
             for kind, t, info, _ in torch_ops
         ]
         # Started at once: batched p2p ops usually depend on each other across ranks.
-        stream = torch.cuda.current_stream() if self.name == "nccl" else None
+        stream = self._issue_stream()
         if len(works) == len(handles):
             for w, h in zip(works, handles, strict=True):
                 h._engine = TorchOp(w, None, rank, stream)

@@ -28,6 +28,7 @@ receives that wait for a slow peer can never starve the collectives behind them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -56,21 +57,20 @@ def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseExcept
     return err
 
 
+def _on_stream(stream: Any) -> Any:
+    import torch
+
+    return torch.cuda.stream(stream)
+
+
 def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any = None) -> None:
     """Wait for ``work`` (blocking; on NCCL: order it on ``stream``), post-process, complete
     ``handle``. Never raises."""
     try:
-        if stream is None:
+        with contextlib.nullcontext() if stream is None else _on_stream(stream):
             work.wait()
             if post is not None:
                 post()
-        else:
-            import torch
-
-            with torch.cuda.stream(stream):
-                work.wait()
-                if post is not None:
-                    post()
     except BaseException as exc:
         handle._finish(translate_error(exc, handle, rank))
         return

@@ -177,13 +177,11 @@ class _SegIndex:
     ranges (deterministic, unlike an atomic ``index_add``), and per-element scales by a gather.
     """
 
-    def __init__(self, seg: Any, n: int, P: int, w: int, me: int, dev: torch.device) -> None:
+    def __init__(self, seg: Any, P: int, w: int, me: int, dev: torch.device) -> None:
         bounds, pieces = seg
         chunk = P // w
-        lengths = [e - a for a, e in bounds]
         self.nseg = len(bounds)
-        self.lengths = torch.tensor(lengths, dtype=torch.int64, device=dev)
-        self.count = self.lengths.clamp(min=1).to(torch.float32)
+        self.lengths = torch.tensor([e - a for a, e in bounds], dtype=torch.int64, device=dev)
         seg_id = torch.repeat_interleave(
             torch.arange(self.nseg, device=dev), self.lengths, output_size=P
         )
@@ -205,14 +203,14 @@ VECTOR_DEVICES: set[str] = {"cuda"}
 
 
 def _seg_index(
-    segments: Sequence[int], seg: Any, n: int, P: int, w: int, me: int, dev: torch.device
+    segments: Sequence[int], seg: Any, P: int, w: int, me: int, dev: torch.device
 ) -> _SegIndex:
-    key = (tuple(segments), n, P, w, me, str(dev))
+    key = (tuple(segments), P, w, me, str(dev))
     idx = _SEG_CACHE.get(key)
     if idx is None:
         if len(_SEG_CACHE) > 256:
             _SEG_CACHE.clear()
-        idx = _SEG_CACHE[key] = _SegIndex(seg, n, P, w, me, dev)
+        idx = _SEG_CACHE[key] = _SegIndex(seg, P, w, me, dev)
     return idx
 
 
@@ -253,8 +251,9 @@ def onebit_steps(
     if segments is not None and len(segments) > 1:
         seg = _pieces(segments, n, P, w)
     nseg = 1 if seg is None else len(seg[0])
-    vec = seg is not None and segments is not None and dev.type in VECTOR_DEVICES
-    sx = _seg_index(segments, seg, n, P, w, me, dev) if vec and segments is not None else None
+    sx = None  # the vectorised segment index, on the devices that use it
+    if seg is not None and segments is not None and dev.type in VECTOR_DEVICES:
+        sx = _seg_index(segments, seg, P, w, me, dev)
 
     # 1. worker side (the worker error is committed only once every scale is known finite)
     b = torch.empty(P, dtype=torch.float32, device=dev)
@@ -300,7 +299,7 @@ def onebit_steps(
             ranks=bad,
         )
     if sx is not None:
-        torch.sub(b, torch.copysign(scale[sx.seg_id], b), out=worker_error)
+        _minus_signed(b, scale[sx.seg_id], worker_error)
     elif seg is not None:
         _segmented_update(b, seg[0], scale, range(nseg), worker_error, fast)
     elif fast:
@@ -321,7 +320,7 @@ def onebit_steps(
         c.add_(server_error)
         sscale = torch.zeros(nseg, dtype=torch.float32, device=dev)
         sscale[sx.local_ks] = _seg_rms(c, sx.local_lengths)
-        torch.sub(c, torch.copysign(sscale[sx.local_id], c), out=server_error)
+        _minus_signed(c, sscale[sx.local_id], server_error)
     elif seg is not None:
         mine = [(a - base, e - base, k) for a, e, k, j in seg[1] if j == me]
         local = [(a, e) for a, e, _ in mine]

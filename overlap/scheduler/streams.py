@@ -34,6 +34,15 @@ Job = Callable[[], None]
 Finish = Callable[[BaseException | None], None]
 
 
+def _attempt(job: Job) -> BaseException | None:
+    """Run ``job``; its error, or None."""
+    try:
+        job()
+    except BaseException as exc:
+        return exc
+    return None
+
+
 class Launcher:
     """A single worker thread (and, on CUDA, a side stream) that runs bucket reductions."""
 
@@ -56,16 +65,7 @@ class Launcher:
         its completion event is recorded before ``finish`` is called.
         """
         if not self.cuda:
-
-            def on_cpu() -> None:
-                try:
-                    job()
-                except BaseException as exc:
-                    finish(exc)
-                    return
-                finish(None)
-
-            self._queue.put(on_cpu)
+            self._queue.put(lambda: finish(_attempt(job)))
             return
 
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -77,13 +77,9 @@ class Launcher:
         stream = self.stream
 
         def on_stream() -> None:
-            err: BaseException | None = None
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                try:
-                    job()
-                except BaseException as exc:
-                    err = exc
+                err = _attempt(job)
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
             with self._events_lock:

@@ -21,6 +21,7 @@ from overlap.compression import FP16, NoCompression, OneBit
 from overlap.compression.base import Compressor
 from overlap.runtime import run
 from overlap.scheduler import BucketScheduler
+from tests.loop_ticks import LoopTicks
 
 # ~1.3e8 cycles: 65-90 ms at an H100/H200's 1.4-2 GHz. Long enough that a missing stream wait
 # cannot hide behind host latency, short enough for a suite that runs in minutes.
@@ -275,37 +276,26 @@ def awaited_nccl_op(loop: str) -> dict[str, Any]:
     n = 1 << 16
 
     async def main() -> dict[str, Any]:
-        ticks = 0
-        stop = False
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not stop:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.ensure_future(ticker())
-        await asyncio.sleep(0)
         # NCCL creates its communicator at a group's first collective, synchronously: do that
         # first so the timed op is a steady-state one.
         await comm.all_reduce(torch.ones(1, device="cuda"), async_op=True)
         torch.cuda.synchronize()
-        t = torch.zeros(n, device="cuda")
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t.fill_(3.0)
-        t0 = time.perf_counter()
-        h = comm.all_reduce(t, op="sum", async_op=True)
-        before = ticks
-        out = await h
-        await_ms = (time.perf_counter() - t0) * 1e3
-        during = ticks - before
-        e.record()
-        total = out.sum()  # ordered after the collective on this stream
-        value = total.item()
-        stop = True
-        await task
+        async with LoopTicks() as ticks:
+            await asyncio.sleep(0)
+            t = torch.zeros(n, device="cuda")
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            torch.cuda._sleep(SLEEP_CYCLES)
+            t.fill_(3.0)
+            t0 = time.perf_counter()
+            h = comm.all_reduce(t, op="sum", async_op=True)
+            before = ticks.count
+            out = await h
+            await_ms = (time.perf_counter() - t0) * 1e3
+            during = ticks.count - before
+            e.record()
+            total = out.sum()  # ordered after the collective on this stream
+            value = total.item()
         return {
             "value": value,
             "expected": 3.0 * n,

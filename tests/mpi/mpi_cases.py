@@ -14,6 +14,7 @@ import overlap
 from overlap import comm
 from overlap.comm import state
 from overlap.comm.progress import ProgressEngine
+from tests.loop_ticks import LoopTicks
 
 
 def loop_stays_responsive() -> None:
@@ -22,21 +23,10 @@ def loop_stays_responsive() -> None:
 
     async def main() -> None:
         ts = [torch.ones(1 << 20) for _ in range(8)]
-        ticks = 0
-        stop = False
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not stop:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        tick_task = asyncio.ensure_future(ticker())
-        outs = await asyncio.gather(*[comm.all_reduce(t, async_op=True) for t in ts])
-        stop = True
-        await tick_task
+        async with LoopTicks() as ticks:
+            outs = await asyncio.gather(*[comm.all_reduce(t, async_op=True) for t in ts])
         assert all(float(o[0]) == w for o in outs)
-        assert ticks >= 8, f"the loop ran other tasks only {ticks} times"
+        assert ticks.count >= 8, f"the loop ran other tasks only {ticks.count} times"
         assert ProgressEngine.for_loop(asyncio.get_running_loop()).in_flight == 0
 
     overlap.run(main())
