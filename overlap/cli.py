@@ -266,11 +266,12 @@ def cmd_bench_compress(args: argparse.Namespace) -> int:
                 "read ms",
                 "worker ms",
                 "worker/read",
-                "pack/read",
+                "server+rebuild/read",
                 "unpack/read",
                 "worker GB/s",
             ],
-            title=f"OneBit codec on {args.device} (median of "
+            title=f"OneBit codec ({rows[0]['codec'] if rows else '-'}, "
+            f"{rows[0]['threads'] if rows else '-'} threads) on {args.device} (median of "
             f"{args.reps}), against one read pass (torch.sum)",
         )
         for r in rows:
@@ -280,7 +281,7 @@ def cmd_bench_compress(args: argparse.Namespace) -> int:
                     "read ms": r["read_ms"],
                     "worker ms": r["worker_ms"],
                     "worker/read": r["worker/read"],
-                    "pack/read": r["pack/read"],
+                    "server+rebuild/read": r["server+rebuild/read"],
                     "unpack/read": r["unpack/read"],
                     "worker GB/s": r["worker_GBps"],
                 }

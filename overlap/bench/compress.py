@@ -1,8 +1,14 @@
 """``overlap bench compress``: the cost of 1-bit compression, and what it saves on a link.
 
-Part 1 (one process): for N floats, the OneBit worker side (error add, scale, error update,
-sign packing) and the decompression (unpack and scale), each against a memory-bound
-reference measured in the same run: one read pass over the buffer (``torch.sum``).
+Part 1 (one process): for N floats, each stage of the codec that compressed_allreduce and
+OneBit run (:mod:`overlap.compression.codec`, the default codec for the device), against a
+memory-bound reference measured in the same run: one read pass over the buffer
+(``torch.sum``, with torch's threads; the codec uses as many):
+
+* worker: error add, scales, sign packing and the (lazy) error update: ``encode``;
+* server + rebuild: this rank's chunk of a 2-rank job (``server``), then the rebuild of the
+  whole buffer from the gathered signs;
+* unpack: the rebuild alone.
 
 Part 2 (2 ranks, optionally inside a shaped link): ``compressed_allreduce`` against a plain
 fp32 ``all_reduce`` of the same buffer, interleaved in one run.
@@ -10,7 +16,6 @@ fp32 ``all_reduce`` of the same buffer, interleaved in one run.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,25 +23,10 @@ from typing import Any
 import torch
 
 from overlap.bench.harness import median
-from overlap.compression import fused
-from overlap.compression.onebit import _minus_signed
-from overlap.compression.packbits import pack_signs, sign_table
+from overlap.compression.codec import ErrorFeedback, codec_for
+from overlap.compression.layout import Layout
 
-__all__ = ["bench_codec", "bench_link_rank", "worker_side"]
-
-
-def worker_side(x: torch.Tensor, e: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The OneBit worker step as compressed_allreduce runs it (b is a P-float scratch)."""
-    torch.add(x, e, out=b)
-    scale = torch.linalg.vector_norm(b) / math.sqrt(b.numel())
-    if b.device.type == "cpu" and fused.available():
-        packed = torch.empty(b.numel() // 8, dtype=torch.uint8)
-        fused.pack_signs_np(b.numpy(), packed.numpy())
-        fused.error_update(b.numpy(), float(scale), e.numpy())
-        return packed
-    packed = pack_signs(b)
-    _minus_signed(b, scale, e)
-    return packed
+__all__ = ["bench_codec", "bench_link_rank"]
 
 
 def _time(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
@@ -52,25 +42,40 @@ def _time(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
 
 
 def _codec_row(n: int, reps: int, dev: torch.device, sync: Callable[[], None]) -> dict[str, Any]:
+    codec = codec_for(dev)
+    lay = Layout(n, 2, 0, None)
+    ef = ErrorFeedback.zeros(lay, dev)
     x = torch.randn(n, device=dev)
-    e = torch.zeros(n, device=dev)
-    b = torch.empty(n, device=dev)
-    packed = pack_signs(x)
-    table = sign_table(dev)
+    out = torch.empty(n, device=dev)
+    recv = torch.randint(0, 256, (2, lay.chunk // 8), dtype=torch.uint8, device=dev)
+    q = torch.full((2, 1), 0.25, device=dev)
+    signs = torch.randint(0, 256, (lay.P // 8,), dtype=torch.uint8, device=dev)
+    sscales = torch.full((2, 1), 0.5, device=dev)
+
+    def worker() -> None:
+        _, scale, b = codec.encode(x, lay, ef)
+        ef.commit_worker(b, scale.to(dev))
+
+    def server_rebuild() -> None:
+        codec.server(recv, q, lay, ef)
+        codec.rebuild(signs, sscales, lay, out)
+
     read = _time(lambda: x.sum(), reps, sync)
-    work = _time(lambda: worker_side(x, e, b), reps, sync)
-    pack = _time(lambda: pack_signs(x), reps, sync)
-    unpack = _time(lambda: table[packed.long()].reshape(-1).mul_(0.5), reps, sync)
+    work = _time(worker, reps, sync)
+    srv = _time(server_rebuild, reps, sync)
+    unpack = _time(lambda: codec.rebuild(signs, sscales, lay, out), reps, sync)
     gb = n * 4 / 1e9
     return {
         "floats": n,
         "device": str(dev),
+        "codec": codec.name,
+        "threads": torch.get_num_threads(),
         "read_ms": read * 1e3,
         "worker_ms": work * 1e3,
-        "pack_ms": pack * 1e3,
+        "server_rebuild_ms": srv * 1e3,
         "unpack_ms": unpack * 1e3,
         "worker/read": work / read,
-        "pack/read": pack / read,
+        "server+rebuild/read": srv / read,
         "unpack/read": unpack / read,
         "worker_GBps": gb / work,
         "read_GBps": gb / read,

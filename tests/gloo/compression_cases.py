@@ -76,8 +76,11 @@ def onebit_matches_reference(n: int, mode: str, dtype: str = "float32") -> list[
             out = overlap.run(main(), loop=mode)  # type: ignore[arg-type]
         assert out is buf and out.dtype == dt
         want, ref_we, ref_se = reference(xs, ref_we, ref_se)
-        assert torch.equal(out, want.to(dt)), (out[:4], want[:4])
-        assert torch.equal(we, ref_we[r]) and torch.equal(se, ref_se[r])
+        # DESIGN.md section 4 within DeepSpeed's own test tolerance (1e-6 absolute): the
+        # kernels' float64 sums of squares differ from torch's float32 norm by about an ulp
+        near = dict(rtol=0.0, atol=1e-6)
+        assert torch.allclose(out.float(), want.to(dt).float(), **near), (out[:4], want[:4])
+        assert torch.allclose(we, ref_we[r], **near) and torch.allclose(se, ref_se[r], **near)
         everyone = comm.all_gather(out.float().contiguous())
         assert all(torch.equal(everyone[0], o) for o in everyone)  # bitwise identical
         firsts.append(float(out.reshape(-1)[0]))
@@ -228,62 +231,36 @@ def segmented_onebit_is_consistent() -> list[float]:
     return out[:3].tolist()
 
 
-def fused_and_torch_paths_agree() -> bool:
-    """The numba kernels and the torch path give bitwise-identical results and state."""
-    from overlap.compression import fused
+def codecs_agree() -> float:
+    """The numba kernels (the CPU codec) against the torch codec (the CUDA path, run here on
+    CPU): 3 steps of error feedback, with and without per-tensor segments. Elementwise values
+    are the same float32 operations; only the scales' sums of squares differ (float64 in the
+    kernels, float32 in torch). Returns the worst absolute difference of results and state."""
+    from overlap.compression import codec, codec_numba, codec_torch
 
-    if not fused.available():
-        return True
+    if not codec_numba.available():
+        return 0.0
     r, w = comm.get_rank(), comm.get_world_size()
-    for segments in (None, [10, 3, 24, 1]):
-        n = 38
+    worst = 0.0
+    cases = [(38, None), (38, [10, 3, 24, 1]), (4099, [1, 4000, 98]), (70000, [65537, 4463])]
+    for n, segments in cases:
         P = padded_numel(n, w)
-        gen = torch.Generator().manual_seed(11 + r)
+        gen = torch.Generator().manual_seed(11 + r + n)
         xs = [torch.randn(n, generator=gen) for _ in range(3)]
         outs = []
-        saved = fused._kernels
-        for use_fused in (True, False):
-            fused._kernels = saved if use_fused else None
-            fused._tried = True
-            we, se = torch.zeros(P), torch.zeros(P // w)
-            res = [compressed_allreduce(x.clone(), we, se, segments=segments) for x in xs]
-            outs.append((res, we, se))
-        fused._kernels = saved
-        (ra, wa, sa), (rb, wb, sb) = outs
-        assert all(torch.equal(a, b) for a, b in zip(ra, rb, strict=True)), segments
-        assert torch.equal(wa, wb) and torch.equal(sa, sb), segments
-    return True
-
-
-def vectorised_segments_match_loops() -> float:
-    """The vectorised segmented codec (the CUDA path) against the per-segment loops (the
-    CPU path), run here on CPU tensors: 3 steps of error feedback, worst relative error."""
-    from overlap.comm.steps import run as run_steps
-    from overlap.compression import onebit as ob
-
-    w = comm.get_world_size()
-    worst = 0.0
-    for n, segs in [(1000, [300, 200, 500]), (4099, [1, 4000, 98]), (64, [64])]:
-        g = torch.Generator().manual_seed(comm.get_rank() * 13 + n)
-        xs = [torch.randn(n, generator=g) for _ in range(3)]
-        P = ob.padded_numel(n, w)
-        res = {}
-        saved = set(ob.VECTOR_DEVICES)
+        saved = dict(codec._CODECS)
         try:
-            for vec in (False, True):
-                ob.VECTOR_DEVICES.clear()
-                if vec:
-                    ob.VECTOR_DEVICES.add("cpu")
+            for impl in (codec_numba.NumbaCodec(), codec_torch.TorchCodec()):
+                codec._CODECS["cpu"] = impl
                 we, se = torch.zeros(P), torch.zeros(P // w)
-                outs = []
-                for x in xs:
-                    buf = x.clone()
-                    run_steps(ob.onebit_steps(buf, we, se, segments=segs))
-                    outs.append(buf)
-                res[vec] = outs
+                res = [compressed_allreduce(x.clone(), we, se, segments=segments) for x in xs]
+                outs.append((res, we, se))
         finally:
-            ob.VECTOR_DEVICES.clear()
-            ob.VECTOR_DEVICES.update(saved)
-        for a, b in zip(res[False], res[True], strict=True):
-            worst = max(worst, (a - b).abs().max().item() / (b.abs().max().item() or 1.0))
+            codec._CODECS.clear()
+            codec._CODECS.update(saved)
+        (ra, wa, sa), (rb, wb, sb) = outs
+        for a, b in [*zip(ra, rb, strict=True), (wa, wb), (sa, sb)]:
+            worst = max(worst, (a - b).abs().max().item())
+        everyone = comm.all_gather(ra[-1])
+        assert all(torch.equal(everyone[0], o) for o in everyone)  # bitwise across ranks
     return worst

@@ -1,0 +1,150 @@
+"""The 1-bit codec behind one small interface, and its error-feedback state.
+
+:func:`~overlap.compression.onebit.onebit_steps` is the algorithm (phases and collectives,
+written once). The arithmetic of each phase goes through a :class:`Codec`:
+
+* ``encode``: add the worker error, compute the worker scales, pack the signs;
+* ``server``: accumulate the ranks' signs for the chunk this rank owns, add the server error,
+  compute the server scales, pack the signs;
+* ``rebuild``: write +-scale per element into the output.
+
+Two implementations, picked once per device by :func:`codec_for`: numba kernels on CPU
+(:mod:`overlap.compression.codec_numba`, one memory pass per stage) and torch ops
+(:mod:`overlap.compression.codec_torch`; the CUDA path, and the CPU fallback without numba).
+
+Error feedback is kept *lazily* (:class:`ErrorFeedback`): instead of the worker error
+e = b - scale * sign(b), the state holds b and the scales, and the next ``encode`` applies
+``- scale * sign(b)`` on the fly while it reads b. That saves the separate error-update pass
+over P floats the eager form needs after phase 1 (DESIGN.md section 4 holds the update back
+until every rank's scale is known finite, so it cannot be fused into the first pass), at the
+cost of a second P-float buffer: ``encode`` writes the new b to a spare buffer, which becomes
+the state only when phase 1 shows every scale finite. A non-finite step so leaves the state
+untouched, as before. The server error is kept the same way, in place (it has no hold-back).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from overlap.compression.layout import Layout
+
+__all__ = ["Codec", "ErrorFeedback", "codec_for"]
+
+log = logging.getLogger(__name__)
+
+
+def expand(scales: torch.Tensor, lengths: Any, total: int) -> torch.Tensor:
+    """Per-element values from per-segment ``scales`` and segment ``lengths``."""
+    lens = torch.as_tensor(lengths, dtype=torch.int64, device=scales.device)
+    return torch.repeat_interleave(scales, lens, output_size=total)
+
+
+def minus_signed(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = v - s * sign(v) with sign(v) = +1 for v >= 0, exactly as the kernels do."""
+    return torch.where(v >= 0, v - s, v + s, out=out)
+
+
+class ErrorFeedback:
+    """One buffer's 1-bit error-feedback state, in lazy form (see the module docstring).
+
+    ``wb`` (P floats) with per-segment ``ws`` stands for the worker error
+    wb - ws[segment] * sign(wb); ``sc`` (P/W) with ``ss`` for the server error likewise.
+    Zero scales make the stored vector the error itself, which is how true errors are loaded.
+    """
+
+    def __init__(
+        self,
+        wb: torch.Tensor,
+        sc: torch.Tensor,
+        nseg: int,
+        spare: torch.Tensor | None = None,
+    ) -> None:
+        self.wb = wb
+        self.sc = sc
+        self.ws = torch.zeros(nseg, dtype=torch.float32, device=wb.device)
+        self.ss = torch.zeros(nseg, dtype=torch.float32, device=wb.device)
+        self.spare = spare
+
+    @classmethod
+    def zeros(cls, lay: Layout, device: torch.device) -> ErrorFeedback:
+        z = torch.zeros
+        return cls(
+            z(lay.P, dtype=torch.float32, device=device),
+            z(lay.chunk, dtype=torch.float32, device=device),
+            lay.nseg,
+        )
+
+    def take_spare(self) -> torch.Tensor:
+        """The P-float buffer ``encode`` writes the next b into."""
+        if self.spare is None:
+            self.spare = torch.empty_like(self.wb)
+        return self.spare
+
+    def commit_worker(self, b: torch.Tensor, scales: torch.Tensor) -> None:
+        """Phase 1 showed every scale finite: b and its scales become the worker state."""
+        self.spare, self.wb = self.wb, b
+        self.ws = scales
+
+    def worker_error(self, lay: Layout, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The worker error as DESIGN.md section 4 defines it (P floats)."""
+        s = expand(self.ws, lay.seg_len, lay.P)
+        return minus_signed(self.wb, s, torch.empty_like(self.wb) if out is None else out)
+
+    def server_error(self, lay: Layout, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The server error of this rank's chunk (P/W floats)."""
+        s = expand(self.ss, lay.local_len, lay.chunk)
+        return minus_signed(self.sc, s, torch.empty_like(self.sc) if out is None else out)
+
+
+class Codec(ABC):
+    """The arithmetic of the 1-bit algorithm for one device (see the module docstring)."""
+
+    name: str
+
+    @abstractmethod
+    def encode(
+        self, x: torch.Tensor, lay: Layout, ef: ErrorFeedback
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """b = x + worker error into ``ef.take_spare()``; returns (packed signs of b (P/8
+        bytes), per-segment scales ||b_seg|| / sqrt(len) (float32), b). ``ef`` unchanged."""
+
+    @abstractmethod
+    def server(
+        self, recv: torch.Tensor, q: torch.Tensor, lay: Layout, ef: ErrorFeedback
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """c = sum_r sign(recv[r]) * q[r, segment] + server error, written over ``ef.sc``;
+        returns (packed signs of c, per-segment scales of c over this rank's chunk)."""
+
+    @abstractmethod
+    def rebuild(
+        self, signs: torch.Tensor, sscales: torch.Tensor, lay: Layout, out: torch.Tensor
+    ) -> None:
+        """out[i] = sscales[owner(i), segment(i)] * sign(bit i), for the n output elements."""
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def codec_for(device: torch.device) -> Codec:
+    """The codec for ``device``, built once (the numba kernels compile, or load from their
+    cache, here: never inside a training step)."""
+    key = device.type
+    codec = _CODECS.get(key)
+    if codec is None:
+        from overlap.compression import codec_numba, codec_torch
+
+        if key == "cpu" and codec_numba.available():
+            codec = codec_numba.NumbaCodec()
+        else:
+            if key == "cpu":
+                log.warning(
+                    "numba is not importable (or OVERLAP_NUMBA=0): the 1-bit codec runs on "
+                    "torch ops, several times slower; pip install numba to get the kernels"
+                )
+            codec = codec_torch.TorchCodec()
+        _CODECS[key] = codec
+    return codec

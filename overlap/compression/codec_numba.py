@@ -1,0 +1,164 @@
+"""The 1-bit codec's CPU kernels: numba, one memory pass per stage, compiled ahead of use.
+
+Each stage is one pass over its data, tile by tile (:mod:`overlap.compression.layout`):
+
+* ``encode``: b = x + (wb - ws * sign(wb)) (the lazily applied worker error, see
+  :class:`~overlap.compression.codec.ErrorFeedback`), written to the spare buffer; the tile's
+  signs packed from L1; one sum of squares per piece. Reads x and wb, writes b.
+* ``server``: c = sum over ranks (in rank order) of +-q_r + (sc - ss * sign(sc)), written back
+  over sc in place; signs packed; sums of squares per piece.
+* ``rebuild``: out = +-sscale of the owning chunk and segment, straight into the buffer.
+
+The elementwise arithmetic is plain IEEE float32 in the reference's order (DESIGN.md section
+4), so those values are bitwise what the torch path computes. Only the sums of squares are
+reassociated (``fastmath`` reassoc, float64 accumulators) so they vectorise; that changes a
+scale by about one float32 ulp against torch's norm, never across ranks (each scale is
+computed by one rank and sent) nor across runs.
+
+Kernels release the GIL and are compiled with explicit signatures when :func:`kernels` is
+first called (the compressor's constructor calls it), or loaded from numba's on-disk cache,
+so no step of training pays for a compile. A call splits its range into block-aligned parts
+across up to ``torch.get_num_threads()`` threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from overlap.compression.codec import Codec, ErrorFeedback
+from overlap.compression.layout import BLOCK, Layout, Pieces
+
+__all__ = ["NumbaCodec", "available", "kernels", "parallel"]
+
+log = logging.getLogger(__name__)
+
+_kernels: dict[str, Any] | None = None
+_tried = False
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+MIN_PER_THREAD = 8 * BLOCK  # below this a second thread costs more than it saves
+
+
+def _build() -> dict[str, Any] | None:
+    if os.environ.get("OVERLAP_NUMBA", "1") == "0":
+        return None
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return None
+
+    t0 = time.perf_counter()
+    from overlap.compression import numba_kernels
+
+    log.debug("1-bit codec kernels ready in %.2f s", time.perf_counter() - t0)
+    return dict(numba_kernels.KERNELS)
+
+
+def kernels() -> dict[str, Any] | None:
+    """The compiled kernels (compiled or loaded from cache on the first call), or None
+    without numba or with ``OVERLAP_NUMBA=0``."""
+    global _kernels, _tried
+    with _lock:
+        if not _tried:
+            _kernels = _build()
+            _tried = True
+    return _kernels
+
+
+def available() -> bool:
+    return kernels() is not None
+
+
+def _threads(length: int) -> int:
+    import torch
+
+    return max(1, min(torch.get_num_threads(), length // MIN_PER_THREAD))
+
+
+def parallel(pieces: Pieces, call: Callable[[int, int, int], None]) -> None:
+    """Run ``call(first_piece, lo, hi)`` over block-aligned parts of ``pieces``' range."""
+    global _pool
+    nt = _threads(pieces.length)
+    nb = pieces.nblocks
+    cuts = [nb * i // nt for i in range(nt + 1)]
+    parts = [
+        (int(pieces.block_ptr[a]), a * BLOCK, min(b * BLOCK, pieces.length))
+        for a, b in itertools.pairwise(cuts)
+        if b > a
+    ]
+    if len(parts) <= 1:
+        for part in parts:
+            call(*part)
+        return
+    if _pool is None or _pool._max_workers < len(parts) - 1:
+        _pool = ThreadPoolExecutor(max_workers=len(parts) - 1, thread_name_prefix="overlap-codec")
+    futures = [_pool.submit(call, *part) for part in parts[1:]]
+    call(*parts[0])
+    for f in futures:
+        f.result()
+
+
+def _scales(partial: np.ndarray, pieces: Pieces, lengths: np.ndarray, nseg: int) -> Any:
+    """Per-segment sqrt(sum of squares / length) from per-piece partials, in piece order
+    (``bincount`` adds sequentially, so the result does not depend on the thread split)."""
+    import torch
+
+    sums = np.bincount(pieces.seg, weights=partial, minlength=nseg)
+    rms = np.sqrt(sums / np.maximum(lengths, 1)).astype(np.float32)
+    return torch.from_numpy(rms)
+
+
+class NumbaCodec(Codec):
+    """The CPU codec on the numba kernels above."""
+
+    name = "numba"
+
+    def __init__(self) -> None:
+        k = kernels()
+        if k is None:
+            raise RuntimeError("NumbaCodec needs numba (pip install numba)")
+        self.k = k
+
+    def encode(self, x: Any, lay: Layout, ef: ErrorFeedback) -> Any:
+        import torch
+
+        xn = x.reshape(-1)
+        if xn.dtype != torch.float32:
+            xn = xn.float()
+        b = ef.take_spare()
+        packed = np.empty(lay.P // 8, dtype=np.uint8)
+        pc = lay.worker
+        partial = np.empty(len(pc), dtype=np.float64)
+        args = (xn.numpy(), ef.wb.numpy(), ef.ws.numpy(), b.numpy(), packed)
+        enc = self.k["encode"]
+        parallel(pc, lambda q, lo, hi: enc(*args, pc.start, pc.end, pc.seg, q, lo, hi, partial))
+        return torch.from_numpy(packed), _scales(partial, pc, lay.seg_len, lay.nseg), b
+
+    def server(self, recv: Any, q: Any, lay: Layout, ef: ErrorFeedback) -> Any:
+        import torch
+
+        packed = np.empty(lay.chunk // 8, dtype=np.uint8)
+        pc = lay.server
+        partial = np.empty(len(pc), dtype=np.float64)
+        args = (recv.numpy(), q.contiguous().numpy(), ef.sc.numpy(), ef.ss.numpy(), packed)
+        srv = self.k["server"]
+        parallel(
+            pc,
+            lambda p, lo, hi: srv(*args, pc.start, pc.end, pc.seg, p, lo, hi, partial),
+        )
+        return torch.from_numpy(packed), _scales(partial, pc, lay.local_len, lay.nseg)
+
+    def rebuild(self, signs: Any, sscales: Any, lay: Layout, out: Any) -> None:
+        pc = lay.rebuild
+        args = (signs.numpy(), sscales.contiguous().numpy(), out.numpy())
+        reb = self.k["rebuild"]
+        parallel(pc, lambda q, lo, hi: reb(*args, pc.start, pc.end, pc.seg, pc.owner, q, lo, hi))
