@@ -71,6 +71,16 @@ def _traced_run(steps: Steps, tracer: Any, index: int) -> Any:
         return stop.value
 
 
+def _copy_in(view: torch.Tensor, grad: torch.Tensor, scale: float | None) -> None:
+    """view = grad (times ``scale``), in one pass where the dtypes allow."""
+    if scale is None:
+        view.copy_(grad)
+    elif torch.promote_types(grad.dtype, view.dtype) == view.dtype:
+        torch.mul(grad, scale, out=view)
+    else:  # a narrower reduce dtype: mul cannot write it directly
+        view.copy_(grad).mul_(scale)
+
+
 class BucketScheduler:
     """Overlap (compressed) gradient reduction with backward.
 
@@ -165,6 +175,12 @@ class BucketScheduler:
         self._set_buckets(
             assign_buckets(list(reversed(self.params)), self.cap, self.first_cap, reduce_dtype)
         )
+        # DDP's path for uncompressed buckets on CPU: the hook scales each gradient by 1/W as
+        # it copies it in (one pass, as DDP's mul_out), and the bucket's allreduce (a sum) is
+        # issued right there on the autograd thread. No worker hop, and no division pass
+        # after the allreduce. Measured: see docs/benchmarks.md (overlap-none vs DDP).
+        self._inline = type(self.compression) is NoCompression and self.device.type == "cpu"
+        self._prescale = 1.0 / self.world if self._inline and average else None
         self._launcher = Launcher(self.device)
         self._lock = threading.Lock()
         self._no_sync = False
@@ -233,9 +249,11 @@ class BucketScheduler:
                 )
             view = b.view_of(pos)
             if grad is not None and not (self.grad_as_view and grad.data_ptr() == view.data_ptr()):
-                view.copy_(grad)
+                _copy_in(view, grad, self._prescale)
                 if self.grad_as_view:
                     p.grad = view
+            elif grad is not None and self._prescale is not None:
+                view.mul_(self._prescale)  # .grad is the bucket: scale it in place, as DDP
             b.pending.discard(pos)
             self._order.append(self._pidx[id(p)])
             if self.tracer is not None:
@@ -253,6 +271,9 @@ class BucketScheduler:
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
+        if self._inline:
+            self._launch_inline(b)
+            return
         h = Handle(f"bucket{b.index}", result=b.flat, nbytes=b.nbytes, backend=comm.get_backend())
         self._handles.append(h)
         entry: dict[str, Any] = {"bucket": b.index, "bytes": b.nbytes, "ready": time.perf_counter()}
@@ -311,6 +332,44 @@ class BucketScheduler:
 
         self._launcher.submit(job, h._finish, b.flat)
 
+    def _launch_inline(self, b: Bucket) -> None:
+        """Issue the bucket's (pre-scaled) sum allreduce from this thread, as DDP does."""
+        h = comm.all_reduce(b.flat, op="sum", group=self.group, async_op=True)
+        self._handles.append(h)
+        tracer = self.tracer
+        self._timeline.append(
+            {
+                "bucket": b.index,
+                "bytes": b.nbytes,
+                "ready": time.perf_counter(),
+                "start": time.perf_counter(),
+                "handle": h,
+                "flow": tracer.next_flow() if tracer is not None else 0,
+                "ready_tid": threading.get_ident(),
+            }
+        )
+
+    def _close_inline(self) -> None:
+        """Fill in the inline buckets' end times (and trace spans) once they are done."""
+        for e in self._timeline:
+            h = e.pop("handle", None)
+            if h is None or h.end_ns is None:
+                continue
+            e["end"] = h.end_ns / 1e9
+            if self.tracer is not None:
+                self.tracer.record(
+                    f"reduce bucket {e['bucket']}",
+                    "bucket",
+                    h.start_ns,
+                    h.end_ns,
+                    bucket=e["bucket"],
+                    bytes=e["bytes"],
+                    flow=e["flow"],
+                    ready_ns=h.start_ns,
+                    ready_tid=e["ready_tid"],
+                )
+            del e["flow"], e["ready_tid"]
+
     # -------------------------------------------------------------------- end of step
     def _finish_steps(self) -> Steps:
         tracer = self.tracer
@@ -338,6 +397,7 @@ class BucketScheduler:
             self._launch_ready()
             handles = list(self._handles)
         yield handles
+        self._close_inline()
         self._launcher.wait_compute()
         t_copy = time.perf_counter_ns()
         if tracer is not None:
