@@ -389,15 +389,22 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         _out(json.dumps(rows, indent=2))
         return 0
     base = next((r["step_ms"] for r in rows if r["variant"] == "ddp"), None)
+    floor = next((r["step_ms"] for r in rows if r["variant"] == "compute"), None)
+
+    def ms(v: Any) -> str:
+        return "" if v in (None, "") else f"{v:.1f}"
+
     t = Table(
         [
             "variant",
             "step ms",
             "vs DDP",
+            "x compute",
             "bytes/rank/step",
             "comm ms",
             "exposed ms",
             "overlap ratio",
+            "1st compressed step ms",
         ],
         title=f"overlap bench train: {rows[0]['params'] / 1e6:.1f}M params, batch {batch}, "
         f"{world} ranks on {rows[0]['device']}, link "
@@ -408,14 +415,16 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         t.add(
             **{
                 "variant": r["variant"],
-                "step ms": r["step_ms"],
+                "step ms": ms(r["step_ms"]),
                 "vs DDP": f"{base / r['step_ms']:.2f}x" if base else "",
+                "x compute": f"{r['step_ms'] / floor:.2f}" if floor else "",
                 "bytes/rank/step": ""
                 if r["bytes_per_rank"] is None
                 else human_bytes(r["bytes_per_rank"]),
-                "comm ms": r.get("comm_ms", ""),
-                "exposed ms": r.get("exposed_ms", ""),
+                "comm ms": ms(r.get("comm_ms")),
+                "exposed ms": ms(r.get("exposed_ms")),
                 "overlap ratio": round(r["overlap_ratio"], 2) if "overlap_ratio" in r else "",
+                "1st compressed step ms": ms(r.get("first_compressed_ms")),
             }
         )
     _out(t.markdown() if args.markdown else t.render())

@@ -38,6 +38,10 @@ VARIANTS = [
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
 WIDTH = 2048
+# Step index at which the compressed variants start compressing (OneBit's warm-up steps,
+# PowerSGD's start iteration): the bench reports that step's time, to show any first-step
+# stall (a kernel compile, a layout build).
+COMPRESS_FROM = 2
 
 
 def _model(million: float, device: str = "cpu") -> nn.Module:
@@ -97,8 +101,8 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
             comp = {
                 "overlap-none": NoCompression(),
                 "overlap-fp16": FP16(),
-                "overlap-onebit": OneBit(warmup_steps=2),
-                "overlap-powersgd": PowerSGD(rank=1, start_iter=2),
+                "overlap-onebit": OneBit(warmup_steps=COMPRESS_FROM),
+                "overlap-powersgd": PowerSGD(rank=1, start_iter=COMPRESS_FROM),
             }[name]
             v["sched"] = BucketScheduler(model, compression=comp)
     v["opt"] = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -123,7 +127,7 @@ def bench_train_rank(
     nparams = sum(p.numel() for p in vs[0]["model"].parameters())
     gen = torch.Generator().manual_seed(comm.get_rank())
     rec: dict[str, dict[str, list[float]]] = {
-        v["name"]: {"step": [], "comm": [], "hidden": [], "exposed": []} for v in vs
+        v["name"]: {"step": [], "comm": [], "hidden": [], "exposed": [], "all": []} for v in vs
     }
     bar = Progress((warmup + steps) * len(vs), enabled=comm.get_rank() == 0)
     for i in range(warmup + steps):
@@ -144,9 +148,10 @@ def bench_train_rank(
             if cuda:
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
+            r = rec[v["name"]]
+            r["all"].append(t1 - t0)
             if i < warmup:
                 continue
-            r = rec[v["name"]]
             r["step"].append(t1 - t0)
             if v["sched"] is not None:
                 c, h = comm_overlap(v["sched"].statistics()["timeline"], t0, t_bwd)
@@ -175,7 +180,10 @@ def bench_train_rank(
             "batch": batch,
             "step_ms": median(r["step"]) * 1e3,
             "bytes_per_rank": sent.get(n),
+            "steps_ms": [round(t * 1e3, 1) for t in r["all"]],
         }
+        if n in ("overlap-onebit", "overlap-powersgd") and len(r["all"]) > COMPRESS_FROM:
+            row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
         if r["comm"]:
             total, hidden = median(r["comm"]), median(r["hidden"])
             row.update(

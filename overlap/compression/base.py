@@ -33,6 +33,7 @@ class Compressor(ABC):
 
     name: ClassVar[str]
     summable: ClassVar[bool]
+    writes_outputs: ClassVar[bool] = False
 
     @abstractmethod
     def reduce_steps(
@@ -42,8 +43,14 @@ class Compressor(ABC):
         *,
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
-        """Average ``flat`` in place; ``shapes`` are the bucket's tensors, in order, if known."""
+        """Average ``flat`` in place; ``shapes`` are the bucket's tensors, in order, if known.
+
+        ``outputs`` ((offset in flat, tensor) pairs) is only passed to a compressor whose
+        ``writes_outputs`` is True: it writes those elements' averages into the tensors
+        instead of ``flat`` (whose copy of them is then stale). The scheduler passes the
+        gradients, saving the copy back from the bucket."""
 
     def reduce(
         self,
@@ -100,6 +107,7 @@ class NoCompression(Compressor):
         *,
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
         yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
         return flat
@@ -116,6 +124,7 @@ class _Cast(Compressor):
         *,
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
         w = comm.get_world_size(group)
         # Divide before summing, as torch's fp16 hook does: W values of the narrow type summed

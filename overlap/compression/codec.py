@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -121,9 +122,18 @@ class Codec(ABC):
 
     @abstractmethod
     def rebuild(
-        self, signs: torch.Tensor, sscales: torch.Tensor, lay: Layout, out: torch.Tensor
+        self,
+        signs: torch.Tensor,
+        sscales: torch.Tensor,
+        lay: Layout,
+        out: torch.Tensor,
+        direct: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> None:
-        """out[i] = sscales[owner(i), segment(i)] * sign(bit i), for the n output elements."""
+        """out[i] = sscales[owner(i), segment(i)] * sign(bit i), for the n output elements.
+
+        ``direct``: (start, tensor) pairs, non-overlapping, each a contiguous float32 tensor
+        that receives elements [start, start + numel) instead of ``out`` (whose copy of them
+        is then left stale). The scheduler rebuilds straight into the gradients this way."""
 
 
 _CODECS: dict[str, Codec] = {}

@@ -157,8 +157,31 @@ class NumbaCodec(Codec):
         )
         return torch.from_numpy(packed), _scales(partial, pc, lay.local_len, lay.nseg)
 
-    def rebuild(self, signs: Any, sscales: Any, lay: Layout, out: Any) -> None:
+    def rebuild(self, signs: Any, sscales: Any, lay: Layout, out: Any, direct: Any = ()) -> None:
         pc = lay.rebuild
-        args = (signs.numpy(), sscales.contiguous().numpy(), out.numpy())
+        args = (signs.numpy(), sscales.contiguous().numpy())
         reb = self.k["rebuild"]
-        parallel(pc, lambda q, lo, hi: reb(*args, pc.start, pc.end, pc.seg, pc.owner, q, lo, hi))
+        if not direct:
+            o = out.numpy()
+            parallel(
+                pc,
+                lambda q, lo, hi: reb(*args, o, pc.start, pc.end, pc.seg, pc.owner, q, lo, hi, 0),
+            )
+            return
+        for lo, hi, dst, off in _ranges(lay.n, out, direct):
+            q = int(np.searchsorted(pc.end, lo, side="right"))
+            reb(*args, dst.numpy(), pc.start, pc.end, pc.seg, pc.owner, q, lo, hi, off)
+
+
+def _ranges(n: int, out: Any, direct: Any) -> list[tuple[int, int, Any, int]]:
+    """(lo, hi, destination, offset) covering [0, n): ``direct``'s (start, tensor) pairs
+    write into their tensors, the gaps into ``out``."""
+    parts, cur = [], 0
+    for a, t in sorted(direct, key=lambda d: d[0]):
+        if a > cur:
+            parts.append((cur, a, out, 0))
+        parts.append((a, a + t.numel(), t.reshape(-1), a))
+        cur = a + t.numel()
+    if cur < n:
+        parts.append((cur, n, out, 0))
+    return parts

@@ -10,6 +10,7 @@ different orders (the scales agree to about one float32 ulp).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -86,9 +87,16 @@ class TorchCodec(Codec):
         return pack_signs(ef.sc), _seg_rms(ef.sc, ix.local_len)
 
     def rebuild(
-        self, signs: torch.Tensor, sscales: torch.Tensor, lay: Layout, out: torch.Tensor
+        self,
+        signs: torch.Tensor,
+        sscales: torch.Tensor,
+        lay: Layout,
+        out: torch.Tensor,
+        direct: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> None:
         ix = self._index(lay, signs.device)
         table = sign_table(signs.device)
         unpacked = table[signs.long()].reshape(-1)[: lay.n]
         torch.mul(unpacked, sscales.reshape(-1)[ix.rebuild], out=out)
+        for a, t in direct:  # one launch per tensor: the CUDA path keeps the copy
+            t.view(-1).copy_(out[a : a + t.numel()])

@@ -208,38 +208,49 @@ def server(
 
 
 @nb.njit(
-    f"void({_U1}, float32[:, ::1], {_F4}, {_PIECES}, {_I8}, int64, int64, int64)",
+    f"void({_U1}, float32[:, ::1], {_F4}, {_PIECES}, {_I8}, int64, int64, int64, int64)",
     **_OPTS,
 )
 def rebuild(
     signs: Any, sscales: Any, out: Any,
-    ps: Any, pe: Any, pseg: Any, powner: Any, q: int, lo: int, hi: int,
+    ps: Any, pe: Any, pseg: Any, powner: Any, q: int, lo: int, hi: int, off: int,
 ) -> None:  # fmt: skip
-    # out[i] = sscales[owner, seg] * sign(bit i) over [lo, hi)
+    # out[i - off] = sscales[owner, seg] * sign(bit i) for i in [lo, hi); q: a piece at or
+    # before the one holding lo. [lo, hi) need not be aligned: a tensor of a bucket can be
+    # rebuilt straight into its own .grad (off = its offset in the bucket).
     sbuf = np.empty(TILE, np.float32)
-    for t0 in range(lo, hi, TILE):
-        t1 = min(t0 + TILE, hi)
-        full = (t1 - t0) >> 3
-        os_ = out[t0:t1]
-        sg = signs[t0 >> 3 : (t0 >> 3) + full]
-        if pe[q] - ps[q] == t1 - t0:  # one piece fills the tile: a scalar scale
-            s = sscales[powner[q], pseg[q]]
+    i = lo
+    while i < hi and (i & 7) != 0:  # unaligned head, element by element
+        while pe[q] <= i:
             q += 1
+        s = sscales[powner[q], pseg[q]]
+        out[i - off] = s if (signs[i >> 3] >> (7 - (i & 7))) & 1 else -s
+        i += 1
+    for t0 in range(i, hi, TILE):
+        t1 = min(t0 + TILE, hi)
+        while pe[q] <= t0:
+            q += 1
+        full = (t1 - t0) >> 3
+        os_ = out[t0 - off : t1 - off]
+        sg = signs[t0 >> 3 : (t0 >> 3) + full]
+        if pe[q] >= t1:  # one piece covers the tile: a scalar scale
+            s = sscales[powner[q], pseg[q]]
             for k in range(full):
                 putc8(sg[k], s, os_, 8 * k)
             sbuf[: t1 - t0] = s
         else:
-            while q < ps.shape[0] and ps[q] < t1:
-                s = sscales[powner[q], pseg[q]]
-                for i in range(ps[q] - t0, pe[q] - t0):
-                    sbuf[i] = s
-                q += 1
+            r = q
+            while r < ps.shape[0] and ps[r] < t1:
+                s = sscales[powner[r], pseg[r]]
+                for j in range(max(ps[r], t0) - t0, min(pe[r], t1) - t0):
+                    sbuf[j] = s
+                r += 1
             for k in range(full):
                 put8(sg[k], sbuf, 8 * k, os_, 8 * k)
         for t in range(8 * full, t1 - t0):
-            i = t0 + t
-            bit = (signs[i >> 3] >> (7 - (i & 7))) & 1
-            out[i] = sbuf[t] if bit else -sbuf[t]
+            j = t0 + t
+            bit = (signs[j >> 3] >> (7 - (j & 7))) & 1
+            os_[t] = sbuf[t] if bit else -sbuf[t]
 
 
 KERNELS: dict[str, Any] = {"encode": encode, "server": server, "rebuild": rebuild}

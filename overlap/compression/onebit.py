@@ -89,6 +89,13 @@ def _check(buffer: Any, worker_error: Any, server_error: Any, w: int) -> tuple[i
     return n, P
 
 
+def _write_outputs(flat: torch.Tensor, outputs: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Copy flat's elements into the outputs (the paths that do not rebuild)."""
+    view = flat.reshape(-1)
+    for a, t in outputs:
+        t.view(-1).copy_(view[a : a + t.numel()])
+
+
 def _finite_rows(scales: torch.Tensor) -> list[bool]:
     """Which ranks' scales are all finite: one host read for all of them."""
     ok: list[bool] = torch.isfinite(scales).all(dim=1).tolist()
@@ -101,10 +108,12 @@ def onebit_steps(
     lay: Layout,
     codec: Codec,
     group: Any = None,
+    direct: Sequence[tuple[int, torch.Tensor]] = (),
 ) -> Steps:
     """The algorithm as a steps generator (see overlap.comm.steps), written once; the
     arithmetic of each phase is the ``codec``'s. ``ef`` is the buffer's error feedback (lazy
-    form, :class:`~overlap.compression.codec.ErrorFeedback`), ``lay`` its :class:`Layout`."""
+    form, :class:`~overlap.compression.codec.ErrorFeedback`), ``lay`` its :class:`Layout`;
+    ``direct`` as in :meth:`Codec.rebuild`."""
     n, w, me = lay.n, lay.w, lay.me
     if n == 0:
         return buffer
@@ -160,11 +169,12 @@ def onebit_steps(
 
     # 5. rebuild: element i of chunk j is sscale[j, segment(i)] * sign, straight into the
     # buffer when it is float32
-    direct = buffer.dtype == torch.float32
-    out = buffer.reshape(-1) if direct else torch.empty(n, dtype=torch.float32, device=dev)
-    codec.rebuild(all_signs, sscales.view(w, nseg), lay, out)
-    if not direct:
+    fp32 = buffer.dtype == torch.float32
+    out = buffer.reshape(-1) if fp32 else torch.empty(n, dtype=torch.float32, device=dev)
+    codec.rebuild(all_signs, sscales.view(w, nseg), lay, out, direct if fp32 else ())
+    if not fp32:
         buffer.copy_(out.view(buffer.shape))
+        _write_outputs(buffer, direct)
     return buffer
 
 
@@ -240,6 +250,7 @@ class OneBit(Compressor):
 
     name = "onebit"
     summable = False
+    writes_outputs = True
 
     def __init__(
         self, warmup_steps: int = 0, on_nonfinite: str = "raise", per_tensor_scales: bool = True
@@ -305,7 +316,13 @@ class OneBit(Compressor):
         return ef, lay
 
     def reduce_steps(
-        self, key: Any, flat: torch.Tensor, *, group: Any = None, shapes: Any = None
+        self,
+        key: Any,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Any = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
         w = comm.get_world_size(group)
         self._check_world(w)
@@ -314,17 +331,19 @@ class OneBit(Compressor):
         if st["step"] < self.warmup_steps:
             yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
             st["step"] += 1
+            _write_outputs(flat, outputs)
             return flat
         if flat.numel() == 0:
             return flat
         ef, lay = self._state_for(st, flat, group, shapes)
         try:
-            yield from onebit_steps(flat, ef, lay, codec_for(flat.device), group)
+            yield from onebit_steps(flat, ef, lay, codec_for(flat.device), group, outputs)
         except NonFiniteError:
             if self.on_nonfinite == "raise":
                 raise
             self.skipped_steps += 1
             self.last_skipped = True
+            _write_outputs(flat, outputs)  # the buffer is unchanged: so are the outputs
             return flat
         st["step"] += 1
         return flat

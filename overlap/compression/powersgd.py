@@ -81,6 +81,7 @@ class PowerSGD(Compressor):
         *,
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
         shapes = list(shapes) if shapes is not None else [flat.shape]
         if sum(int(torch.Size(s).numel()) for s in shapes) != flat.numel():

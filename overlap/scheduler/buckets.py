@@ -26,6 +26,8 @@ class Bucket:
     flat: torch.Tensor
     pending: set[int] = field(default_factory=set)  # positions of params without a grad yet
     ready: bool = False
+    zeroed: set[int] = field(default_factory=set)  # no gradient here this step: zeros sent
+    direct: set[int] = field(default_factory=set)  # reduced straight into .grad this step
 
     @property
     def numel(self) -> int:
@@ -46,6 +48,8 @@ class Bucket:
     def reset(self) -> None:
         self.pending = set(range(len(self.params)))
         self.ready = False
+        self.zeroed = set()
+        self.direct = set()
 
 
 def assign_buckets(

@@ -285,6 +285,7 @@ class BucketScheduler:
             self.world,
             self.average,
         )
+        outputs = self._direct_outputs(b)
 
         tracer = self.tracer
         ready_ns, ready_tid = time.perf_counter_ns(), threading.get_ident()
@@ -299,10 +300,12 @@ class BucketScheduler:
                 dev_events = (ev(enable_timing=True), ev(enable_timing=True))
                 dev_events[0].record()
             try:
+                steps = comp.reduce_steps(
+                    b.index, b.flat, group=group, shapes=shapes, outputs=outputs
+                )
                 if tracer is None:
-                    comp.reduce(b.index, b.flat, group=group, shapes=shapes)
+                    run(steps)
                 else:
-                    steps = comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes)
                     _traced_run(steps, tracer, b.index)
                 if not average:
                     b.flat.mul_(w)
@@ -331,6 +334,30 @@ class BucketScheduler:
                 )
 
         self._launcher.submit(job, h._finish, b.flat)
+
+    def _direct_outputs(self, b: Bucket) -> list[tuple[int, torch.Tensor]]:
+        """The gradients a compressor that ``writes_outputs`` may rebuild straight into,
+        saving the copy back from the bucket: float32, dense, contiguous ``.grad`` tensors of
+        parameters that produced a gradient here this step (so are used, and their .grad is
+        theirs to overwrite). Averaging only: a sum would scale the bucket afterwards."""
+        if not (self.compression.writes_outputs and self.average) or self.grad_as_view:
+            return []
+        if b.flat.dtype != torch.float32:
+            return []
+        out = []
+        for pos, p in enumerate(b.params):
+            g = p.grad
+            if (
+                pos not in b.zeroed
+                and g is not None
+                and g.dtype == torch.float32
+                and g.layout == torch.strided
+                and g.is_contiguous()
+                and g.device == b.flat.device
+            ):
+                out.append((b.offsets[pos], g))
+                b.direct.add(pos)
+        return out
 
     def _launch_inline(self, b: Bucket) -> None:
         """Issue the bucket's (pre-scaled) sum allreduce from this thread, as DDP does."""
@@ -392,7 +419,7 @@ class BucketScheduler:
                 if not b.ready:
                     for pos in b.pending:
                         b.view_of(pos).zero_()  # unused here: contribute zeros
-                    b.pending.clear()
+                    b.zeroed, b.pending = b.pending, set()
                     b.ready = True
             self._launch_ready()
             handles = list(self._handles)
@@ -405,7 +432,7 @@ class BucketScheduler:
         used = mask.bool().tolist()
         for b in self.buckets:
             for pos, p in enumerate(b.params):
-                if not used[self._pidx[id(p)]]:
+                if not used[self._pidx[id(p)]] or pos in b.direct:
                     continue  # unused on every rank: .grad untouched (None), as DDP
                 view = b.view_of(pos)
                 if self.grad_as_view:
@@ -423,6 +450,7 @@ class BucketScheduler:
             "buckets": len(self.buckets),
             "launches": len(handles),
             "bytes": sum(b.nbytes for b in self.buckets),
+            "direct": sum(len(b.direct) for b in self.buckets),  # rebuilt straight into .grad
             "timeline": list(self._timeline),
         }
         self._step += 1

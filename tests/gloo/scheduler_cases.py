@@ -290,3 +290,39 @@ def low_precision_grads(reduce_dtype: str | None) -> list[float]:
     assert torch.allclose(sched_grad.float(), torch.full((2, 4), want)), sched_grad
     s.remove()
     return sched_grad.float().flatten().tolist()[:2]
+
+
+def onebit_into_grads_equals_the_compressor() -> list[int]:
+    """The scheduler rebuilds 1-bit buckets straight into the gradients (no copy back): the
+    grads equal OneBit run by hand on the same bucket, bitwise, over 3 steps with error
+    feedback; a parameter unused on rank 0 (zeros sent, copied back) and a bf16 one (no
+    direct write: the bucket is bf16) take the other paths. Returns how many tensors of
+    the last step were written directly, per rank."""
+    r = comm.get_rank()
+    torch.manual_seed(4)
+    model = Net()
+    ours = BucketScheduler(
+        model, compression=OneBit(), bucket_cap_mb=64, first_bucket_mb=64, rebuild_buckets=False
+    )
+    (bucket,) = [b for b in ours.buckets if b.flat.dtype == torch.float32]
+    hand = OneBit()
+    gen = torch.Generator().manual_seed(20 + r)
+    direct = 0
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+        model.zero_grad()
+        nn.functional.mse_loss(model(x, r == 1), y).backward()
+        flat = torch.zeros(bucket.numel)
+        for pos, p in enumerate(bucket.params):
+            if p.grad is not None:
+                flat[bucket.offsets[pos] : bucket.offsets[pos] + p.numel()] = p.grad.reshape(-1)
+        hand.reduce(0, flat, group=ours.group, shapes=bucket.shapes)
+        ours.synchronize()
+        direct = ours.statistics()["direct"]
+        for pos, p in enumerate(bucket.params):
+            if p.grad is not None:
+                want = flat[bucket.offsets[pos] : bucket.offsets[pos] + p.numel()]
+                assert torch.equal(p.grad.reshape(-1), want), (pos, p.shape)
+    assert model.branch.weight.grad is not None  # used on rank 1: averaged in everywhere
+    ours.remove()
+    return [direct]

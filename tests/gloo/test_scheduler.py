@@ -81,3 +81,9 @@ def test_bf16_gradients_reduce_in_their_dtype_or_fp32(
 ) -> None:
     res = pools(2).run(sc.low_precision_grads, reduce_dtype, timeout=60)
     assert res[0] == res[1] == [4.5, 4.5]
+
+
+def test_onebit_rebuilds_straight_into_the_gradients(pools: Callable[[int], RankPool]) -> None:
+    direct = pools(2).run(sc.onebit_into_grads_equals_the_compressor, timeout=120)
+    # rank 0 has no gradient for `branch` (zeros, copied back); rank 1 writes them all
+    assert direct[0][0] < direct[1][0] and direct[0][0] > 0, direct
