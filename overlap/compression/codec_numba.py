@@ -135,7 +135,7 @@ class NumbaCodec(Codec):
         if xn.dtype != torch.float32:
             xn = xn.float()
         b = ef.take_spare()
-        packed = np.empty(lay.P // 8, dtype=np.uint8)
+        packed = ef.scratch("packed", lay.P // 8, torch.uint8).numpy()
         pc = lay.worker
         partial = np.empty(len(pc), dtype=np.float64)
         args = (xn.numpy(), ef.wb.numpy(), ef.ws.numpy(), b.numpy(), packed)
@@ -146,7 +146,7 @@ class NumbaCodec(Codec):
     def server(self, recv: Any, q: Any, lay: Layout, ef: ErrorFeedback) -> Any:
         import torch
 
-        packed = np.empty(lay.chunk // 8, dtype=np.uint8)
+        packed = ef.scratch("spacked", lay.chunk // 8, torch.uint8).numpy()
         pc = lay.server
         partial = np.empty(len(pc), dtype=np.float64)
         args = (recv.numpy(), q.contiguous().numpy(), ef.sc.numpy(), ef.ss.numpy(), packed)

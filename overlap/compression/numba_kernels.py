@@ -253,4 +253,21 @@ def rebuild(
             os_[t] = sbuf[t] if bit else -sbuf[t]
 
 
-KERNELS: dict[str, Any] = {"encode": encode, "server": server, "rebuild": rebuild}
+@nb.njit(f"void({_F4}, {_F4}, {_F4}, {_PIECES}, int64, int64, int64)", **_OPTS)
+def unlazy(v: Any, s: Any, out: Any, ps: Any, pe: Any, pseg: Any, q: int, lo: int, hi: int) -> None:
+    # out = v - copysign(s[seg], v) over [lo, hi) (out may be v): the true error
+    while q < ps.shape[0] and ps[q] < hi:
+        a, e, k = max(ps[q], lo), min(pe[q], hi), s[pseg[q]]
+        vs, os_ = v[a:e], out[a:e]
+        for t in range(e - a):
+            x = vs[t]
+            os_[t] = x - np.float32(np.copysign(k, x))
+        q += 1
+
+
+KERNELS: dict[str, Any] = {
+    "encode": encode,
+    "server": server,
+    "rebuild": rebuild,
+    "unlazy": unlazy,
+}

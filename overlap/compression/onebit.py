@@ -27,6 +27,7 @@ allgathers.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,9 @@ def _check(buffer: Any, worker_error: Any, server_error: Any, w: int) -> tuple[i
     return n, P
 
 
+_THREAD = threading.local()  # the blocking raw API's scratch buffers, per thread
+
+
 def _write_outputs(flat: torch.Tensor, outputs: Sequence[tuple[int, torch.Tensor]]) -> None:
     """Copy flat's elements into the outputs (the paths that do not rebuild)."""
     view = flat.reshape(-1)
@@ -128,8 +132,8 @@ def onebit_steps(
     packed = packed.to(dev)
 
     # 2. phase 1: sign chunk j to rank j; every worker scale to everyone
-    recv = torch.empty(lay.P // 8, dtype=torch.uint8, device=dev)
-    scales = torch.empty(w * nseg, dtype=torch.float32, device=dev)
+    recv = ef.scratch("recv", lay.P // 8, torch.uint8)
+    scales = ef.scratch("scales", w * nseg, torch.float32)
     if comm.get_backend() == "mpi":  # DeepSpeed's MpiBackend: one gather per root
         sent = packed.view(w, -1)
         slots = list(recv.view(w, -1))
@@ -160,8 +164,8 @@ def onebit_steps(
     ef.ss = sscale = sscale.to(dev)
 
     # 4. phase 2: everyone gets every server chunk and scale
-    all_signs = torch.empty(lay.P // 8, dtype=torch.uint8, device=dev)
-    sscales = torch.empty(w * nseg, dtype=torch.float32, device=dev)
+    all_signs = ef.scratch("all_signs", lay.P // 8, torch.uint8)
+    sscales = ef.scratch("sscales", w * nseg, torch.float32)
     yield [
         comm.all_gather_into_tensor(all_signs, spacked.to(dev), group=group, async_op=True),
         comm.all_gather_into_tensor(sscales, sscale, group=group, async_op=True),
@@ -184,19 +188,30 @@ def _raw_steps(
     server_error: torch.Tensor,
     group: Any,
     segments: Sequence[int] | None,
+    reuse: bool = False,
 ) -> Steps:
     """onebit_steps over caller-held *true* error tensors, updated in place (one extra pass
-    each to turn the lazy state back into errors; OneBit keeps the lazy form instead)."""
+    each to turn the lazy state back into errors; OneBit keeps the lazy form instead).
+
+    ``reuse`` (blocking calls only: they finish before the thread's next call) takes the
+    scratch buffers from a per-thread cache instead of allocating P floats per call."""
     w = comm.get_world_size(group)
     n, _ = _check(buffer, worker_error, server_error, w)
     if n == 0:
         return buffer
     lay = layout(n, w, comm.get_rank(group), segments)
-    ef = ErrorFeedback(worker_error, server_error, lay.nseg)
+    cached: Any = getattr(_THREAD, "cache", None) if reuse else None
+    if cached is not None and (cached[0].numel() != lay.P or cached[0].device != buffer.device):
+        cached = None
+    ef = ErrorFeedback(worker_error, server_error, lay.nseg, spare=cached and cached[0])
+    if cached is not None:
+        ef._scratch = cached[1]
     out = yield from onebit_steps(buffer, ef, lay, codec_for(buffer.device), group)
     # ef.wb is now the new b; worker_error (the old wb) is the spare: write the error back
     ef.worker_error(lay, out=worker_error)
     ef.server_error(lay, out=server_error)
+    if reuse:  # b's buffer is free again: keep it for this thread's next blocking call
+        _THREAD.cache = (ef.wb, ef._scratch)
     return out
 
 
@@ -218,7 +233,7 @@ def compressed_allreduce(
     Raises NonFiniteError (on every rank, state untouched) if any rank's input holds NaN/Inf.
     ``segments`` (element counts adding up to the buffer's) gives each segment its own scales.
     """
-    steps = _raw_steps(buffer, worker_error, server_error, group, segments)
+    steps = _raw_steps(buffer, worker_error, server_error, group, segments, not async_op)
     if not async_op:
         return run(steps)
     w = comm.get_world_size(group)

@@ -29,7 +29,7 @@ CASES = [
 @pytest.mark.parametrize(("n", "w", "me", "segments"), CASES)
 def test_layout_pieces_tile_the_buffer(n: int, w: int, me: int, segments: list[int] | None) -> None:
     lay = Layout(n, w, me, segments)
-    assert lay.P == padded_numel(n, w) and lay.chunk * w == lay.P
+    assert padded_numel(n, w) == lay.P and lay.chunk * w == lay.P
     assert int(lay.seg_len.sum()) == lay.P
     for pc, length in ((lay.worker, lay.P), (lay.server, lay.chunk), (lay.rebuild, n)):
         assert pc.start[0] == 0 and pc.end[-1] == length
