@@ -45,30 +45,36 @@ log = logging.getLogger(__name__)
 MB = 1024 * 1024
 
 
-def _traced_run(steps: Steps, tracer: Any, index: int) -> Any:
-    """Run a reduction's steps, recording the local compute between its comm phases."""
+def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
+    """``steps`` unchanged, with the local compute between its comm phases recorded (the
+    tracer observes the stages; the reduction knows nothing of it)."""
     t = time.perf_counter_ns()
-    phase = 0
     try:
         pending = next(steps)
-        tracer.record(f"compress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index)
-        while True:
-            for h in pending:
-                h.wait()
-            phase += 1
-            t = time.perf_counter_ns()
-            pending = steps.send(None)
-            tracer.record(
-                f"server step bucket {index}",
-                "user",
-                t,
-                time.perf_counter_ns(),
-                bucket=index,
-                phase=phase,
-            )
     except StopIteration as stop:
         tracer.record(f"decompress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index)
         return stop.value
+    tracer.record(f"compress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index)
+    phase = 0
+    while True:
+        yield pending
+        phase += 1
+        t = time.perf_counter_ns()
+        try:
+            pending = steps.send(None)
+        except StopIteration as stop:
+            tracer.record(
+                f"decompress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index
+            )
+            return stop.value
+        tracer.record(
+            f"server step bucket {index}",
+            "user",
+            t,
+            time.perf_counter_ns(),
+            bucket=index,
+            phase=phase,
+        )
 
 
 def _copy_in(view: torch.Tensor, grad: torch.Tensor, scale: float | None) -> None:
@@ -291,7 +297,7 @@ class BucketScheduler:
         ready_ns, ready_tid = time.perf_counter_ns(), threading.get_ident()
         flow = tracer.next_flow() if tracer is not None else 0
 
-        def job() -> None:
+        def job() -> Steps:
             entry["start"] = time.perf_counter()
             t0 = time.perf_counter_ns()
             dev_events = None
@@ -303,10 +309,7 @@ class BucketScheduler:
                 steps = comp.reduce_steps(
                     b.index, b.flat, group=group, shapes=shapes, outputs=outputs
                 )
-                if tracer is None:
-                    run(steps)
-                else:
-                    _traced_run(steps, tracer, b.index)
+                yield from (steps if tracer is None else _traced(steps, tracer, b.index))
                 if not average:
                     b.flat.mul_(w)
             finally:
@@ -332,8 +335,9 @@ class BucketScheduler:
                     ready_ns=ready_ns,
                     ready_tid=ready_tid,
                 )
+            return b.flat
 
-        self._launcher.submit(job, h._finish, b.flat)
+        self._launcher.submit_steps(job(), h._finish, b.flat)
 
     def _direct_outputs(self, b: Bucket) -> list[tuple[int, torch.Tensor]]:
         """The gradients a compressor that ``writes_outputs`` may rebuild straight into,
@@ -423,6 +427,7 @@ class BucketScheduler:
                     b.ready = True
             self._launch_ready()
             handles = list(self._handles)
+        self._launcher.flush()  # every bucket is in: drive the pipeline to the end
         yield handles
         self._close_inline()
         self._launcher.wait_compute()

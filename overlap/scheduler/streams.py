@@ -1,8 +1,14 @@
 """Where a bucket's compression and collective run: off the autograd thread.
 
-* CPU: one worker thread runs the buckets' reductions in FIFO order (so collectives are issued
-  in bucket-index order, DESIGN.md contract 1) while backward goes on; torch ops release the
-  GIL, so both make progress.
+* CPU: one worker thread runs the buckets' reductions while backward goes on; torch ops and
+  the codec kernels release the GIL, so both make progress. Reductions are steps generators
+  (:mod:`overlap.comm.steps`), *pipelined* by a fixed rule: when bucket k arrives, the worker
+  starts it (its first phase: compress, issue phase 1), then advances every older bucket in
+  flight by exactly one phase, oldest first. So bucket k is compressed while bucket k-1's
+  phase 1 is on the wire, and bucket k-1's phase 2 is issued right after bucket k's phase 1.
+  ``flush()`` (the end of the step) drives everything left to the end, in the same order.
+  The issue order depends only on the order buckets arrive in (bucket-index order), never on
+  timing, so every rank issues the same collectives in the same order (DESIGN.md contract 1).
 * CUDA (DESIGN.md contract 8): the same worker thread runs each reduction under a side stream
   that first waits on an event recorded on the compute stream after the bucket's last
   gradient; the bucket buffer is marked with ``record_stream`` for the side stream; a
@@ -21,12 +27,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from overlap.comm.steps import Steps, run
+
 __all__ = ["Launcher"]
+
+_FLUSH = object()
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +54,42 @@ def _attempt(job: Job) -> BaseException | None:
     return None
 
 
+class _InFlight:
+    """One reduction in the CPU pipeline: its generator and the handles it waits for."""
+
+    __slots__ = ("finish", "pending", "steps")
+
+    def __init__(self, steps: Steps, finish: Finish) -> None:
+        self.steps = steps
+        self.finish = finish
+        self.pending: list[Any] = []
+
+    def start(self) -> bool:
+        """Run the first phase; True while phases remain."""
+        return self._step(lambda: next(self.steps))
+
+    def advance(self) -> bool:
+        """Wait for this phase's handles, run the next phase; True while phases remain."""
+
+        def nxt() -> list[Any]:
+            for h in self.pending:
+                h.wait()
+            return self.steps.send(None)
+
+        return self._step(nxt)
+
+    def _step(self, fn: Callable[[], list[Any]]) -> bool:
+        try:
+            self.pending = fn()
+            return True
+        except StopIteration:
+            self.finish(None)
+        except BaseException as exc:
+            self.steps.close()
+            self.finish(exc)
+        return False
+
+
 class Launcher:
     """A single worker thread (and, on CUDA, a side stream) that runs bucket reductions."""
 
@@ -54,7 +101,7 @@ class Launcher:
         )
         self._events: list[Any] = []
         self._events_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="overlap-bucket-worker", daemon=True)
         self._thread.start()
 
@@ -88,6 +135,22 @@ class Launcher:
 
         self._queue.put(on_stream)
 
+    def submit_steps(self, steps: Steps, finish: Finish, flat: torch.Tensor) -> None:
+        """Run a reduction written as a steps generator, then ``finish(error or None)``.
+
+        CPU: pipelined with the other buckets (see the module docstring); call
+        :meth:`flush` once the step's last bucket is submitted. CUDA: run to the end on the
+        side stream, one bucket after the other, as :meth:`submit`."""
+        if self.cuda:
+            self.submit(lambda: run(steps), finish, flat)
+            return
+        self._queue.put(_InFlight(steps, finish))
+
+    def flush(self) -> None:
+        """Drive every submitted reduction to the end (the step's buckets are all in)."""
+        if not self.cuda:
+            self._queue.put(_FLUSH)
+
     def wait_compute(self) -> None:
         """Make the compute stream wait for every finished reduction (CUDA; no-op on CPU)."""
         if self.cuda:
@@ -98,11 +161,25 @@ class Launcher:
                 cur.wait_event(ev)
 
     def _run(self) -> None:
+        inflight: deque[_InFlight] = deque()
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            job()
+            job: Any = self._queue.get()
+            if job is None or job is _FLUSH:
+                while inflight:  # oldest first, one phase each per round: a fixed order
+                    for item in list(inflight):
+                        if not item.advance():
+                            inflight.remove(item)
+                if job is None:
+                    return
+            elif isinstance(job, _InFlight):
+                older = list(inflight)
+                if job.start():
+                    inflight.append(job)
+                for item in older:
+                    if not item.advance():
+                        inflight.remove(item)
+            else:
+                job()
             # Drop the closure now, not at the next get(): it holds the bucket, and the
             # caller may rely on the bucket's memory going back once the job is issued.
             del job

@@ -292,37 +292,52 @@ def low_precision_grads(reduce_dtype: str | None) -> list[float]:
     return sched_grad.float().flatten().tolist()[:2]
 
 
-def onebit_into_grads_equals_the_compressor() -> list[int]:
-    """The scheduler rebuilds 1-bit buckets straight into the gradients (no copy back): the
-    grads equal OneBit run by hand on the same bucket, bitwise, over 3 steps with error
-    feedback; a parameter unused on rank 0 (zeros sent, copied back) and a bf16 one (no
-    direct write: the bucket is bf16) take the other paths. Returns how many tensors of
-    the last step were written directly, per rank."""
-    r = comm.get_rank()
+def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
+    """The scheduler pipelines 1-bit buckets and rebuilds them straight into the gradients
+    (no copy back): the grads equal OneBit run by hand on the same buckets, bitwise, over 3
+    steps with error feedback. A parameter unused on rank 0 (zeros sent, copied back) and a
+    float64 one (its own bucket, no direct write) take the other paths. Returns how many
+    tensors the last step wrote directly, and the order of the buckets' codec stages."""
+    r, w = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(4)
     model = Net()
+    tracer = overlap.Tracer()
     ours = BucketScheduler(
-        model, compression=OneBit(), bucket_cap_mb=64, first_bucket_mb=64, rebuild_buckets=False
+        model,
+        compression=OneBit(),
+        bucket_cap_mb=0.002,
+        first_bucket_mb=0.001,
+        rebuild_buckets=False,
+        tracer=tracer,
     )
-    (bucket,) = [b for b in ours.buckets if b.flat.dtype == torch.float32]
-    hand = OneBit()
+    hand, hand_group = OneBit(), comm.new_group(list(range(w)))  # its own group: no race
     gen = torch.Generator().manual_seed(20 + r)
     direct = 0
     for _ in range(3):
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
         model.zero_grad()
+        tracer.clear()
         nn.functional.mse_loss(model(x, r == 1), y).backward()
-        flat = torch.zeros(bucket.numel)
-        for pos, p in enumerate(bucket.params):
-            if p.grad is not None:
-                flat[bucket.offsets[pos] : bucket.offsets[pos] + p.numel()] = p.grad.reshape(-1)
-        hand.reduce(0, flat, group=ours.group, shapes=bucket.shapes)
+        flats = {}
+        for b in ours.buckets:
+            flat = torch.zeros(b.numel, dtype=b.flat.dtype)
+            for pos, p in enumerate(b.params):
+                if p.grad is not None:
+                    flat[b.offsets[pos] : b.offsets[pos] + p.numel()] = p.grad.reshape(-1)
+            hand.reduce(b.index, flat, group=hand_group, shapes=b.shapes)
+            flats[b.index] = flat
         ours.synchronize()
         direct = ours.statistics()["direct"]
-        for pos, p in enumerate(bucket.params):
-            if p.grad is not None:
-                want = flat[bucket.offsets[pos] : bucket.offsets[pos] + p.numel()]
-                assert torch.equal(p.grad.reshape(-1), want), (pos, p.shape)
+        for b in ours.buckets:
+            for pos, p in enumerate(b.params):
+                if p.grad is not None:
+                    want = flats[b.index][b.offsets[pos] : b.offsets[pos] + p.numel()]
+                    assert torch.equal(p.grad.reshape(-1), want), (b.index, pos, p.shape)
     assert model.branch.weight.grad is not None  # used on rank 1: averaged in everywhere
+    stages = [
+        s[0]
+        for s in sorted(tracer.spans, key=lambda s: s[2])
+        if s[0].startswith(("compress bucket", "server step bucket"))
+    ]
     ours.remove()
-    return [direct]
+    return {"direct": direct, "buckets": len(ours.buckets), "stages": stages}

@@ -83,7 +83,12 @@ def test_bf16_gradients_reduce_in_their_dtype_or_fp32(
     assert res[0] == res[1] == [4.5, 4.5]
 
 
-def test_onebit_rebuilds_straight_into_the_gradients(pools: Callable[[int], RankPool]) -> None:
-    direct = pools(2).run(sc.onebit_into_grads_equals_the_compressor, timeout=120)
+def test_onebit_buckets_pipeline_into_the_gradients(pools: Callable[[int], RankPool]) -> None:
+    out = pools(2).run(sc.onebit_into_grads_equals_the_compressor, timeout=120)
     # rank 0 has no gradient for `branch` (zeros, copied back); rank 1 writes them all
-    assert direct[0][0] < direct[1][0] and direct[0][0] > 0, direct
+    assert 0 < out[0]["direct"] < out[1]["direct"], out
+    # pipelined: bucket k is compressed before bucket k-1's server step (its phase 2)
+    stages = out[0]["stages"]
+    assert out[0]["buckets"] >= 3, out
+    assert stages[:3] == ["compress bucket 0", "compress bucket 1", "server step bucket 0"]
+    assert stages.index("compress bucket 2") < stages.index("server step bucket 1")
