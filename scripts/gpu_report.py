@@ -125,14 +125,15 @@ def main() -> None:
     lines += ["", "## Codec (`overlap bench compress --device cuda`)", ""]
     if codec:
         lines += [
-            "| floats | read ms | worker ms | worker/read | unpack/read | worker GB/s "
-            "| worker traffic vs copy BW |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "| floats | read ms | worker ms | worker/read | server+rebuild/read | unpack/read "
+            "| worker GB/s | worker traffic vs copy BW |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in codec:
             lines.append(
                 f"| {r['floats'] / 2**20:.0f}M | {r['read_ms']:.3f} | {r['worker_ms']:.3f} "
-                f"| {r['worker/read']:.2f} | {r['unpack/read']:.2f} | {r['worker_GBps']:.0f} "
+                f"| {r['worker/read']:.2f} | {r.get('server+rebuild/read', float('nan')):.2f} "
+                f"| {r['unpack/read']:.2f} | {r['worker_GBps']:.0f} "
                 f"| {r['worker_vs_copy_bw']:.0%} |"
             )
     else:

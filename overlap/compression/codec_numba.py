@@ -57,7 +57,11 @@ def _build() -> dict[str, Any] | None:
         return None
 
     t0 = time.perf_counter()
-    from overlap.compression import numba_kernels
+    try:
+        from overlap.compression import numba_kernels
+    except Exception as exc:  # a numba/LLVM that cannot build them: the torch codec works
+        log.warning("the 1-bit codec's numba kernels failed to build (%s); using torch ops", exc)
+        return None
 
     log.debug("1-bit codec kernels ready in %.2f s", time.perf_counter() - t0)
     return dict(numba_kernels.KERNELS)

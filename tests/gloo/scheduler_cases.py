@@ -340,4 +340,5 @@ def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
         if s[0].startswith(("compress bucket", "server step bucket"))
     ]
     ours.remove()
+    tracer.detach()  # the scheduler attached it: leave this pool process as it was
     return {"direct": direct, "buckets": len(ours.buckets), "stages": stages}
