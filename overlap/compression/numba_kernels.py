@@ -131,12 +131,11 @@ def sfence(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
-@intrinsic
-def enc8(typingctx: Any, x: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any) -> Any:
+def _enc8(nontemporal: bool) -> Any:
     """The encode stage for 8 elements at idx, in registers: b = (x + (wb - copysign(s,
-    wb))) + 0.0, stored non-temporally to bn (bn + idx 32-byte aligned), b * b (float64)
-    added to the 8 lanes of ``acc``; returns the byte of b >= 0, MSB first. One read of x and
-    wb and one write of b: nothing is read back from memory."""
+    wb))) + 0.0, stored to bn (``nontemporal``: around the caches; bn + idx must then be
+    32-byte aligned), b * b (float64) added to the 8 lanes of ``acc``; returns the byte of
+    b >= 0, MSB first. One read of x and wb and one write of b: nothing is read back."""
     v8d = ir.VectorType(ir.DoubleType(), 8)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
@@ -153,10 +152,11 @@ def enc8(typingctx: Any, x: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any) -
         )
         err = builder.fsub(wv, builder.call(copysign, [sv, wv]))
         b = builder.fadd(builder.fadd(xv, err), ir.Constant(_V8, [0.0] * 8))
-        st = builder.store(b, _v8ptr(context, builder, sig.args[3], args[3], args[4]), align=32)
-        st.set_metadata(
-            "nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        )
+        bp = _v8ptr(context, builder, sig.args[3], args[3], args[4])
+        st = builder.store(b, bp, align=32 if nontemporal else 4)
+        if nontemporal:
+            one_md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            st.set_metadata("nontemporal", one_md)
         acc = context.make_array(sig.args[5])(context, builder, args[5])
         ap = builder.bitcast(acc.data, v8d.as_pointer())
         bd = builder.fpext(b, v8d)
@@ -165,7 +165,14 @@ def enc8(typingctx: Any, x: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any) -
         rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
         return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
 
-    return types.uint8(x, wb, s, bn, idx, acc), codegen
+    def typer(typingctx: Any, x: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any) -> Any:
+        return types.uint8(x, wb, s, bn, idx, acc), codegen
+
+    return intrinsic(typer)
+
+
+enc8 = _enc8(True)  # a new buffer far larger than the caches: write around them
+upd8 = _enc8(False)  # in place over lines just read (the server's chunk)
 
 
 put8 = _signed8(False, False)
@@ -264,6 +271,7 @@ def server(
     acc = np.empty(TILE, np.float32)
     qb = np.empty(TILE, np.float32)
     sb = np.empty(TILE, np.float32)
+    sq = np.zeros(8, np.float64)
     for t0 in range(lo, hi, TILE):
         t1 = min(t0 + TILE, hi)
         m = t1 - t0
@@ -278,9 +286,17 @@ def server(
                 for j in range(m >> 3):
                     addc8(rb[j], qr, acc, 8 * j)  # acc + (+-q), in rank order
             s = ss[k]
-            for t in range(m):
-                v = cs[t]
-                cs[t] = acc[t] + (v - np.float32(np.copysign(s, v)))
+            # c = acc + (v - copysign(s, v)), stored in place, signs and squares in one go
+            # (upd8's +0.0 is a no-op here: acc is never -0.0)
+            sq[:] = 0.0
+            for j in range(m >> 3):
+                packed[(t0 >> 3) + j] = upd8(acc, cs, s, cs, 8 * j, sq)
+            tot = 0.0
+            for j in range(8):
+                tot += sq[j]
+            partial[p] = tot
+            p = p1
+            continue
         else:  # segment boundaries inside the tile: per-element scales
             p1 = fill(sb, ss, t0, t1, ps, pe, pseg, p)
             for r in range(w):
@@ -295,6 +311,7 @@ def server(
         for r in range(p, p1):
             partial[r] = sumsq(sc[ps[r] : pe[r]])
         p = p1
+    sfence()  # type: ignore[call-arg]
 
 
 @nb.njit(
