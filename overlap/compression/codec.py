@@ -108,7 +108,7 @@ class ErrorFeedback:
     def take_spare(self) -> torch.Tensor:
         """The P-float buffer ``encode`` writes the next b into."""
         if self.spare is None:
-            self.spare = torch.empty_like(self.wb)
+            self.spare = torch.zeros_like(self.wb)  # zeros: touch its pages now, not later
         return self.spare
 
     def commit_worker(self, b: torch.Tensor, scales: torch.Tensor) -> None:

@@ -344,6 +344,9 @@ class OneBit(Compressor):
         st = self._entry(key, flat)
         self.last_skipped = False
         if st["step"] < self.warmup_steps:
+            if flat.numel():  # allocate (and touch) the state now: its page faults, 2.5
+                # P floats, then fall in a warm-up step, not in the first compressed one
+                self._state_for(st, flat, group, shapes)[0].take_spare()
             yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
             st["step"] += 1
             _write_outputs(flat, outputs)
