@@ -175,6 +175,33 @@ enc8 = _enc8(True)  # a new buffer far larger than the caches: write around them
 upd8 = _enc8(False)  # in place over lines just read (the server's chunk)
 
 
+# Row b (8 floats) holds the +-1.0 of byte b's bits, MSB first.
+_SIGNS = (
+    (((np.arange(256)[:, None] >> np.arange(7, -1, -1)) & 1) * 2 - 1).astype(np.float32).ravel()
+)
+
+
+@intrinsic
+def addt8(typingctx: Any, byte: Any, tbl: Any, q: Any, acc: Any, idx: Any) -> Any:
+    """acc[idx:idx+8] += tbl[8 byte : 8 byte + 8] * q: the server's per-rank sum through a
+    (256, 8) table of +-1 rows. +-1 * q is exact, so this equals the select form bit for
+    bit; measured 4.0 ms against 7.1 ms for ``addc8`` over 2 ranks x 8M elements."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        off = builder.mul(builder.zext(args[0], ir.IntType(64)), ir.Constant(ir.IntType(64), 8))
+        row = builder.load(_v8ptr(context, builder, sig.args[1], args[1], off), align=4)
+        undef = ir.Constant(_V8, ir.Undefined)
+        one = builder.insert_element(undef, args[2], ir.Constant(ir.IntType(32), 0))
+        qv = builder.shuffle_vector(
+            one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+        )
+        ap = _v8ptr(context, builder, sig.args[3], args[3], args[4])
+        builder.store(builder.fadd(builder.load(ap, align=4), builder.fmul(row, qv)), ap, align=4)
+        return context.get_dummy_value()
+
+    return types.void(byte, tbl, q, acc, idx), codegen
+
+
 put8 = _signed8(False, False)
 add8 = _signed8(True, False)
 putc8 = _signed8(False, True)  # (byte, float32 scalar, dst, didx)
@@ -283,8 +310,8 @@ def server(
             for r in range(w):
                 qr = q[r, k]
                 rb = recv[r, t0 >> 3 : t1 >> 3]
-                for j in range(m >> 3):
-                    addc8(rb[j], qr, acc, 8 * j)  # acc + (+-q), in rank order
+                for j in range(m >> 3):  # acc + (+-q), in rank order
+                    addt8(rb[j], _SIGNS, qr, acc, 8 * j)  # type: ignore[call-arg]
             s = ss[k]
             # c = acc + (v - copysign(s, v)), stored in place, signs and squares in one go
             # (upd8's +0.0 is a no-op here: acc is never -0.0)
