@@ -3,8 +3,8 @@
 Each stage is one pass over its data, tile by tile (:mod:`overlap.compression.layout`):
 
 * ``encode``: b = x + (wb - ws * sign(wb)) (the lazily applied worker error, see
-  :class:`~overlap.compression.codec.ErrorFeedback`), written to the spare buffer; the tile's
-  signs packed from L1; one sum of squares per piece. Reads x and wb, writes b.
+  :class:`~overlap.compression.codec.ErrorFeedback`), written to the spare buffer, its signs
+  packed and its squares summed per piece on the way. Reads x and wb, writes b.
 * ``server``: c = sum over ranks (in rank order) of +-q_r + (sc - ss * sign(sc)), written back
   over sc in place; signs packed; sums of squares per piece.
 * ``rebuild``: out = +-sscale of the owning chunk and segment, straight into the buffer.
