@@ -38,23 +38,35 @@ Steps = Generator[list[Handle], None, Any]
 
 
 def run(steps: Steps) -> Any:
-    """Drive ``steps`` to the end on this thread; return its result."""
+    """Drive ``steps`` to the end on this thread; return its result.
+
+    A handle that fails is thrown into the generator at its ``yield``, so the algorithm can
+    clean up (or recover and yield again); uncaught, the error propagates from here."""
     try:
         pending = next(steps)
         while True:
-            for h in pending:
-                h.wait()
+            try:
+                for h in pending:
+                    h.wait()
+            except BaseException as exc:
+                pending = steps.throw(exc)
+                continue
             pending = steps.send(None)
     except StopIteration as stop:
         return stop.value
 
 
 async def run_async(steps: Steps) -> Any:
-    """Drive ``steps`` to the end on the running loop; return its result."""
+    """Drive ``steps`` to the end on the running loop; return its result (errors are
+    thrown into the generator as in :func:`run`)."""
     try:
         pending = next(steps)
         while True:
-            await asyncio.gather(*pending)
+            try:
+                await asyncio.gather(*pending)
+            except BaseException as exc:
+                pending = steps.throw(exc)
+                continue
             pending = steps.send(None)
     except StopIteration as stop:
         return stop.value

@@ -77,6 +77,13 @@ def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
         )
 
 
+def _settled(h: Handle) -> Handle:
+    """A handle that completes, without error, once ``h`` has completed either way."""
+    s = Handle("settle", result=None)
+    h.add_done_callback(lambda _: s._finish(None))
+    return s
+
+
 def _copy_in(view: torch.Tensor, grad: torch.Tensor, scale: float | None) -> None:
     """view = grad (times ``scale``), in one pass where the dtypes allow."""
     if scale is None:
@@ -428,7 +435,16 @@ class BucketScheduler:
             self._launch_ready()
             handles = list(self._handles)
         self._launcher.flush()  # every bucket is in: drive the pipeline to the end
-        yield handles
+        try:
+            yield handles
+        except BaseException:
+            # A bucket failed (e.g. NonFiniteError on every rank). Let every other bucket of
+            # the step settle, so none still writes into a bucket or .grad, then start a
+            # fresh step: the scheduler stays usable (skip this step, train on).
+            yield [_settled(h) for h in handles]
+            self._launcher.wait_compute()
+            self._new_step()
+            raise
         self._close_inline()
         self._launcher.wait_compute()
         t_copy = time.perf_counter_ns()

@@ -342,3 +342,44 @@ def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
     ours.remove()
     tracer.detach()  # the scheduler attached it: leave this pool process as it was
     return {"direct": direct, "buckets": len(ours.buckets), "stages": stages}
+
+
+def nonfinite_step_leaves_the_scheduler_usable(mode: str) -> list[Any]:
+    """A NaN gradient on rank 1, in a middle bucket of a pipelined 1-bit step: synchronize()
+    (or await wait()) raises NonFiniteError on every rank, every other bucket settles, and
+    the next steps train on with finite, rank-identical gradients."""
+    from overlap.errors import NonFiniteError
+
+    r = comm.get_rank()
+    torch.manual_seed(5)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
+    sched = BucketScheduler(
+        model, compression=OneBit(), bucket_cap_mb=0.005, first_bucket_mb=0.005
+    )
+    assert len(sched.buckets) >= 3
+    gen = torch.Generator().manual_seed(r)
+    out: list[Any] = []
+    for step in range(4):
+        hook = None
+        if step == 1 and r == 1:
+            hook = model[3][0].weight.register_hook(lambda g: g * float("nan"))
+        model.zero_grad()
+        loss = model(torch.randn(8, 32, generator=gen)).pow(2).mean()
+        try:
+            if mode == "blocking":
+                loss.backward()
+                sched.synchronize()
+            else:
+                overlap.run(sched.backward(loss), loop=mode)  # type: ignore[arg-type]
+            out.append("ok")
+        except NonFiniteError as e:
+            out.append(f"NonFiniteError {e.ranks}")
+        if hook is not None:
+            hook.remove()
+        if out[-1] == "ok":
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            assert torch.isfinite(grads).all()
+            everyone = comm.all_gather(grads)
+            assert torch.equal(everyone[0], everyone[1])
+    sched.remove()
+    return out

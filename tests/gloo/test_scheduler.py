@@ -92,3 +92,12 @@ def test_onebit_buckets_pipeline_into_the_gradients(pools: Callable[[int], RankP
     assert out[0]["buckets"] >= 3, out
     assert stages[:3] == ["compress bucket 0", "compress bucket 1", "server step bucket 0"]
     assert stages.index("compress bucket 2") < stages.index("server step bucket 1")
+
+
+@pytest.mark.parametrize("mode", ["blocking", "uvloop"])
+def test_a_nonfinite_step_leaves_the_scheduler_usable(
+    pools: Callable[[int], RankPool], mode: str
+) -> None:
+    out = pools(2).run(sc.nonfinite_step_leaves_the_scheduler_usable, mode, timeout=120)
+    want = ["ok", "NonFiniteError [1]", "ok", "ok"]
+    assert out == [want, want], out
