@@ -264,3 +264,21 @@ def codecs_agree() -> float:
         everyone = comm.all_gather(ra[-1])
         assert all(torch.equal(everyone[0], o) for o in everyone)  # bitwise across ranks
     return worst
+
+
+def extreme_magnitudes_stay_finite() -> list[float]:
+    """Finite gradients of 1e20 or 1e-30 are compressed, not called non-finite or flushed to
+    zero: the scales' sums of squares run in float64 (a float32 norm overflows at 1e20)."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    out = []
+    for mag in (1e20, 1e-30):
+        n = 4096
+        we, se = torch.zeros(padded_numel(n, w)), torch.zeros(padded_numel(n, w) // w)
+        x = torch.randn(n, generator=torch.Generator().manual_seed(r)) * mag
+        res = compressed_allreduce(x.clone(), we, se)
+        assert torch.isfinite(res).all() and torch.isfinite(we).all()
+        # every element is +-(a server scale): of the inputs' order of magnitude
+        ratio = float(res.abs().mean() / (x.abs().mean()))
+        assert 0.1 < ratio < 10, (mag, ratio)
+        out.append(ratio)
+    return out

@@ -77,3 +77,8 @@ def test_numba_and_torch_codecs_agree(pools: Callable[[int], RankPool], world_si
     """The CPU kernels against the torch codec (the CUDA path, run on CPU)."""
     worst = pools(world_size).run(cc.codecs_agree, timeout=120)
     assert max(worst) < 1e-6, worst
+
+
+def test_extreme_but_finite_magnitudes_are_compressed(pools: Callable[[int], RankPool]) -> None:
+    ratios = pools(2).run(cc.extreme_magnitudes_stay_finite, timeout=60)
+    assert all(0.1 < x < 10 for rank in ratios for x in rank), ratios
