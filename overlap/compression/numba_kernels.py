@@ -17,7 +17,7 @@ Forms chosen by measurement (16M floats, one thread, this project's 2-core machi
   as a read pass) and ``pack`` (``pack8``, a vector compare and movemask: 5.4 ms against
   11.3 ms for a shift-and-or loop and 8.4 ms for ``np.packbits``);
 * the server's per-rank sum through a table of +-1 rows (``addt8``): 4.0 ms against 7.1 ms
-  for byte-to-mask selects (``addc8``) over 2 ranks x 8M elements;
+  for byte-to-mask selects over 2 ranks x 8M elements;
 * the rebuild by byte-to-mask selects (``putc8``), non-temporal where the output is
   32-byte aligned (``putnt8``): 5.7 ms against 8.8 ms with ordinary stores, which read every
   line before writing it.
@@ -47,6 +47,24 @@ def _v8ptr(context: Any, builder: Any, aryty: Any, ary: Any, idx: Any) -> Any:
     return builder.bitcast(builder.gep(a.data, [idx]), _V8.as_pointer())
 
 
+def _splat(builder: Any, value: Any) -> Any:
+    """An 8-lane vector of one float32 value."""
+    undef = ir.Constant(_V8, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(
+        one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+    )
+
+
+def _store8(builder: Any, v: Any, ptr: Any, nontemporal: bool) -> None:
+    """Store 8 lanes; ``nontemporal`` writes around the caches (ptr 32-byte aligned)."""
+    st = builder.store(v, ptr, align=32 if nontemporal else 4)
+    if nontemporal:
+        st.set_metadata(
+            "nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        )
+
+
 @intrinsic
 def pack8(typingctx: Any, arr: Any, idx: Any) -> Any:
     """The byte of v[idx:idx+8] >= 0, MSB first: one vector compare and a movemask."""
@@ -61,17 +79,14 @@ def pack8(typingctx: Any, arr: Any, idx: Any) -> Any:
     return sig, codegen
 
 
-def _signed8(accumulate: bool, scalar: bool) -> Any:
+def _signed8(accumulate: bool, scalar: bool, nontemporal: bool = False) -> Any:
     """dst[d:d+8] = (or +=) where(bit of byte, src, -src), MSB first; ``src`` is the 8 values
-    at src_array[s:s+8], or one scalar broadcast (``scalar``)."""
+    at src_array[s:s+8], or one scalar broadcast (``scalar``). ``nontemporal`` stores around
+    the caches (dst + d must be 32-byte aligned; pair with :func:`sfence`)."""
 
     def load_src(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         if scalar:
-            undef = ir.Constant(_V8, ir.Undefined)
-            one = builder.insert_element(undef, args[1], ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(
-                one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
-            )
+            return _splat(builder, args[1])
         return builder.load(_v8ptr(context, builder, sig.args[1], args[1], args[2]), align=4)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
@@ -84,7 +99,7 @@ def _signed8(accumulate: bool, scalar: bool) -> Any:
         dp = _v8ptr(context, builder, sig.args[d], args[d], args[d + 1])
         if accumulate:
             v = builder.fadd(builder.load(dp, align=4), v)
-        builder.store(v, dp, align=4)
+        _store8(builder, v, dp, nontemporal)
         return context.get_dummy_value()
 
     if scalar:
@@ -98,30 +113,6 @@ def _signed8(accumulate: bool, scalar: bool) -> Any:
         return types.void(byte, src, sidx, dst, didx), codegen
 
     return intrinsic(typer)
-
-
-@intrinsic
-def putnt8(typingctx: Any, byte: Any, src: Any, dst: Any, didx: Any) -> Any:
-    """putc8 with a non-temporal store (dst + didx must be 32-byte aligned): the output is
-    far larger than the caches, so writing around them saves the read-for-ownership of every
-    line (measured: a 16M-float rebuild 8.8 -> 5.7 ms). Pair with :func:`sfence`."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
-        bits = builder.call(rev, [builder.trunc(args[0], ir.IntType(8))])
-        mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 8))
-        undef = ir.Constant(_V8, ir.Undefined)
-        one = builder.insert_element(undef, args[1], ir.Constant(ir.IntType(32), 0))
-        s = builder.shuffle_vector(
-            one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
-        )
-        v = builder.select(mask, s, builder.fneg(s))
-        st = builder.store(v, _v8ptr(context, builder, sig.args[2], args[2], args[3]), align=32)
-        one_md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        st.set_metadata("nontemporal", one_md)
-        return context.get_dummy_value()
-
-    return types.void(byte, src, dst, didx), codegen
 
 
 @intrinsic
@@ -147,22 +138,14 @@ def _enc8(nontemporal: bool) -> Any:
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         xv = builder.load(_v8ptr(context, builder, sig.args[0], args[0], args[4]), align=4)
         wv = builder.load(_v8ptr(context, builder, sig.args[1], args[1], args[4]), align=4)
-        undef = ir.Constant(_V8, ir.Undefined)
-        one = builder.insert_element(undef, args[2], ir.Constant(ir.IntType(32), 0))
-        sv = builder.shuffle_vector(
-            one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
-        )
+        sv = _splat(builder, args[2])
         name = "llvm.copysign.v8f32"
         copysign = builder.module.globals.get(name) or ir.Function(
             builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
         )
         err = builder.fsub(wv, builder.call(copysign, [sv, wv]))
         b = builder.fadd(builder.fadd(xv, err), ir.Constant(_V8, [0.0] * 8))
-        bp = _v8ptr(context, builder, sig.args[3], args[3], args[4])
-        st = builder.store(b, bp, align=32 if nontemporal else 4)
-        if nontemporal:
-            one_md = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-            st.set_metadata("nontemporal", one_md)
+        _store8(builder, b, _v8ptr(context, builder, sig.args[3], args[3], args[4]), nontemporal)
         acc = context.make_array(sig.args[5])(context, builder, args[5])
         ap = builder.bitcast(acc.data, v8d.as_pointer())
         bd = builder.fpext(b, v8d)
@@ -191,16 +174,13 @@ _SIGNS = (
 def addt8(typingctx: Any, byte: Any, tbl: Any, q: Any, acc: Any, idx: Any) -> Any:
     """acc[idx:idx+8] += tbl[8 byte : 8 byte + 8] * q: the server's per-rank sum through a
     (256, 8) table of +-1 rows. +-1 * q is exact, so this equals the select form bit for
-    bit; measured 4.0 ms against 7.1 ms for ``addc8`` over 2 ranks x 8M elements."""
+    bit; measured 4.0 ms against 7.1 ms for the byte-to-mask select form (``_signed8``)
+    over 2 ranks x 8M elements."""
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         off = builder.mul(builder.zext(args[0], ir.IntType(64)), ir.Constant(ir.IntType(64), 8))
         row = builder.load(_v8ptr(context, builder, sig.args[1], args[1], off), align=4)
-        undef = ir.Constant(_V8, ir.Undefined)
-        one = builder.insert_element(undef, args[2], ir.Constant(ir.IntType(32), 0))
-        qv = builder.shuffle_vector(
-            one, undef, ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
-        )
+        qv = _splat(builder, args[2])
         ap = _v8ptr(context, builder, sig.args[3], args[3], args[4])
         builder.store(builder.fadd(builder.load(ap, align=4), builder.fmul(row, qv)), ap, align=4)
         return context.get_dummy_value()
@@ -211,7 +191,9 @@ def addt8(typingctx: Any, byte: Any, tbl: Any, q: Any, acc: Any, idx: Any) -> An
 put8 = _signed8(False, False)
 add8 = _signed8(True, False)
 putc8 = _signed8(False, True)  # (byte, float32 scalar, dst, didx)
-addc8 = _signed8(True, True)
+# putc8 writing around the caches: the rebuild's output is far larger than them, so this
+# saves the read-for-ownership of every line (measured: 16M floats, 8.8 -> 5.7 ms)
+putnt8 = _signed8(False, True, nontemporal=True)
 
 
 @nb.njit(f"float64({_F4})", fastmath={"reassoc", "contract"}, **_OPTS)
@@ -377,7 +359,7 @@ def rebuild(
             s = sscales[powner[q], pseg[q]]
             if os_.ctypes.data % 32 == 0:
                 for k in range(full):
-                    putnt8(sg[k], s, os_, 8 * k)  # type: ignore[call-arg]
+                    putnt8(sg[k], s, os_, 8 * k)
             else:
                 for k in range(full):
                     putc8(sg[k], s, os_, 8 * k)
