@@ -375,12 +375,13 @@ class BucketScheduler:
         h = comm.all_reduce(b.flat, op="sum", group=self.group, async_op=True)
         self._handles.append(h)
         tracer = self.tracer
+        now = time.perf_counter()
         self._timeline.append(
             {
                 "bucket": b.index,
                 "bytes": b.nbytes,
-                "ready": time.perf_counter(),
-                "start": time.perf_counter(),
+                "ready": now,
+                "start": now,
                 "handle": h,
                 "flow": tracer.next_flow() if tracer is not None else 0,
                 "ready_tid": threading.get_ident(),
@@ -453,8 +454,10 @@ class BucketScheduler:
         used = mask.bool().tolist()
         for b in self.buckets:
             for pos, p in enumerate(b.params):
-                if not used[self._pidx[id(p)]] or pos in b.direct:
+                if not used[self._pidx[id(p)]]:
                     continue  # unused on every rank: .grad untouched (None), as DDP
+                if pos in b.direct:
+                    continue  # the compressor already wrote the average into .grad
                 view = b.view_of(pos)
                 if self.grad_as_view:
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():

@@ -69,11 +69,15 @@ class _InFlight:
         return self._step(lambda: next(self.steps))
 
     def advance(self) -> bool:
-        """Wait for this phase's handles, run the next phase; True while phases remain."""
+        """Wait for this phase's handles, run the next phase; True while phases remain. A
+        failed handle is thrown into the generator, as :func:`overlap.comm.steps.run` does."""
 
         def nxt() -> list[Any]:
-            for h in self.pending:
-                h.wait()
+            try:
+                for h in self.pending:
+                    h.wait()
+            except BaseException as exc:
+                return self.steps.throw(exc)
             return self.steps.send(None)
 
         return self._step(nxt)
@@ -88,6 +92,13 @@ class _InFlight:
             self.steps.close()
             self.finish(exc)
         return False
+
+
+def _advance(inflight: deque[_InFlight], items: list[_InFlight]) -> None:
+    """Advance each of ``items`` by one phase, in order; drop the finished from ``inflight``."""
+    for item in items:
+        if not item.advance():
+            inflight.remove(item)
 
 
 class Launcher:
@@ -166,18 +177,14 @@ class Launcher:
             job: Any = self._queue.get()
             if job is None or job is _FLUSH:
                 while inflight:  # oldest first, one phase each per round: a fixed order
-                    for item in list(inflight):
-                        if not item.advance():
-                            inflight.remove(item)
+                    _advance(inflight, list(inflight))
                 if job is None:
                     return
             elif isinstance(job, _InFlight):
                 older = list(inflight)
                 if job.start():
                     inflight.append(job)
-                for item in older:
-                    if not item.advance():
-                        inflight.remove(item)
+                _advance(inflight, older)
             else:
                 job()
             # Drop the closure now, not at the next get(): it holds the bucket, and the
