@@ -149,7 +149,7 @@ def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
             from overlap.trace.plot import plot_timeline
 
             png = plot_timeline(
-                tracer.spans if world == 1 else _load(written),
+                list(tracer.spans) if world == 1 else _load(written),
                 os.path.join(out_dir, "overlap-timeline.png"),
                 title="overlap demo: OneBit, bucket scheduler",
             )

@@ -73,7 +73,10 @@ def _worker(
     import torch
 
     torch.set_num_threads(1)
-    from overlap.comm import destroy_process_group, init_distributed
+    from overlap.comm import debug, destroy_process_group, init_distributed
+
+    # overlap was imported (to unpickle this function) before env was applied: read again
+    debug.set_enabled(debug.env_enabled())
     from overlap.runtime import run
 
     try:

@@ -26,7 +26,14 @@ from overlap.errors import CollectiveMismatchError
 __all__ = ["check", "enabled", "set_enabled"]
 
 _DESC = 192  # bytes of description exchanged per rank
-_enabled = os.environ.get("OVERLAP_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def env_enabled() -> bool:
+    """Whether OVERLAP_DEBUG in the environment asks for debug mode."""
+    return os.environ.get("OVERLAP_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+_enabled = env_enabled()
 _groups: dict[tuple[int, ...], Any] = {}
 _seq: dict[tuple[int, ...], int] = {}
 _lock = threading.Lock()

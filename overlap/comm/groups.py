@@ -33,6 +33,8 @@ class GroupInfo:
     name: str
     size: int
     rank: int  # this process's rank inside the group
+    global_rank: int  # this process's global rank
+    index: dict[int, int]  # global rank -> group rank
 
 
 _cache: dict[Any, GroupInfo] = {}
@@ -60,7 +62,8 @@ def resolve_group(group: Any) -> GroupInfo:
             )
         ranks = tuple(dist.get_process_group_ranks(pg))
         name = "world" if pg is dist.group.WORLD else "ranks" + ",".join(map(str, ranks))
-        info = GroupInfo(pg, ranks, name, len(ranks), dist.get_rank(pg))
+        index = {g: i for i, g in enumerate(ranks)}
+        info = GroupInfo(pg, ranks, name, len(ranks), dist.get_rank(pg), dist.get_rank(), index)
         _cache[pg] = info
     return info
 

@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
+from overlap.comm import hooks as _hooks
 from overlap.comm.waker import LoopWaker, resolve
 from overlap.errors import CommTimeoutError
-from overlap.trace import recorder as _trace
 
 __all__ = ["CompletionEngine", "Handle", "HandleState"]
 
@@ -37,6 +37,9 @@ class HandleState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
     FAILED = "failed"
+
+
+PENDING, DONE, FAILED = HandleState.PENDING, HandleState.DONE, HandleState.FAILED
 
 
 class CompletionEngine(Protocol):
@@ -74,6 +77,8 @@ class _EventEngine:
 EVENT_ENGINE: CompletionEngine = _EventEngine()
 
 _Waiter = tuple[asyncio.AbstractEventLoop, LoopWaker, "asyncio.Future[Any]"]
+_now = time.perf_counter_ns
+_LOCK = threading.Lock()
 
 
 def _format_bytes(n: int) -> str:
@@ -91,6 +96,11 @@ class Handle:
     Attributes ``op``, ``nbytes`` (bytes this rank contributes), ``group`` (a printable group
     name), ``backend``, ``start_ns`` and ``end_ns`` (``time.perf_counter_ns`` at issue and at
     completion, ``None`` while pending) describe the op for tracing and for ``repr``.
+
+    Built for a small per-op cost (docs/architecture.md, "Lean ops"): nothing is allocated
+    at construction; state changes take one process-wide lock for a few stores (never
+    across a wait or a callback), and the waiter list, the callback list and the lock a
+    blocked thread sleeps on are made only when someone needs them.
     """
 
     __slots__ = (
@@ -116,8 +126,7 @@ class Handle:
     def __init__(
         self,
         op: str,
-        *,
-        result: Any,
+        result: Any = None,
         nbytes: int = 0,
         group: str = "world",
         backend: str = "",
@@ -130,18 +139,17 @@ class Handle:
         self.nbytes = nbytes
         self.group = group
         self.backend = backend
-        self.start_ns = time.perf_counter_ns()
+        self.start_ns = _now()
         self.end_ns: int | None = None
         self._result = result
         self._keep = keep  # inputs and scratch buffers, released at completion
         self._engine = engine
-        self._state = HandleState.PENDING
+        self._state = PENDING
         self._exc: BaseException | None = None
-        self._lock = threading.Lock()
-        self._done_lock = threading.Lock()
-        self._done_lock.acquire()  # released exactly once, at completion
-        self._waiters: list[_Waiter] | None = []
-        self._callbacks: list[Callable[[Handle], None]] | None = []
+        self._lock = _LOCK  # state changes are a few stores: one lock for all handles
+        self._done_lock: threading.Lock | None = None  # made by the first blocked thread
+        self._waiters: list[_Waiter] | None = None
+        self._callbacks: list[Callable[[Handle], None]] | None = None
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod
@@ -161,50 +169,48 @@ class Handle:
         result to waiting loops through their wakers (DESIGN.md §3.2).
         """
         with self._lock:
-            if self._state is not HandleState.PENDING:
+            if self._state is not PENDING:
                 return
-            self.end_ns = time.perf_counter_ns()
+            self.end_ns = end = _now()
             self._exc = exc
-            self._state = HandleState.FAILED if exc is not None else HandleState.DONE
+            self._state = FAILED if exc is not None else DONE
             waiters, self._waiters = self._waiters, None
             callbacks, self._callbacks = self._callbacks, None
+            done_lock = self._done_lock
             self._keep = None
-        self._done_lock.release()
-        tracer = _trace.current()
-        if tracer is not None:
-            tracer.record(
-                self.op,
-                "comm",
-                self.start_ns,
-                self.end_ns,
-                op=self.op,
-                bytes=self.nbytes,
-                group=self.group,
-                backend=self.backend,
-                world=self.world,
-            )
-        for loop, waker, fut in waiters or ():
-            resolve(loop, waker, fut)
-        for cb in callbacks or ():
-            cb(self)
+        if done_lock is not None:
+            done_lock.release()
+        obs = _hooks.observer
+        if obs is not None:
+            obs(self.op, self.start_ns, end, self.nbytes, self.group, self.backend, self.world)
+        if waiters:
+            for loop, waker, fut in waiters:
+                resolve(loop, waker, fut)
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
 
     def _block_until_done(self, timeout: float | None) -> bool:
-        if self._state is not HandleState.PENDING:
+        if self._state is not PENDING:
             return True
-        if timeout is None:
-            acquired = self._done_lock.acquire()
-        else:
-            acquired = self._done_lock.acquire(timeout=max(timeout, 0.0))
+        with self._lock:
+            if self._state is not PENDING:
+                return True
+            lock = self._done_lock
+            if lock is None:
+                lock = self._done_lock = threading.Lock()
+                lock.acquire()  # released exactly once, by _finish
+        acquired = lock.acquire() if timeout is None else lock.acquire(timeout=max(timeout, 0.0))
         if acquired:
-            self._done_lock.release()
+            lock.release()  # let the next blocked thread through
         return acquired
 
     # --------------------------------------------------------------------------- user side
     def done(self) -> bool:
         """True once the op has completed or failed (starts observing the op if needed)."""
-        if self._state is HandleState.PENDING:
+        if self._state is PENDING:
             self._engine.start(self)
-            return self._state is not HandleState.PENDING
+            return self._state is not PENDING
         return True
 
     @property
@@ -213,7 +219,7 @@ class Handle:
 
     def exception(self) -> BaseException | None:
         """The op's error, or None if it succeeded. Raises InvalidStateError while pending."""
-        if self._state is HandleState.PENDING:
+        if self._state is PENDING:
             raise asyncio.InvalidStateError(
                 f"{self!r} is still in flight: await it or call wait() before exception()"
             )
@@ -221,7 +227,7 @@ class Handle:
 
     def result(self) -> Any:
         """The op's result (see :meth:`wait`). Raises InvalidStateError while pending."""
-        if self._state is HandleState.PENDING:
+        if self._state is PENDING:
             raise asyncio.InvalidStateError(
                 f"{self!r} is still in flight: await it or call wait() before result()"
             )
@@ -239,7 +245,7 @@ class Handle:
         still owning its tensors: the timeout is taken here, never by timing out the
         backend's receive (which would break the connection for later ops).
         """
-        if self._state is HandleState.PENDING and not self._engine.wait(self, timeout):
+        if self._state is PENDING and not self._engine.wait(self, timeout):
             raise CommTimeoutError(
                 f"{self!r} did not complete within {timeout} s. The op is still in flight and "
                 "keeps its tensors; wait again, or check that every rank issued the same op"
@@ -253,11 +259,11 @@ class Handle:
         other handles.
         """
         with self._lock:
-            if self._callbacks is not None:
+            pending = self._state is PENDING
+            if pending:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
-                pending = True
-            else:
-                pending = False
         if pending:
             self._engine.start(self)
         else:
@@ -269,34 +275,38 @@ class Handle:
         # freed mid-flight.
         # Not at interpreter exit: threads cannot start then, and Thread.start() would wait
         # forever (measured: a survivor of a killed peer hung at exit).
-        if sys.is_finalizing():
+        if self._state is not PENDING or sys.is_finalizing():
             return
         try:
-            if self._state is HandleState.PENDING:
-                self._engine.start(self)
+            self._engine.start(self)
         except Exception:  # a half-torn-down interpreter: nothing left to protect
             pass
 
     def __await__(self) -> Generator[Any, None, Any]:
-        if self._state is HandleState.PENDING:
+        if self._state is PENDING:
             loop = asyncio.get_running_loop()
-            waker = LoopWaker.for_loop(loop)
-            fut: asyncio.Future[Any] = loop.create_future()
-            entry = (loop, waker, fut)
-            with self._lock:
-                pending = self._waiters is not None
-                if self._waiters is not None:
-                    self._waiters.append(entry)
-            if pending:
-                self._engine.on_await(self, loop)
-                try:
-                    yield from fut
-                except BaseException:
-                    # Cancelled or timed out: forget this waiter, leave the op alone.
-                    with self._lock:
-                        if self._waiters is not None and entry in self._waiters:
-                            self._waiters.remove(entry)
-                    raise
+            # The engine may finish the op right here (an MPI request that completes within
+            # a short spin, a gloo future that is already done): then no future is made.
+            self._engine.on_await(self, loop)
+            if self._state is PENDING:
+                waker = LoopWaker.for_loop(loop)
+                fut: asyncio.Future[Any] = loop.create_future()
+                entry = (loop, waker, fut)
+                with self._lock:
+                    pending = self._state is PENDING
+                    if pending:
+                        if self._waiters is None:
+                            self._waiters = []
+                        self._waiters.append(entry)
+                if pending:
+                    try:
+                        yield from fut
+                    except BaseException:
+                        # Cancelled or timed out: forget this waiter, leave the op alone.
+                        with self._lock:
+                            if self._waiters is not None and entry in self._waiters:
+                                self._waiters.remove(entry)
+                        raise
         return self.result()
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from overlap.comm import state
 from overlap.comm.torch_backend import TorchBackend
-from overlap.comm.waiters import reset_pool
+from overlap.comm.waiters import fail_in_flight, reset_pool
 
 __all__ = ["destroy_process_group", "init_distributed", "in_mpi_env", "mpi_discovery"]
 
@@ -188,7 +188,7 @@ def init_distributed(
     if td is not None:
         kwargs["timeout"] = td
     dist.init_process_group(**kwargs)
-    state.set_active(TorchBackend(backend), local_rank)
+    state.set_active(TorchBackend(backend, td), local_rank)
     log.info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
 
 
@@ -239,8 +239,13 @@ def _init_mpi(timeout: float | None = None) -> None:
 
 
 def destroy_process_group() -> None:
-    """Leave the job: stop the waiter threads and destroy the default group. Idempotent."""
+    """Leave the job: stop the waiter threads and destroy the default group. Idempotent.
+
+    Handles still in flight fail with CommError (their awaiters and waiters wake), and any
+    handle of this job waited on later fails the same way: nothing is left waiting for an
+    op that can no longer complete."""
     backend = state.clear()
+    fail_in_flight()
     reset_pool()
     if backend is not None:
         backend.destroy()

@@ -24,12 +24,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
+from overlap.comm import hooks as _hooks
 from overlap.comm.groups import NonMemberGroup
-from overlap.comm.handle import Handle
+from overlap.comm.handle import EVENT_ENGINE, Handle
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
 from overlap.comm.p2p import P2POp
 from overlap.comm.progress import MpiOp
@@ -48,13 +50,15 @@ from overlap.comm.validate import (
     nbytes_of,
 )
 from overlap.errors import CommError
-from overlap.trace import recorder as _trace
 
 __all__ = ["MpiBackend", "MpiGroup"]
 
 log = logging.getLogger(__name__)
 
 Post = Callable[[Any], object]
+_now = time.perf_counter_ns
+_Tensor = torch.Tensor
+_strided = torch.strided
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,6 +139,9 @@ class MpiBackend:
         self._reductions: dict[
             tuple[Any, torch.dtype], tuple[ReduceOp, Any, Any, torch.dtype | None]
         ] = {}
+        # mpi4py 4 calls it MPI.buffer, 3.x MPI.memory: a buffer made from an address is
+        # 4x cheaper than a NumPy view of the tensor (0.5 against 2.2 us, measured)
+        self._fromaddress = (getattr(MPI, "buffer", None) or MPI.memory).fromaddress
 
     # ------------------------------------------------------------------ process & groups
     def _g(self, group: Any) -> MpiGroup:
@@ -193,6 +200,14 @@ class MpiBackend:
 
     # ------------------------------------------------------------------------- helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:
+        if (
+            isinstance(t, _Tensor)
+            and t.is_cpu
+            and t.layout is _strided
+            and t.is_contiguous()
+            and (self.large_count or t.nbytes <= INT_MAX)
+        ):
+            return t  # the common case, in a few attribute reads
         checked = check_tensor(t, name, _device_type(t), self.name)
         self._check_count(checked.numel() * checked.element_size(), name)
         return checked
@@ -224,11 +239,13 @@ class MpiBackend:
 
         return staged, back
 
-    @staticmethod
-    def _mem(t: torch.Tensor) -> Any:
+    def _mem(self, t: torch.Tensor) -> Any:
         """What MPI reads and writes: a CUDA tensor as is (CUDA-aware MPI reads its
-        __cuda_array_interface__), a CPU tensor as a zero-copy NumPy view."""
-        return t if t.device.type == "cuda" else _np(t)
+        __cuda_array_interface__), a CPU tensor as a zero-copy buffer over its memory."""
+        if t.is_cpu:
+            n = t.nbytes
+            return self._fromaddress(t.data_ptr(), n) if n else _np(t)
+        return t
 
     def _buf(self, t: torch.Tensor) -> Any:
         return [self._mem(t), self.MPI.BYTE]
@@ -238,6 +255,9 @@ class MpiBackend:
 
     def _typed_n(self, t: torch.Tensor, count: int, mtype: Any) -> Any:
         return [self._mem(t), count, mtype]
+
+    def _error(self, opname: str, g: MpiGroup, exc: Exception) -> CommError:
+        return CommError(f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}")
 
     def _launch(
         self,
@@ -249,36 +269,41 @@ class MpiBackend:
         async_op: bool,
         post: Post | None = None,
         keep: Any = None,
+        block: Callable[[], Any] | None = None,
     ) -> Any:
-        t0 = time.perf_counter_ns()
+        """Post the op and return its Handle, or finish it here.
+
+        ``block``: the blocking MPI call that does the same (MPI_Allreduce for
+        MPI_Iallreduce): with no job timeout, a blocking call uses it, which is cheaper than
+        posting and waiting (1.1 against 1.6 us at 8 bytes, measured)."""
+        if not async_op and self.timeout is None:
+            obs = _hooks.observer
+            t0 = _now() if obs is not None else 0
+            status = self.MPI.Status()
+            try:
+                if block is not None:
+                    block()
+                else:
+                    start().Wait(status)  # MPI's own Wait; mpi4py releases the GIL
+            except (ValueError, TypeError):
+                raise
+            except Exception as exc:
+                raise CommError(
+                    f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}"
+                ) from exc
+            if post is not None:
+                post(status)
+            if obs is not None:
+                obs(opname, t0, _now(), nbytes, g.name, "mpi", g.size)
+            return result
         try:
             req = start()
-            if not async_op and self.timeout is None:  # blocking: just MPI_Wait here
-                status = self.MPI.Status()
-                req.Wait(status)
         except (ValueError, TypeError):
             raise
         except Exception as exc:
             raise CommError(
                 f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}"
             ) from exc
-        if not async_op and self.timeout is None:
-            if post is not None:
-                post(status)
-            tracer = _trace.current()
-            if tracer is not None:
-                tracer.record(
-                    opname,
-                    "comm",
-                    t0,
-                    time.perf_counter_ns(),
-                    op=opname,
-                    bytes=nbytes,
-                    group=g.name,
-                    backend="mpi",
-                    world=g.size,
-                )
-            return result
         handle = Handle(
             opname,
             result=result,
@@ -316,6 +341,33 @@ class MpiBackend:
         t = self._t(tensor, "tensor")
         rop, mop, mtype, stage = self._reduction(t, op)
         g = self._g(group)
+        if stage is None and rop is not ReduceOp.AVG and t.is_cpu:
+            # The common case: nothing to stage, nothing to do afterwards.
+            buf = [self._mem(t), t.numel(), mtype]
+            if not async_op and self.timeout is None and _hooks.observer is None:
+                try:
+                    g.comm.Allreduce(self.MPI.IN_PLACE, buf, mop)
+                except Exception as exc:
+                    raise self._error("all_reduce", g, exc) from exc
+                return tensor
+            if async_op:
+                try:
+                    req = g.comm.Iallreduce(self.MPI.IN_PLACE, buf, mop)
+                except Exception as exc:
+                    raise self._error("all_reduce", g, exc) from exc
+                h = Handle("all_reduce", tensor, t.nbytes, g.name, "mpi", t, EVENT_ENGINE, g.size)
+                h._engine = MpiOp(self.MPI, req, None, self.global_rank, self.timeout)
+                return h
+            return self._launch(
+                "all_reduce",
+                g,
+                partial(g.comm.Iallreduce, self.MPI.IN_PLACE, buf, mop),
+                tensor,
+                t.nbytes,
+                async_op,
+                keep=t,
+                block=partial(g.comm.Allreduce, self.MPI.IN_PLACE, buf, mop),
+            )
         host, back = self._host(t)
         work = host if stage is None else host.to(stage)
         avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG else None

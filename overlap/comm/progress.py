@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from overlap.comm.handle import Handle
+from overlap.comm.handle import PENDING, Handle
 from overlap.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiOp", "ProgressEngine"]
@@ -103,14 +103,15 @@ class MpiOp:
 
     def test(self, handle: Handle) -> bool:
         """One non-blocking Test if nobody else holds the op; True once the handle is done."""
-        if handle._state.value != "pending":
+        if handle._state is not PENDING:
             return True
         if not self.lock.acquire(blocking=False):
             return False
         try:
-            if handle._state.value != "pending":
+            if handle._state is not PENDING:
                 return True
-            status = self.MPI.Status()
+            # A Status only where the post-processing reads it (irecv's sender).
+            status = None if self.post is None else self.MPI.Status()
             try:
                 flag = self.req.Test(status)
             except Exception as exc:
@@ -137,13 +138,13 @@ class MpiOp:
             # A job timeout is configured: poll (tightly, then backing off) up to it.
             if not self._wait_until(handle, self.deadline):
                 with self.lock:
-                    if handle._state.value == "pending":
+                    if handle._state is PENDING:
                         self.expire(handle)
             return True
         if timeout is None:
             with self.lock:
-                if handle._state.value == "pending":
-                    status = self.MPI.Status()
+                if handle._state is PENDING:
+                    status = None if self.post is None else self.MPI.Status()
                     try:
                         self.req.Wait(status)  # MPI's own Wait; mpi4py releases the GIL
                     except Exception as exc:
@@ -156,7 +157,7 @@ class MpiOp:
         if self.deadline is not None and self.deadline < deadline:
             if not self._wait_until(handle, self.deadline):
                 with self.lock:
-                    if handle._state.value == "pending":
+                    if handle._state is PENDING:
                         self.expire(handle)
             return True
         return self._wait_until(handle, deadline)
@@ -177,13 +178,15 @@ class MpiOp:
 
     def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
         engine = ProgressEngine.for_loop(loop)
-        if not engine.in_flight and SPIN_S > 0:
+        if not engine._pending and SPIN_S > 0:
             # Nothing else to progress on this loop: test this request in a tight loop for
             # up to SPIN_S, as MPI_Wait would, so a small op completes without two loop
             # round trips. Bounded, so the loop is never held longer than a short callback.
-            deadline = time.perf_counter() + SPIN_S
+            # The handle is then done before the awaiting coroutine makes any future.
+            clock = time.perf_counter
+            deadline = clock() + SPIN_S
             while not self.test(handle):
-                if time.perf_counter() >= deadline:
+                if clock() >= deadline:
                     break
             else:
                 return
@@ -215,11 +218,11 @@ class _Poller:
         held: list[tuple[MpiOp, Handle]] = []
         keep: list[tuple[MpiOp, Handle]] = []
         for op, h in pending:
-            if h._state.value != "pending":
+            if h._state is not PENDING:
                 progressed = True
                 continue
             if op.lock.acquire(blocking=False):
-                if h._state.value != "pending":
+                if h._state is not PENDING:
                     op.lock.release()
                     progressed = True
                     continue
@@ -251,7 +254,7 @@ class _Poller:
             else:
                 done_set = set()
             for k, (op, h) in enumerate(held):
-                if k not in done_set and h._state.value == "pending":
+                if k not in done_set and h._state is PENDING:
                     if op.overdue():
                         op.expire(h)
                         progressed = True
@@ -280,11 +283,17 @@ class ProgressEngine(_Poller):
         self._loop = loop
         self._scheduled = False
 
+    _last: ClassVar[tuple[Any, Any]] = (None, None)  # (weakref to loop, engine)
+
     @classmethod
     def for_loop(cls, loop: asyncio.AbstractEventLoop) -> ProgressEngine:
+        ref, last = cls._last
+        if ref is not None and ref() is loop:
+            return last  # type: ignore[no-any-return]
         engine = cls._engines.get(loop)
         if engine is None:
             engine = cls._engines[loop] = cls(loop)
+        cls._last = (weakref.ref(loop), engine)
         return engine
 
     @property

@@ -11,6 +11,7 @@ __all__ = ["active", "clear", "is_active", "set_active"]
 
 _backend: Any = None
 _local_rank = 0
+generation = 0  # bumped by every clear(): ops issued under an older one can never finish
 _lock = threading.Lock()
 
 _NOT_INIT = (
@@ -45,7 +46,8 @@ def local_rank() -> int:
 
 
 def clear() -> Any:
-    global _backend, _local_rank
+    global _backend, _local_rank, generation
     with _lock:
         b, _backend, _local_rank = _backend, None, 0
+        generation += 1
     return b

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap.comm import hooks as _hooks
 from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, resolve_group
 from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
@@ -40,7 +41,6 @@ from overlap.comm.validate import (
 )
 from overlap.comm.waiters import TorchOp
 from overlap.errors import CommError
-from overlap.trace import recorder as _trace
 
 __all__ = ["TorchBackend"]
 
@@ -57,6 +57,9 @@ _TORCH_OPS = {
 }
 
 PostFn = Callable[[], object]
+_now = time.perf_counter_ns
+_Tensor = torch.Tensor
+_strided = torch.strided
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names, which older releases (torch>=2.2 is supported) do not have.
@@ -67,10 +70,16 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 class TorchBackend:
     """deepspeed.comm-style ops over an initialised torch.distributed default group."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, timeout: Any = None) -> None:
         self.name = name  # "gloo" or "nccl"
         self.device_type = "cuda" if name == "nccl" else "cpu"
+        self._cpu = name != "nccl"
         self._native_avg = name == "nccl"
+        # The job's timeout (init_distributed(timeout=...)): every group made here gets it,
+        # instead of torch's 30-minute default for new_group.
+        self.timeout = timeout
+        # (op spelling, dtype) -> (torch op, divide after?, AllreduceOptions)
+        self._reductions: dict[tuple[Any, torch.dtype], tuple[Any, bool, Any]] = {}
 
     # ------------------------------------------------------------------ process & groups
     def get_rank(self, group: Any = None) -> int:
@@ -104,6 +113,8 @@ class TorchBackend:
         # unless use_local_synchronization=True: then only the members call.
         if kwargs.get("use_local_synchronization") and dist.get_rank() not in ranks:
             return NonMemberGroup(tuple(sorted(ranks)), dist.get_rank())
+        if self.timeout is not None and kwargs.get("timeout") is None:
+            kwargs["timeout"] = self.timeout
         pg = dist.new_group(ranks=sorted(ranks), **kwargs)
         if pg is dist.GroupMember.NON_GROUP_MEMBER:
             return NonMemberGroup(tuple(sorted(ranks)), dist.get_rank())
@@ -114,7 +125,19 @@ class TorchBackend:
 
     # ------------------------------------------------------------------------- helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:
-        return check_tensor(t, name, self.device_type, self.name)
+        """The tensor to hand to torch: ``t`` itself, or a detached view of it when it
+        requires grad (in-place collectives on a leaf that requires grad would fail half
+        way). The common case is checked in a few attribute reads; anything unusual takes
+        the full check, which raises with the problem and its fix."""
+        if (
+            isinstance(t, _Tensor)
+            and (t.is_cpu if self._cpu else t.is_cuda)
+            and t.layout is _strided
+            and t.is_contiguous()
+        ):
+            return t.detach() if t.requires_grad else t
+        checked = check_tensor(t, name, self.device_type, self.name)
+        return checked.detach() if checked.requires_grad else checked
 
     def _ts(self, ts: Any, name: str, length: int | None = None) -> list[torch.Tensor]:
         return check_tensor_list(ts, name, self.device_type, self.name, length)
@@ -129,10 +152,16 @@ class TorchBackend:
         async_op: bool,
         post: PostFn | None = None,
         keep: Any = None,
+        future: bool = True,
     ) -> Any:
-        rank = dist.get_rank()
+        """Issue the op; block on it here, or return its Handle.
+
+        ``future``: the op's gloo Work has a future (false for p2p and reduce_scatter), so
+        an awaited Handle can complete from its callback (overlap.comm.waiters.TorchOp).
+        """
         if not async_op:
-            t0 = time.perf_counter_ns()
+            obs = _hooks.observer
+            t0 = _now() if obs is not None else 0
             try:
                 work = issue()
                 if work is not None:
@@ -141,23 +170,12 @@ class TorchBackend:
                 raise
             except Exception as exc:
                 raise CommError(
-                    f"{opname} on rank {rank} (group {info.name}) failed: {exc}"
+                    f"{opname} on rank {info.global_rank} (group {info.name}) failed: {exc}"
                 ) from exc
             if post is not None:
                 post()
-            tracer = _trace.current()
-            if tracer is not None:
-                tracer.record(
-                    opname,
-                    "comm",
-                    t0,
-                    time.perf_counter_ns(),
-                    op=opname,
-                    bytes=nbytes,
-                    group=info.name,
-                    backend=self.name,
-                    world=info.size,
-                )
+            if obs is not None:
+                obs(opname, t0, _now(), nbytes, info.name, self.name, info.size)
             return result
         handle = Handle(
             opname,
@@ -173,20 +191,41 @@ class TorchBackend:
         except (ValueError, TypeError):
             raise
         except Exception as exc:
-            raise CommError(f"{opname} on rank {rank} (group {info.name}) failed: {exc}") from exc
+            raise CommError(
+                f"{opname} on rank {info.global_rank} (group {info.name}) failed: {exc}"
+            ) from exc
         if work is None:  # torch skipped the op (e.g. empty tensor on some versions)
             if post is not None:
                 post()
             handle._finish(None)
             return handle
-
-        handle._engine = TorchOp(work, post, rank, self._issue_stream())
+        if self._cpu:
+            handle._engine = TorchOp(work, post, info.global_rank, None, future)
+        else:
+            handle._engine = TorchOp(work, post, info.global_rank, torch.cuda.current_stream())
         return handle
 
     def _issue_stream(self) -> Any:
         """NCCL: the CUDA stream current at issue, which a handle's wait orders the result on
         (overlap.comm.waiters); None on gloo."""
-        return torch.cuda.current_stream() if self.name == "nccl" else None
+        return None if self._cpu else torch.cuda.current_stream()
+
+    def _reduction(self, op: Any, dtype: torch.dtype) -> tuple[Any, bool, Any]:
+        """(torch op, divide after?, AllreduceOptions), cached per (op spelling, dtype): a
+        spelling is validated once, and the options object is made once."""
+        try:
+            key = (op, dtype)
+            hit = self._reductions.get(key)
+        except TypeError:  # an unhashable op spelling: resolve it every time
+            key, hit = None, None
+        if hit is None:
+            _, top, divide = self._reduce_args(op, dtype)
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = top
+            hit = (top, divide, opts)
+            if key is not None:
+                self._reductions[key] = hit
+        return hit
 
     def _reduce_args(self, op: Any, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
         rop = parse_op(op)
@@ -202,33 +241,35 @@ class TorchBackend:
         self, tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False
     ) -> Any:
         t = self._t(tensor, "tensor")
-        _, top, divide = self._reduce_args(op, t.dtype)
+        top, divide, opts = self._reduction(op, t.dtype)
         info = resolve_group(group)
-        post: PostFn | None = (lambda: t.div_(info.size)) if divide else None
-        return self._launch(
-            "all_reduce",
-            info,
-            lambda: dist.all_reduce(t, op=top, group=info.pg, async_op=True),
-            t,
-            nbytes_of(t),
-            async_op,
-            post,
-        )
+        post: PostFn | None = partial(t.div_, info.size) if divide else None
+        if t.is_complex():  # torch's wrapper reduces complex tensors as real pairs
+            issue: Callable[[], Any] = partial(
+                dist.all_reduce, t, op=top, group=info.pg, async_op=True
+            )
+        else:  # straight to the process group: torch's Python wrapper costs ~17 us a call
+            issue = partial(info.pg.allreduce, [t], opts)
+        return self._launch("all_reduce", info, issue, tensor, t.nbytes, async_op, post)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
     ) -> Any:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
-        check_peer(src, "src", info.ranks, info.name)
-        return self._launch(
-            "broadcast",
-            info,
-            lambda: dist.broadcast(t, src=src, group=info.pg, async_op=True),
-            t,
-            nbytes_of(t),
-            async_op,
-        )
+        root = info.index.get(src) if type(src) is int else None
+        if root is None:
+            check_peer(src, "src", info.ranks, info.name)  # raises
+        if t.is_complex():
+            issue: Callable[[], Any] = partial(
+                dist.broadcast, t, src=src, group=info.pg, async_op=True
+            )
+        else:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = info.index[src]
+            opts.rootTensor = 0
+            issue = partial(info.pg.broadcast, [t], opts)
+        return self._launch("broadcast", info, issue, tensor, t.nbytes, async_op)
 
     def reduce(
         self,
@@ -243,7 +284,7 @@ class TorchBackend:
         info = resolve_group(group)
         check_peer(dst, "dst", info.ranks, info.name)
         post: PostFn | None = None
-        if dist.get_rank() == dst:
+        if info.global_rank == dst:
             if divide:
                 post = partial(t.div_, info.size)
         else:
@@ -257,7 +298,7 @@ class TorchBackend:
             "reduce",
             info,
             lambda: dist.reduce(t, dst=dst, op=top, group=info.pg, async_op=True),
-            t,
+            tensor,
             nbytes_of(t),
             async_op,
             post,
@@ -330,6 +371,7 @@ class TorchBackend:
                 async_op,
                 post,
                 keep=inp,
+                future=False,
             )
         ins = self._ts(input, "input", info.size)
         check_reduce_scatter_list(out, ins)
@@ -342,6 +384,7 @@ class TorchBackend:
             async_op,
             post,
             keep=ins,
+            future=False,
         )
 
     def all_to_all_single(
@@ -453,20 +496,27 @@ class TorchBackend:
         )
 
     # -------------------------------------------------------------------- point to point
-    def _p2p_check(self, peer: int, what: str, info: GroupInfo) -> None:
-        check_p2p_peer(peer, what, info.ranks, info.name, dist.get_rank())
+    def _p2p_check(self, peer: int, what: str, info: GroupInfo) -> int:
+        """The group rank of ``peer``; raises unless it is another member of the group."""
+        i = info.index.get(peer) if type(peer) is int else None
+        if i is None or peer == info.global_rank:
+            return check_p2p_peer(peer, what, info.ranks, info.name, info.global_rank)
+        return i
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
-        self._p2p_check(dst, "dst", info)
+        peer = self._p2p_check(dst, "dst", info)
+        if t.is_complex():
+            t = torch.view_as_real(t)
         h: Handle = self._launch(
             "isend",
             info,
-            lambda: dist.isend(t, dst=dst, group=info.pg, tag=tag),
-            t,
-            nbytes_of(t),
+            partial(info.pg.send, [t], peer, tag),
+            tensor,
+            t.nbytes,
             True,
+            future=False,
         )
         return h
 
@@ -475,16 +525,13 @@ class TorchBackend:
     ) -> Handle:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
-        if src is not None:
-            self._p2p_check(src, "src", info)
-        h: Handle = self._launch(
-            "irecv",
-            info,
-            lambda: dist.irecv(t, src=src, group=info.pg, tag=tag),
-            t,
-            nbytes_of(t),
-            True,
-        )
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if src is None:
+            issue = partial(info.pg.recv_anysource, [t], tag)
+        else:
+            issue = partial(info.pg.recv, [t], self._p2p_check(src, "src", info), tag)
+        h: Handle = self._launch("irecv", info, issue, tensor, t.nbytes, True, future=False)
         return h
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
@@ -501,7 +548,7 @@ class TorchBackend:
             work: Any = dist.irecv(t, src=src, group=info.pg, tag=tag)
             work.wait()
         except Exception as exc:
-            raise CommError(f"recv on rank {dist.get_rank()} failed: {exc}") from exc
+            raise CommError(f"recv on rank {info.global_rank} failed: {exc}") from exc
         if src is not None:
             return src
         return int(info.ranks[work._source_rank()]) if hasattr(work, "_source_rank") else -1

@@ -61,13 +61,22 @@ class Compressor(ABC):
         shapes: Sequence[torch.Size] | None = None,
         async_op: bool = False,
     ) -> Any:
-        """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``."""
+        """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``.
+
+        A direct call is a step of its own (:meth:`begin_step` runs first)."""
+        self.begin_step()
         steps = self.reduce_steps(key, flat, group=group, shapes=shapes)
         if not async_op:
             return run(steps)
         return steps_handle(
             self.name, steps, nbytes=self.wire_bytes(flat, group), backend=comm.get_backend()
         )
+
+    def begin_step(self) -> None:
+        """A new training step starts: per-step flags (OneBit's ``last_skipped``) are reset
+        here, once, and not by each bucket, so after ``synchronize()`` they describe every
+        bucket of the step. The BucketScheduler calls it before the step's first bucket."""
+        return None
 
     def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
         """Bytes this rank sends to reduce ``flat`` (what the Handle reports as ``nbytes``)."""

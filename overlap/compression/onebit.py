@@ -260,7 +260,8 @@ class OneBit(Compressor):
     momentum 0.9, lr 0.05 diverged, lr 0.01 converged). ``on_nonfinite``: ``"raise"`` (the
     default) raises NonFiniteError on every rank; ``"skip"`` leaves the buffer as it was,
     counts the step in ``skipped_steps`` and sets ``last_skipped``, so the caller can skip the
-    optimizer step. Either way no error-feedback state is touched.
+    optimizer step (``last_skipped`` covers every bucket of the step: it is reset only when
+    the next step begins). Either way no error-feedback state is touched.
     """
 
     name = "onebit"
@@ -342,7 +343,6 @@ class OneBit(Compressor):
         w = comm.get_world_size(group)
         self._check_world(w)
         st = self._entry(key, flat)
-        self.last_skipped = False
         if st["step"] < self.warmup_steps:
             if flat.numel():  # allocate (and touch) the state now: its page faults, 2.5
                 # P floats, then fall in a warm-up step, not in the first compressed one
@@ -365,6 +365,9 @@ class OneBit(Compressor):
             return flat
         st["step"] += 1
         return flat
+
+    def begin_step(self) -> None:
+        self.last_skipped = False  # then True if any bucket of this step is skipped
 
     def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
         return compressed_bytes(flat.numel(), comm.get_world_size(group))

@@ -279,6 +279,8 @@ class BucketScheduler:
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self._next == 0 and self.buckets and self.buckets[0].ready:
+            self.compression.begin_step()
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
             self._launch(self.buckets[self._next])
             self._next += 1

@@ -12,12 +12,15 @@ recording needs no lock and any thread may record. Categories the report underst
 
 The comm layer and the scheduler record only when a tracer is attached
 (``tracer.attach()`` or ``with tracer:``); without one the cost is a single global lookup.
+The comm layer reports finished ops through its observer hook (:mod:`overlap.comm.hooks`),
+which ``attach()`` points at this tracer: comm never imports this package.
 When ``torch.profiler`` is running, :meth:`Tracer.span` also opens a ``record_function``
 range, so user spans appear in the profiler's trace beside the kernels.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -30,6 +33,8 @@ Span = tuple[str, str, int, int, int, dict[str, Any]]
 
 _current: Tracer | None = None
 
+DEFAULT_MAX_SPANS = 250_000  # about 100 MB; 41 spans a step with 4 buckets: 6,000 steps
+
 
 def current() -> Tracer | None:
     """The attached tracer, or None (the hot-path check)."""
@@ -39,9 +44,16 @@ def current() -> Tracer | None:
 class Tracer:
     """Records spans; exports Chrome/Perfetto JSON; computes the overlap report."""
 
-    def __init__(self, *, name: str = "overlap") -> None:
+    def __init__(self, *, name: str = "overlap", max_spans: int | None = DEFAULT_MAX_SPANS) -> None:
+        """``max_spans``: keep at most this many spans, dropping the oldest first (a
+        bounded memory cost for a tracer left on for a whole run; about 0.4 KB a span).
+        ``None`` keeps everything. ``dropped`` counts what was dropped."""
+        if max_spans is not None and (not isinstance(max_spans, int) or max_spans < 1):
+            raise ValueError(f"max_spans must be a positive int or None, got {max_spans!r}")
         self.name = name
-        self.spans: list[Span] = []
+        self.max_spans = max_spans
+        self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
+        self._recorded = 0
         self.thread_names: dict[int, str] = {}
         self.rank = 0
         self.world = 1
@@ -53,7 +65,10 @@ class Tracer:
     def attach(self) -> Tracer:
         """Make this the tracer the comm layer and schedulers record into."""
         global _current
+        from overlap.comm import hooks
+
         _current = self
+        hooks.set_observer(self._on_comm)
         try:
             from overlap import comm
 
@@ -65,8 +80,27 @@ class Tracer:
 
     def detach(self) -> None:
         global _current
+        from overlap.comm import hooks
+
         if _current is self:
             _current = None
+            hooks.set_observer(None)
+
+    def _on_comm(
+        self, op: str, start_ns: int, end_ns: int, nbytes: int, group: str, backend: str, world: int
+    ) -> None:
+        """The comm layer's observer (overlap.comm.hooks): one ``comm`` span per op."""
+        self.record(
+            op,
+            "comm",
+            start_ns,
+            end_ns,
+            op=op,
+            bytes=nbytes,
+            group=group,
+            backend=backend,
+            world=world,
+        )
 
     def __enter__(self) -> Tracer:
         return self.attach()
@@ -80,7 +114,13 @@ class Tracer:
         tid = threading.get_ident()
         if tid not in self.thread_names:
             self.thread_names[tid] = threading.current_thread().name
+        self._recorded += 1
         self.spans.append((name, cat, start_ns, end_ns, tid, args))
+
+    @property
+    def dropped(self) -> int:
+        """Spans dropped so far because of ``max_spans`` (the oldest go first)."""
+        return max(self._recorded - len(self.spans), 0)
 
     def device_span(
         self, name: str, cat: str, start_event: Any, end_event: Any, **args: Any
@@ -111,6 +151,7 @@ class Tracer:
             if e.query():
                 t0 = ref_ns + int(ref.elapsed_time(s) * 1e6)
                 t1 = ref_ns + int(ref.elapsed_time(e) * 1e6)
+                self._recorded += 1
                 self.spans.append((name, cat, t0, t1, tid, {**args, "device": True}))
             else:
                 pending.append((name, cat, s, e, tid, args))
@@ -151,6 +192,7 @@ class Tracer:
 
     def clear(self) -> None:
         self.spans.clear()
+        self._recorded = 0
 
     # ------------------------------------------------------------------------ outputs
     def report(self) -> Any:

@@ -353,9 +353,7 @@ def nonfinite_step_leaves_the_scheduler_usable(mode: str) -> list[Any]:
     r = comm.get_rank()
     torch.manual_seed(5)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
-    sched = BucketScheduler(
-        model, compression=OneBit(), bucket_cap_mb=0.005, first_bucket_mb=0.005
-    )
+    sched = BucketScheduler(model, compression=OneBit(), bucket_cap_mb=0.005, first_bucket_mb=0.005)
     assert len(sched.buckets) >= 3
     gen = torch.Generator().manual_seed(r)
     out: list[Any] = []

@@ -172,3 +172,15 @@ def test_cli_summarize_and_plot(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tracer_keeps_at_most_max_spans() -> None:
+    t = Tracer(max_spans=5)
+    for i in range(12):
+        t.record(f"s{i}", "user", i, i + 1)
+    assert len(t.spans) == 5 and t.dropped == 7
+    assert [s[0] for s in t.spans] == ["s7", "s8", "s9", "s10", "s11"]  # the newest kept
+    t.clear()
+    assert t.dropped == 0
+    with pytest.raises(ValueError, match="max_spans"):
+        Tracer(max_spans=0)

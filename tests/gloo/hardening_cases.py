@@ -1,0 +1,149 @@
+"""Rank-side cases for the hardening promises (docs/reliability.md lists each with its test)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+import overlap
+from overlap import CommError, comm
+from overlap.comm import waiters
+
+
+def many_outstanding_receives(n: int) -> list[float]:
+    """Rank 0 posts n receives up front and awaits them all, then sends n requests one by
+    one; rank 1 answers each request. With a capped waiter pool this deadlocked at 32."""
+    r = comm.get_rank()
+
+    async def main() -> list[float]:
+        if r == 0:
+            outs = [torch.zeros(1) for _ in range(n)]
+            hs = [comm.irecv(outs[i], src=1, tag=i) for i in range(n)]
+            everything = asyncio.ensure_future(asyncio.gather(*hs))
+            await asyncio.sleep(0)  # every receive is now being observed
+            for i in range(n):
+                await asyncio.wait_for(comm.isend(torch.tensor([float(i)]), dst=1), 60)
+            await asyncio.wait_for(everything, 60)
+            return [o.item() for o in outs]
+        req = torch.zeros(1)
+        for _ in range(n):
+            await asyncio.wait_for(comm.irecv(req, src=0), 60)
+            i = int(req.item())
+            await asyncio.wait_for(comm.isend(torch.tensor([10.0 * i]), dst=0, tag=i), 60)
+        return []
+
+    return overlap.run(main())
+
+
+def pool_threads() -> int:
+    return waiters.get_pool().num_threads
+
+
+def destroy_fails_pending_handles() -> list[str]:
+    """Handles still in flight at destroy_process_group() fail with CommError: the one being
+    awaited (its task wakes), and one nobody had started observing (on a later wait)."""
+    r = comm.get_rank()
+    seen: list[str] = []
+    if r == 0:
+        awaited = comm.irecv(torch.zeros(1), src=1, tag=7)  # never sent
+        untouched = comm.irecv(torch.zeros(1), src=1, tag=8)  # never sent
+
+        async def main() -> None:
+            task = asyncio.ensure_future(awaited)
+            await asyncio.sleep(0.2)
+            comm.destroy_process_group()
+            try:
+                await asyncio.wait_for(task, 10)
+            except CommError as exc:
+                seen.append(f"awaited: {type(exc).__name__}")
+            try:
+                untouched.wait(timeout=10)
+            except CommError as exc:
+                seen.append(f"untouched: {type(exc).__name__}")
+
+        overlap.run(main())
+    else:
+        time.sleep(0.5)
+        comm.destroy_process_group()
+    return seen
+
+
+def new_group_inherits_timeout() -> tuple[str, float]:
+    """init_distributed(timeout=3): a collective on a new_group whose peer is 8 s late fails
+    within about 3 s (torch's own default for new groups is 30 minutes)."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = torch.tensor([s.getsockname()[1] if comm.get_rank() == 0 else 0])
+    comm.all_reduce(port)  # a fresh job on a port rank 0 picked, with a 3 s timeout
+    comm.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(int(port.item()))
+    overlap.init_distributed("gloo", timeout=3)
+    g = comm.new_group([0, 1])
+    comm.barrier(group=g)
+    t0 = time.monotonic()
+    if comm.get_rank() == 1:
+        time.sleep(8)
+    try:
+        comm.all_reduce(torch.ones(1), group=g)
+        kind = "ok"
+    except CommError:
+        kind = "CommError"
+    return kind, time.monotonic() - t0
+
+
+def requires_grad_leaf_ops() -> dict[str, Any]:
+    """In-place collectives on a leaf that requires grad (a parameter): no half-done op."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    p = torch.nn.Parameter(torch.full((3,), float(r + 1)))
+    out: dict[str, Any] = {}
+    res = comm.all_reduce(p, op="avg")
+    out["avg"] = p.detach().tolist()
+    out["same_object"] = res is p
+    q = torch.nn.Parameter(torch.full((2,), float(r + 1)))
+    comm.reduce(q, dst=0)
+    out["reduce"] = q.detach().tolist()
+    h = comm.all_reduce(torch.nn.Parameter(torch.ones(2)), op="avg", async_op=True)
+    out["async_avg"] = h.wait(timeout=60).detach().tolist()
+    out["expect_avg"] = sum(range(1, w + 1)) / w
+    return out
+
+
+def skip_flag_covers_every_bucket() -> list[bool]:
+    """OneBit(on_nonfinite="skip") with 4 buckets, the first-launched one non-finite on rank
+    0: after synchronize(), last_skipped is True on every rank (later buckets used to reset
+    it), and a clean step after it reads False."""
+    from overlap import BucketScheduler
+    from overlap.compression import OneBit
+
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    comp = OneBit(on_nonfinite="skip")
+    cap = 16 * 17 * 4 / 2**20  # one layer per bucket
+    sched = BucketScheduler(model, bucket_cap_mb=cap, first_bucket_mb=cap, compression=comp)
+    poison = [r == 0]
+    model[3].bias.register_hook(lambda g: g * float("nan") if poison[0] else g)
+    try:
+        assert len(sched.buckets) == 4, len(sched.buckets)
+        flags = []
+        for _ in range(2):
+            model(torch.randn(4, 16)).sum().backward()
+            sched.synchronize()
+            poison[0] = False
+            flags.append(comp.last_skipped)
+            model.zero_grad()
+        return flags
+    finally:
+        sched.remove()
+
+
+def debug_enabled() -> bool:
+    from overlap.comm import debug
+
+    return debug.enabled()
