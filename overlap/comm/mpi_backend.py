@@ -288,9 +288,7 @@ class MpiBackend:
             except (ValueError, TypeError):
                 raise
             except Exception as exc:
-                raise CommError(
-                    f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}"
-                ) from exc
+                raise self._error(opname, g, exc) from exc
             if post is not None:
                 post(status)
             if obs is not None:
@@ -301,9 +299,7 @@ class MpiBackend:
         except (ValueError, TypeError):
             raise
         except Exception as exc:
-            raise CommError(
-                f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}"
-            ) from exc
+            raise self._error(opname, g, exc) from exc
         handle = Handle(
             opname,
             result=result,
