@@ -1,7 +1,8 @@
 """Handles being observed asynchronously, so that leaving the job can fail them.
 
-An op handed to a completion engine (the waiter pool, a gloo future callback, the MPI
-progress engine or reaper) is tracked here until it completes. ``destroy_process_group()``
+A torch op handed to a completion engine (the waiter pool or a gloo future callback) is
+tracked here until it completes. (MPI ops are not: failing one early would release buffers
+MPI may still write into; they keep the job timeout's expiry instead.) ``destroy_process_group()``
 fails whatever is still tracked with :class:`~overlap.errors.CommError`, so an awaiter or a
 ``wait()`` on such a handle wakes with an error instead of waiting for an op that can no
 longer complete (its process group is gone). Tracking costs one dict insert and one pop per
@@ -10,15 +11,13 @@ asynchronously observed op.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from overlap.errors import CommError
 
 __all__ = ["fail_all", "track", "untrack"]
 
-_handles: dict[int, Any] = {}
-_lock = threading.Lock()
+_handles: dict[int, Any] = {}  # dict operations are atomic under the GIL: no lock
 
 
 def track(handle: Any) -> None:
@@ -31,12 +30,15 @@ def untrack(handle: Any) -> None:
 
 def fail_all() -> int:
     """Fail every tracked handle with CommError; returns how many were failed."""
-    with _lock:
-        handles = list(_handles.values())
-        _handles.clear()
-    for h in handles:
+    failed = 0
+    while _handles:
+        try:
+            _, h = _handles.popitem()
+        except KeyError:  # completed (untracked) meanwhile
+            break
         h._finish(destroyed_error(h))
-    return len(handles)
+        failed += 1
+    return failed
 
 
 def destroyed_error(handle: Any) -> CommError:

@@ -241,9 +241,10 @@ def _init_mpi(timeout: float | None = None) -> None:
 def destroy_process_group() -> None:
     """Leave the job: stop the waiter threads and destroy the default group. Idempotent.
 
-    Handles still in flight fail with CommError (their awaiters and waiters wake), and any
-    handle of this job waited on later fails the same way: nothing is left waiting for an
-    op that can no longer complete."""
+    On gloo and NCCL, handles still in flight fail with CommError (their awaiters and
+    waiters wake), and any handle of this job waited on later fails the same way: nothing is
+    left waiting for an op that can no longer complete. (On MPI a pending op keeps the job
+    timeout's expiry: failing it early would free buffers MPI may still write into.)"""
     backend = state.clear()
     fail_in_flight()
     reset_pool()

@@ -256,6 +256,21 @@ class MpiBackend:
     def _typed_n(self, t: torch.Tensor, count: int, mtype: Any) -> Any:
         return [self._mem(t), count, mtype]
 
+    def _handle(
+        self,
+        opname: str,
+        g: MpiGroup,
+        req: Any,
+        result: Any,
+        nbytes: int,
+        post: Post | None,
+        keep: Any,
+    ) -> Handle:
+        """The Handle of a posted request, completed by its MpiOp."""
+        h = Handle(opname, result, nbytes, g.name, "mpi", keep, EVENT_ENGINE, g.size)
+        h._engine = MpiOp(self.MPI, req, post, self.global_rank, self.timeout)
+        return h
+
     def _error(self, opname: str, g: MpiGroup, exc: Exception) -> CommError:
         return CommError(f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}")
 
@@ -300,16 +315,7 @@ class MpiBackend:
             raise
         except Exception as exc:
             raise self._error(opname, g, exc) from exc
-        handle = Handle(
-            opname,
-            result=result,
-            nbytes=nbytes,
-            group=g.name,
-            backend="mpi",
-            keep=keep,
-            world=g.size,
-        )
-        handle._engine = MpiOp(self.MPI, req, post, self.global_rank, self.timeout)
+        handle = self._handle(opname, g, req, result, nbytes, post, keep)
         if not async_op:  # a job timeout is configured: the MpiOp enforces it while waiting
             handle.wait()
             return result
@@ -351,9 +357,7 @@ class MpiBackend:
                     req = g.comm.Iallreduce(self.MPI.IN_PLACE, buf, mop)
                 except Exception as exc:
                     raise self._error("all_reduce", g, exc) from exc
-                h = Handle("all_reduce", tensor, t.nbytes, g.name, "mpi", t, EVENT_ENGINE, g.size)
-                h._engine = MpiOp(self.MPI, req, None, self.global_rank, self.timeout)
-                return h
+                return self._handle("all_reduce", g, req, tensor, t.nbytes, None, t)
             return self._launch(
                 "all_reduce",
                 g,

@@ -199,10 +199,7 @@ class TorchBackend:
                 post()
             handle._finish(None)
             return handle
-        if self._cpu:
-            handle._engine = TorchOp(work, post, info.global_rank, None, future)
-        else:
-            handle._engine = TorchOp(work, post, info.global_rank, torch.cuda.current_stream())
+        handle._engine = TorchOp(work, post, info.global_rank, self._issue_stream(), future)
         return handle
 
     def _issue_stream(self) -> Any:
@@ -257,16 +254,14 @@ class TorchBackend:
     ) -> Any:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
-        root = info.index.get(src) if type(src) is int else None
-        if root is None:
-            check_peer(src, "src", info.ranks, info.name)  # raises
+        root = self._group_rank(src, "src", info)
         if t.is_complex():
             issue: Callable[[], Any] = partial(
                 dist.broadcast, t, src=src, group=info.pg, async_op=True
             )
         else:
             opts = dist.BroadcastOptions()
-            opts.rootRank = info.index[src]
+            opts.rootRank = root
             opts.rootTensor = 0
             issue = partial(info.pg.broadcast, [t], opts)
         return self._launch("broadcast", info, issue, tensor, t.nbytes, async_op)
@@ -341,7 +336,7 @@ class TorchBackend:
             "all_gather_into_tensor",
             info,
             lambda: _all_gather_single(out, inp, group=info.pg, async_op=True),
-            out,
+            output_tensor,
             nbytes_of(inp),
             async_op,
         )
@@ -366,7 +361,7 @@ class TorchBackend:
                 "reduce_scatter",
                 info,
                 lambda: _reduce_scatter_single(out, flat, op=top, group=info.pg, async_op=True),
-                out,
+                output,
                 nbytes_of(inp),
                 async_op,
                 post,
@@ -379,7 +374,7 @@ class TorchBackend:
             "reduce_scatter",
             info,
             lambda: dist.reduce_scatter(out, ins, op=top, group=info.pg, async_op=True),
-            out,
+            output,
             nbytes_of(ins),
             async_op,
             post,
@@ -407,7 +402,7 @@ class TorchBackend:
             lambda: dist.all_to_all_single(
                 out, inp, output_split_sizes, input_split_sizes, group=info.pg, async_op=True
             ),
-            out,
+            output,
             nbytes_of(inp),
             async_op,
             keep=inp,
@@ -478,7 +473,7 @@ class TorchBackend:
             "scatter",
             info,
             lambda: dist.scatter(t, ins, src=src, group=info.pg, async_op=True),
-            t,
+            tensor,
             nbytes_of(ins),
             async_op,
             keep=ins,
@@ -496,12 +491,20 @@ class TorchBackend:
         )
 
     # -------------------------------------------------------------------- point to point
+    @staticmethod
+    def _group_rank(peer: Any, what: str, info: GroupInfo) -> int:
+        """The group rank of global rank ``peer``; raises (check_peer) unless it is a member."""
+        i = info.index.get(peer) if type(peer) is int else None
+        if i is None:
+            check_peer(peer, what, info.ranks, info.name)  # raises unless a member
+            i = info.index[int(peer)]  # an int subclass (an IntEnum) that is a member
+        return i
+
     def _p2p_check(self, peer: int, what: str, info: GroupInfo) -> int:
         """The group rank of ``peer``; raises unless it is another member of the group."""
-        i = info.index.get(peer) if type(peer) is int else None
-        if i is None or peer == info.global_rank:
+        if peer == info.global_rank:
             return check_p2p_peer(peer, what, info.ranks, info.name, info.global_rank)
-        return i
+        return self._group_rank(peer, what, info)
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         t = self._t(tensor, "tensor")
@@ -568,7 +571,8 @@ class TorchBackend:
             info = resolve_group(p.group)
             self._p2p_check(p.peer, f"p2p_op_list[{i}].peer", info)
             fn = dist.isend if kind == "isend" else dist.irecv
-            torch_ops.append((kind, t, info, dist.P2POp(fn, t, p.peer, info.pg, p.tag)))
+            op = dist.P2POp(fn, t, p.peer, info.pg, p.tag)
+            torch_ops.append((kind, p.tensor, t.nbytes, info, op))
         rank = dist.get_rank()
         try:
             works = dist.batch_isend_irecv([op for *_, op in torch_ops])
@@ -577,8 +581,8 @@ class TorchBackend:
         except Exception as exc:
             raise CommError(f"batch_isend_irecv on rank {rank} failed: {exc}") from exc
         handles = [
-            Handle(kind, result=t, nbytes=nbytes_of(t), group=info.name, backend=self.name)
-            for kind, t, info, _ in torch_ops
+            Handle(kind, result=tensor, nbytes=nbytes, group=info.name, backend=self.name)
+            for kind, tensor, nbytes, info, _ in torch_ops
         ]
         # Started at once: batched p2p ops usually depend on each other across ranks.
         stream = self._issue_stream()
