@@ -17,6 +17,7 @@ from overlap.errors import (
     OverlapError,
     RankError,
 )
+from overlap.optim import OneBitAdam
 from overlap.runtime import new_event_loop, run
 from overlap.scheduler import BucketScheduler
 from overlap.trace import OverlapReport, Tracer
@@ -34,6 +35,7 @@ __all__ = [
     "NonFiniteError",
     "NotInitializedError",
     "OneBit",
+    "OneBitAdam",
     "OverlapReport",
     "OverlapError",
     "PowerSGD",

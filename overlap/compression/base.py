@@ -78,6 +78,21 @@ class Compressor(ABC):
         bucket of the step. The BucketScheduler calls it before the step's first bucket."""
         return None
 
+    def end_step(self) -> None:
+        """Every bucket of the step has been reduced without error (the BucketScheduler
+        calls it in ``synchronize()``, before the copy-back)."""
+        return None
+
+    def direct_targets(
+        self, key: Hashable, params: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """Where bucket ``key``'s result goes, if not into the gradients: one tensor per
+        parameter of the bucket, in order, each filled with that parameter's part of the
+        reduced buffer (passed back to :meth:`reduce_steps` as ``outputs``); the scheduler
+        then leaves ``.grad`` as backward made it. None (the default): the gradients.
+        OneBitAdam's bucket reduction returns the optimizer's momentum tensors."""
+        return None
+
     def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
         """Bytes this rank sends to reduce ``flat`` (what the Handle reports as ``nbytes``)."""
         return flat.numel() * flat.element_size()

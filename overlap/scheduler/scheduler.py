@@ -114,6 +114,10 @@ class BucketScheduler:
             compute (first to last gradient hook), each bucket's compress / collective /
             decompress with a flow arrow from the moment it was ready, the copy-back, the
             exposed wait in synchronize, and a step mark per step.
+        optimizer: a :class:`overlap.OneBitAdam` over the same parameters: its momentum is
+            formed and 1-bit reduced bucket by bucket during backward once its warm-up is
+            over (plain averaging before). It replaces ``compression=``; ``step()`` then only
+            applies the update.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class BucketScheduler:
         reduce_dtype: torch.dtype | None = None,
         rebuild_buckets: bool = True,
         tracer: Any = None,
+        optimizer: Any = None,
     ) -> None:
         params = (
             list(model_or_params.parameters())
@@ -170,6 +175,10 @@ class BucketScheduler:
         self.world = len(ranks)
         self.group = comm.new_group(ranks)  # the buckets' collectives
         self.ctrl = comm.new_group(ranks)  # the per-step used-parameter mask, the rebuild
+        self.reduce_dtype = reduce_dtype
+        self.optimizer = optimizer
+        if optimizer is not None:
+            compression = self._optimizer_reduction(optimizer, compression, average, ranks)
         self.compression = compression if compression is not None else NoCompression()
         self.average = average
         self.grad_as_view = gradient_as_bucket_view
@@ -207,6 +216,44 @@ class BucketScheduler:
         ]
 
     # ----------------------------------------------------------------------- structure
+    def _optimizer_reduction(
+        self, optimizer: Any, compression: Compressor | None, average: bool, ranks: list[int]
+    ) -> Compressor:
+        """Check ``optimizer=`` and return the bucket reduction it asks for."""
+        from overlap.optim import OneBitAdam
+
+        if not isinstance(optimizer, OneBitAdam):
+            raise TypeError(
+                f"optimizer= takes an overlap.OneBitAdam, got {type(optimizer).__name__}; for "
+                "other optimizers leave optimizer= out (and pick compression= if you want it)"
+            )
+        if compression is not None:
+            raise ValueError(
+                "optimizer=OneBitAdam does its own 1-bit compression of the momentum; drop "
+                "compression= (or use compression= with a plain torch optimizer)"
+            )
+        if not average:
+            raise ValueError("optimizer=OneBitAdam needs averaged momenta: drop average=False")
+        bad = sorted({str(self.reduce_dtype or p.dtype) for p in self.params} - {"torch.float32"})
+        if bad:
+            raise ValueError(
+                f"optimizer=OneBitAdam forms and reduces the momentum in float32 buckets, not "
+                f"{', '.join(bad)}: pass reduce_dtype=torch.float32 (or leave it out for "
+                "float32 parameters)"
+            )
+        if optimizer.group is not None:
+            theirs = [
+                comm.get_global_rank(optimizer.group, i)
+                for i in range(comm.get_world_size(optimizer.group))
+            ]
+            if theirs != ranks:
+                raise ValueError(
+                    f"the OneBitAdam averages over ranks {theirs} but the scheduler over "
+                    f"{ranks}: give both the same group"
+                )
+        reduction: Compressor = optimizer._attach(self)
+        return reduction
+
     def _check_same_model(self) -> None:
         sig = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode())
         mine = torch.tensor([len(self.params), sig], dtype=torch.int64, device=self._ctrl_device)
@@ -352,7 +399,12 @@ class BucketScheduler:
         """The gradients a compressor that ``writes_outputs`` may rebuild straight into,
         saving the copy back from the bucket: float32, dense, contiguous ``.grad`` tensors of
         parameters that produced a gradient here this step (so are used, and their .grad is
-        theirs to overwrite). Averaging only: a sum would scale the bucket afterwards."""
+        theirs to overwrite). Averaging only: a sum would scale the bucket afterwards.
+        A compressor with :meth:`~Compressor.direct_targets` names its own tensors."""
+        targets = self.compression.direct_targets(b.index, b.params)
+        if targets is not None:
+            b.direct.update(range(len(b.params)))
+            return [(b.offsets[pos], t) for pos, t in enumerate(targets)]
         if not (self.compression.writes_outputs and self.average) or self.grad_as_view:
             return []
         if b.flat.dtype != torch.float32:
@@ -450,6 +502,7 @@ class BucketScheduler:
             raise
         self._close_inline()
         self._launcher.wait_compute()
+        self.compression.end_step()
         t_copy = time.perf_counter_ns()
         if tracer is not None:
             tracer.record("synchronize", "wait", t_wait, t_copy)
@@ -596,6 +649,8 @@ class BucketScheduler:
             h.remove()
         self._hooks = []
         self._launcher.close()
+        if self.optimizer is not None:
+            self.optimizer._detach(self)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,534 @@
+"""DeepSpeed's 1-bit Adam: uncompressed warm-up, then frozen variance and 1-bit momentum.
+
+The algorithm (DeepSpeed's ``OnebitAdam``, arXiv 2102.02888), per step, for every parameter:
+
+* **warm-up** (the first ``freeze_step`` steps): plain Adam on the gradient averaged across
+  the ranks: m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2.
+* **compression stage** (every later step): v is frozen. Each rank forms its momentum from
+  its *local* gradient, m_r = b1 m + (1 - b1) g_r, and the ranks' momenta are averaged by the
+  two-phase 1-bit :func:`~overlap.compression.compressed_allreduce`, with worker and server
+  error feedback; every rank ends with the same m.
+* update, in both stages: p -= lr (m / (sqrt(v) + eps) + weight_decay p). No bias
+  correction, as in DeepSpeed (its ``bias_correction`` flag is stored and never read).
+
+Where this differs from DeepSpeed, on purpose (docs/compression.md says why):
+
+* DeepSpeed's first ``step()`` only allocates its buffers: it discards that step's gradient
+  and does not move the parameters. Here every step is a real step, so ``freeze_step=N``
+  means N real warm-up updates (DeepSpeed's N includes its empty first step).
+* The momenta go through one compressed allreduce for all parameters (standalone) or one per
+  bucket (with a BucketScheduler), each tensor with its own worker and server scales
+  (``per_tensor_scales``), instead of one call per tensor. DeepSpeed under its FP16 optimizer
+  flattens every parameter into one buffer with one scale; ``per_tensor_scales=False`` gives
+  that.
+* ``load_state_dict`` restores each rank's error buffers (``state_dict()`` is per rank), so
+  a resume continues bit-identically; DeepSpeed resets them to zero.
+
+Every parameter that requires grad takes part in every step; a parameter without a ``.grad``
+counts as a zero gradient, as it does in DeepSpeed's flattened buffers. Ranks must agree on
+the set of parameters (the reductions are collective).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from overlap import comm
+from overlap.comm.steps import Steps, run
+from overlap.compression.base import Compressor
+from overlap.compression.onebit import OneBit, compressed_bytes
+from overlap.errors import NonFiniteError
+
+__all__ = ["OneBitAdam"]
+
+log = logging.getLogger(__name__)
+
+_STANDALONE_KEY = "params"  # the error-feedback key of the standalone (all-parameter) buffer
+
+
+def _nonfinite(what: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"OneBitAdam: {what} holds NaN or Inf; the momentum, the variance and the error "
+        "feedback were left unchanged on every rank. Skip this step (on_nonfinite='skip') "
+        "or find the source of the non-finite gradient"
+    )
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """1-bit Adam (DeepSpeed's ``OnebitAdam``) as a ``torch.optim.Optimizer``.
+
+    Two ways to use it:
+
+    * **standalone**: ``loss.backward(); opt.step()``. ``step()`` communicates on the active
+      overlap backend (gloo, NCCL or MPI) over ``group`` (default: the world): a plain
+      averaging allreduce of the gradients during warm-up, the compressed momentum after.
+    * **overlapped**: ``sched = BucketScheduler(model, optimizer=opt)``; then
+      ``loss.backward(); sched.synchronize(); opt.step()``. After ``freeze_step`` each
+      bucket's momentum is formed as soon as the bucket's gradients are ready and is reduced,
+      compressed, while backward goes on; ``step()`` then only applies the update. Before it,
+      buckets are plain averaging allreduces.
+
+    Args:
+        params: parameters or parameter groups (floating point; the group keys are
+            ``lr``, ``betas``, ``eps``, ``weight_decay`` and DeepSpeed's ``exp_avg_mask``).
+        lr, betas, eps, weight_decay: as DeepSpeed's (weight decay is added to the update,
+            so it is decoupled from the momentum, as in AdamW).
+        freeze_step: uncompressed warm-up steps (>= 1: the frozen variance must have been
+            estimated at least once). DeepSpeed suggests 15-25% of training.
+        on_nonfinite: a NaN/Inf gradient on any rank makes every rank ``"raise"``
+            :class:`~overlap.errors.NonFiniteError` (the default) or ``"skip"`` the update
+            (``skipped_steps`` counts them, ``last_skipped`` says so). Either way the NaN
+            never reaches the momentum, the variance or the error buffers.
+        per_tensor_scales: each tensor gets its own 1-bit scales (default True).
+        group: the ranks to average over in standalone use (default: the world).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        on_nonfinite: str = "raise",
+        per_tensor_scales: bool = True,
+        group: Any = None,
+    ) -> None:
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int):
+            raise TypeError(f"freeze_step must be an int, got {freeze_step!r}")
+        if freeze_step < 1:
+            raise ValueError(
+                f"freeze_step must be >= 1, got {freeze_step}: 1-bit Adam freezes the "
+                "variance after the warm-up, so it needs at least one uncompressed step to "
+                "estimate it (DeepSpeed suggests 15-25% of the training steps)"
+            )
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+        if not eps > 0.0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.freeze_step = freeze_step
+        self.on_nonfinite = on_nonfinite
+        self.group = group
+        self.skipped_steps = 0
+        self.last_skipped = False
+        self._done = 0  # completed (not skipped) steps
+        self._codec = OneBit(per_tensor_scales=per_tensor_scales)  # the error feedback
+        self._denoms: dict[int, tuple[float, torch.Tensor]] = {}  # frozen sqrt(v) + eps
+        self._sched: Any = None  # the BucketScheduler reducing for us, if any
+        self._momentum = _MomentumReduction(self)
+        self._synced: int | None = None  # the step whose buckets the scheduler finished
+        self._sched_frozen = False  # the stage the scheduler's buckets ran in
+        self._sig: tuple[Any, ...] | None = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, refusing what 1-bit Adam cannot update (with the fix in the message)."""
+        if "non_freeze" in param_group:
+            raise ValueError(
+                "OneBitAdam does not support DeepSpeed's 'non_freeze' parameter groups: give "
+                "those parameters a torch.optim.AdamW of their own, reduced by a plain "
+                "BucketScheduler"
+            )
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and (not p.is_floating_point() or p.is_complex()):
+                raise TypeError(
+                    f"OneBitAdam updates real floating-point parameters; parameter {i} of "
+                    f"this group is {p.dtype}: leave it out of the optimizer (or make it "
+                    "a buffer)"
+                )
+        param_group["params"] = params
+        super().add_param_group(param_group)
+        if getattr(self, "_sched", None) is not None:
+            raise ValueError(
+                "a parameter group was added while a BucketScheduler reduces for this "
+                "OneBitAdam; remove() the scheduler and build a new one over the new params"
+            )
+
+    # ------------------------------------------------------------------ the stages
+    @property
+    def frozen(self) -> bool:
+        """True once the warm-up is over: the variance is frozen, the momentum compressed."""
+        return self._done >= self.freeze_step
+
+    @property
+    def step_count(self) -> int:
+        """Completed steps (skipped steps are not counted)."""
+        return self._done
+
+    def _params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        return [(p, g) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        st: dict[str, Any] = self.state[p]
+        if not st:
+            st["step"] = 0
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return st
+
+    @staticmethod
+    def _grad(p: torch.Tensor) -> torch.Tensor:
+        g = p.grad
+        if g is None:
+            return torch.zeros_like(p)
+        if g.is_sparse:
+            raise TypeError(
+                "OneBitAdam does not support sparse gradients (as DeepSpeed's): use "
+                "nn.Embedding(sparse=False), or leave that parameter to a sparse optimizer"
+            )
+        return g
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step (see the class docstring for what it communicates)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._sched is not None:
+            self._step_after_scheduler()
+        else:
+            self._step_standalone()
+        return loss
+
+    def _step_standalone(self) -> None:
+        ps = self._params()
+        if not ps:
+            return
+        self._check_layout(ps)
+        grads = [self._grad(p) for p, _ in ps]
+        self.last_skipped = False
+        if not self.frozen:
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            comm.all_reduce(flat, op="avg", group=self.group)
+            if not bool(torch.isfinite(flat.sum())):
+                return self._nonfinite("the averaged gradient")
+            a, avg = 0, []
+            for (p, _), g in zip(ps, grads, strict=True):
+                avg.append(flat[a : a + g.numel()].view_as(p))
+                a += g.numel()
+            self._adam(ps, avg)
+            return None
+        flat = torch.empty(
+            sum(p.numel() for p, _ in ps), dtype=torch.float32, device=ps[0][0].device
+        )
+        outputs, a = [], 0
+        for (p, grp), g in zip(ps, grads, strict=True):
+            m = self._state(p)["exp_avg"]
+            seg = flat[a : a + p.numel()]
+            torch.lerp(g.reshape(-1).float(), m.reshape(-1).float(), grp["betas"][0], out=seg)
+            outputs.append((a, m))
+            a += p.numel()
+        try:
+            self._momentum.reduce_formed(
+                _STANDALONE_KEY, flat, [p.shape for p, _ in ps], outputs, self.group
+            )
+        except NonFiniteError:
+            if self.on_nonfinite == "raise":
+                raise
+            return self._skip()
+        self._frozen_update(ps)
+        return None
+
+    def _step_after_scheduler(self) -> None:
+        if self._synced != self._done:
+            raise RuntimeError(
+                "OneBitAdam.step() with a BucketScheduler: the scheduler has not finished this "
+                "step's reductions; call sched.synchronize() (or await sched.wait()) after "
+                "backward and before opt.step()"
+            )
+        self._synced = None
+        ps = self._params()
+        if self.last_skipped:  # a bucket's momentum was not finite: the codec kept it out
+            self._skip()
+            return
+        if not self._sched_frozen:
+            grads = [self._grad(p) for p, _ in ps]
+            if not bool(torch.isfinite(torch.stack([g.sum() for g in grads]).sum())):
+                self._nonfinite("the averaged gradient")
+                return
+            self._adam(ps, grads)
+            return
+        self._frozen_update(ps)
+
+    def _nonfinite(self, what: str) -> None:
+        if self.on_nonfinite == "raise":
+            raise _nonfinite(what)
+        self._skip()
+
+    def _skip(self) -> None:
+        self.skipped_steps += 1
+        self.last_skipped = True
+        log.info("OneBitAdam: skipped a step with a non-finite gradient")
+
+    def _adam(
+        self, ps: list[tuple[torch.Tensor, dict[str, Any]]], grads: list[torch.Tensor]
+    ) -> None:
+        """A warm-up step: plain Adam (no bias correction) on the averaged gradients."""
+        for (p, grp), g in zip(ps, grads, strict=True):
+            st = self._state(p)
+            b1, b2 = grp["betas"]
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            self._apply(p, grp, m, v.sqrt().add_(grp["eps"]))
+            st["step"] += 1
+        self._denoms.clear()
+        self._finish()
+
+    def _frozen_update(self, ps: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """A compression-stage step: the momentum is reduced already; v is frozen, so its
+        denominator sqrt(v) + eps is computed once and kept (two passes saved per step)."""
+        for p, grp in ps:
+            st = self._state(p)
+            m = st["exp_avg"]
+            mask = grp.get("exp_avg_mask")
+            if mask is not None:
+                m.mul_(mask.to(m.device))
+            eps = grp["eps"]
+            cached = self._denoms.get(id(p))
+            if cached is None or cached[0] != eps:
+                cached = self._denoms[id(p)] = (eps, st["exp_avg_sq"].sqrt().add_(eps))
+            self._apply(p, grp, m, cached[1])
+            st["step"] += 1
+        self._finish()
+
+    @staticmethod
+    def _apply(p: torch.Tensor, grp: dict[str, Any], m: torch.Tensor, denom: torch.Tensor) -> None:
+        update = m / denom
+        if grp["weight_decay"] > 0.0:
+            update.add_(p, alpha=grp["weight_decay"])
+        p.add_(update, alpha=-grp["lr"])
+
+    def _finish(self) -> None:
+        self._done += 1
+        if self._done == self.freeze_step:
+            log.info(
+                "OneBitAdam: warm-up done after %d steps; the variance is frozen and the "
+                "momentum goes 1-bit compressed from the next step",
+                self._done,
+            )
+
+    def _check_layout(self, ps: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        sig = tuple((tuple(p.shape), p.dtype) for p, _ in ps)
+        if self._sig is not None and sig != self._sig:
+            log.warning("OneBitAdam: the parameters changed; the 1-bit error feedback restarts")
+            self._codec.reset()
+        self._sig = sig
+
+    # ------------------------------------------------------------ the scheduler's side
+    def _attach(self, sched: Any) -> Compressor:
+        """Called by ``BucketScheduler(optimizer=self)``: returns the bucket reduction."""
+        if self._sched is not None:
+            raise ValueError(
+                "this OneBitAdam is already reduced by another BucketScheduler; one optimizer "
+                "takes one scheduler: call remove() on the first one, or make a second "
+                "optimizer"
+            )
+        mine = {id(p) for p, _ in self._params()}
+        theirs = {id(p) for p in sched.params}
+        if mine != theirs:
+            raise ValueError(
+                f"the BucketScheduler reduces {len(theirs)} parameters and this OneBitAdam "
+                f"updates {len(mine)}, {len(mine - theirs)} of them not covered by the "
+                f"scheduler and {len(theirs - mine)} unknown to the optimizer: build both over "
+                "the same parameters (every parameter group's parameters that require grad)"
+            )
+        self._sched = sched
+        return self._momentum
+
+    def _detach(self, sched: Any) -> None:
+        if self._sched is sched:
+            self._sched = None
+            self._synced = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state (per parameter: step, exp_avg, exp_avg_sq) plus this
+        rank's 1-bit error feedback, the step counters and the world size. Save it per rank:
+        the error buffers differ between ranks."""
+        out = super().state_dict()
+        out["onebit_adam"] = {
+            "step": self._done,
+            "freeze_step": self.freeze_step,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self._world(),
+            "codec": self._codec.state_dict(),
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Refused, with nothing changed, when it was saved on
+        another number of ranks or for other parameters."""
+        extra = state_dict.get("onebit_adam")
+        if extra is None:
+            raise ValueError(
+                "this is not a OneBitAdam state (no 'onebit_adam' entry); load the state "
+                "saved by OneBitAdam.state_dict()"
+            )
+        w = self._world()
+        if extra["world_size"] is not None and w is not None and extra["world_size"] != w:
+            raise ValueError(
+                f"this OneBitAdam state was saved on {extra['world_size']} ranks but this job "
+                f"has {w}: the 1-bit error buffers are laid out per rank; resume on "
+                f"{extra['world_size']} ranks"
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if len(saved) != len(params):
+            raise ValueError(
+                f"this OneBitAdam state holds {len(saved)} parameters but the optimizer has "
+                f"{len(params)}: it belongs to another model"
+            )
+        for i, p in zip(saved, params, strict=True):
+            st = state_dict["state"].get(i, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = st.get(k)
+                if t is not None and tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"parameter {i}: the saved {k} has shape {tuple(t.shape)} but the "
+                        f"parameter has {tuple(p.shape)}: this state belongs to another model"
+                    )
+        codec = OneBit(per_tensor_scales=self._codec.per_tensor_scales)
+        codec.load_state_dict(extra["codec"])  # validates before anything changes
+        body = {k: v for k, v in state_dict.items() if k != "onebit_adam"}
+        super().load_state_dict(body)
+        self._codec = codec
+        self._done = int(extra["step"])
+        self.skipped_steps = int(extra["skipped_steps"])
+        self.last_skipped = False
+        self._denoms.clear()
+        self._sig = None
+
+    def _world(self) -> int | None:
+        return comm.get_world_size(self.group) if comm.is_initialized() else None
+
+    def __repr__(self) -> str:
+        return (
+            f"OneBitAdam(freeze_step={self.freeze_step}, steps={self._done}, "
+            f"frozen={self.frozen}, groups={len(self.param_groups)})"
+        )
+
+
+class _MomentumReduction(Compressor):
+    """The bucket reduction a BucketScheduler runs for a :class:`OneBitAdam`.
+
+    Warm-up: a plain averaging allreduce of the bucket's gradients (the scheduler copies them
+    back into ``.grad`` for ``step()``). Compression stage: the bucket's momentum is formed
+    from its gradients in the bucket buffer, m_r = b1 m + (1 - b1) g_r, then averaged by the
+    1-bit reduction and rebuilt straight into the optimizer's ``exp_avg`` tensors; ``.grad``
+    keeps the local gradient, as in DeepSpeed (whose backward allreduce is off by then).
+    A non-finite momentum leaves ``exp_avg`` and the error feedback untouched.
+    """
+
+    name = "onebit-adam"
+    summable = False
+    writes_outputs = True
+
+    def __init__(self, opt: OneBitAdam) -> None:
+        self.opt = opt
+        self._params: dict[Hashable, list[torch.Tensor]] = {}
+        self._frozen = False
+
+    def begin_step(self) -> None:
+        self._frozen = self.opt.frozen
+        self.opt._sched_frozen = self._frozen
+        self.opt.last_skipped = False
+
+    def end_step(self) -> None:
+        self.opt._synced = self.opt._done
+
+    def direct_targets(
+        self, key: Hashable, params: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        if not self._frozen:
+            return None
+        self._params[key] = list(params)
+        return [self.opt._state(p)["exp_avg"] for p in params]
+
+    def reduce_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> Steps:
+        if not self._frozen:
+            yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
+            for a, t in outputs:
+                t.view(-1).copy_(flat[a : a + t.numel()])
+            return flat
+        groups = {id(p): g for g in self.opt.param_groups for p in g["params"]}
+        for (a, m), p in zip(outputs, self._params[key], strict=True):
+            seg = flat[a : a + m.numel()]
+            torch.lerp(seg, m.reshape(-1).to(seg.dtype), groups[id(p)]["betas"][0], out=seg)
+        try:
+            yield from self.steps_formed(key, flat, shapes, outputs, group)
+        except NonFiniteError:
+            if self.opt.on_nonfinite == "raise":
+                raise
+            self.opt.last_skipped = True
+        return flat
+
+    def steps_formed(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        shapes: Sequence[torch.Size] | None,
+        outputs: Sequence[tuple[int, torch.Tensor]],
+        group: Any,
+    ) -> Steps:
+        """The 1-bit reduction of an already formed momentum buffer, rebuilt into the
+        ``outputs`` (float32 contiguous ones directly, others copied after)."""
+        direct = [(a, t) for a, t in outputs if t.dtype == torch.float32 and t.is_contiguous()]
+        yield from self.opt._codec.reduce_steps(
+            key, flat, group=group, shapes=shapes, outputs=direct
+        )
+        if len(direct) != len(outputs):
+            for a, t in outputs:
+                if t.dtype != torch.float32 or not t.is_contiguous():
+                    t.copy_(flat[a : a + t.numel()].view_as(t))
+        return flat
+
+    def reduce_formed(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        shapes: Sequence[torch.Size],
+        outputs: Sequence[tuple[int, torch.Tensor]],
+        group: Any,
+    ) -> None:
+        """Blocking form, for the standalone ``step()``."""
+        run(self.steps_formed(key, flat, shapes, outputs, group))
+
+    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
+        w = comm.get_world_size(group)
+        if self._frozen:
+            return compressed_bytes(flat.numel(), w)
+        return 2 * (w - 1) * flat.numel() * flat.element_size() // w
+
+    def reset(self) -> None:
+        self.opt._codec.reset()  # the bucket layout changed: the error feedback restarts
+        self._params.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: the optimizer's ``state_dict()`` carries the error feedback."""
+        return {"name": self.name}
