@@ -35,6 +35,11 @@ VARIANTS = [
     "overlap-onebit",
     "overlap-powersgd",
 ]
+# Adam variants (run only when named): DDP with AdamW, 1-bit Adam overlapped by the
+# scheduler, and 1-bit Adam standalone (DeepSpeed's serial form: backward, then step()
+# communicates). Their "vs DDP" is against ddp-adamw when it runs too.
+ADAM_VARIANTS = ["ddp-adamw", "overlap-onebitadam", "onebitadam-serial"]
+ALL_VARIANTS = VARIANTS + ADAM_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
 WIDTH = 2048
@@ -75,11 +80,17 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from overlap import BucketScheduler
+    from overlap import BucketScheduler, OneBitAdam
     from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
 
     model = _model(million, device)
     v: dict[str, Any] = {"name": name, "model": model, "sched": None}
+    if "onebitadam" in name:
+        v["forward"] = model
+        v["opt"] = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=COMPRESS_FROM)
+        if name.startswith("overlap"):
+            v["sched"] = BucketScheduler(model, optimizer=v["opt"])
+        return v
     if name.startswith("ddp"):
         # DDP's PowerSGD hook issues its 2nd and 3rd allreduce from gloo's callback thread;
         # with several buckets they race with the next bucket's allreduce from autograd and
@@ -105,7 +116,10 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
                 "overlap-powersgd": PowerSGD(rank=1, start_iter=COMPRESS_FROM),
             }[name]
             v["sched"] = BucketScheduler(model, compression=comp)
-    v["opt"] = torch.optim.SGD(model.parameters(), lr=1e-4)
+    if name == "ddp-adamw":
+        v["opt"] = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    else:
+        v["opt"] = torch.optim.SGD(model.parameters(), lr=1e-4)
     return v
 
 
@@ -163,6 +177,9 @@ def bench_train_rank(
     fp32 = 2 * (w - 1) / w * nparams * 4
     sent = {
         "ddp": fp32,
+        "ddp-adamw": fp32,
+        "overlap-onebitadam": compressed_bytes(nparams, w),
+        "onebitadam-serial": compressed_bytes(nparams, w),
         "ddp-fp16": fp32 / 2,
         "overlap-none": fp32,
         "overlap-fp16": fp32 / 2,
@@ -187,6 +204,8 @@ def bench_train_rank(
         first = COMPRESS_FROM + 1
         if n in ("overlap-onebit", "overlap-powersgd") and len(r["all"]) > first:
             row["first_compressed_ms"] = r["all"][first] * 1e3
+        if "onebitadam" in n and len(r["all"]) > COMPRESS_FROM:  # frozen from this step
+            row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
         if r["comm"]:
             total, hidden = median(r["comm"]), median(r["hidden"])
             row.update(

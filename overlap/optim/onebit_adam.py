@@ -223,6 +223,8 @@ class OneBitAdam(torch.optim.Optimizer):
             for (p, _), g in zip(ps, grads, strict=True):
                 avg.append(flat[a : a + g.numel()].view_as(p))
                 a += g.numel()
+            if self._done + 1 == self.freeze_step:
+                self._momentum.prepare(_STANDALONE_KEY, flat, [p.shape for p, _ in ps], self.group)
             self._adam(ps, avg)
             return None
         flat = torch.empty(
@@ -280,16 +282,21 @@ class OneBitAdam(torch.optim.Optimizer):
     def _adam(
         self, ps: list[tuple[torch.Tensor, dict[str, Any]]], grads: list[torch.Tensor]
     ) -> None:
-        """A warm-up step: plain Adam (no bias correction) on the averaged gradients."""
+        """A warm-up step: plain Adam (no bias correction) on the averaged gradients. The
+        last one keeps its denominators sqrt(v) + eps: v is frozen from then on."""
+        last = self._done + 1 == self.freeze_step
+        self._denoms.clear()
         for (p, grp), g in zip(ps, grads, strict=True):
             st = self._state(p)
             b1, b2 = grp["betas"]
             m, v = st["exp_avg"], st["exp_avg_sq"]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            self._apply(p, grp, m, v.sqrt().add_(grp["eps"]))
+            denom = v.sqrt().add_(grp["eps"])
+            self._apply(p, grp, m, denom)
+            if last:
+                self._denoms[id(p)] = (grp["eps"], denom)
             st["step"] += 1
-        self._denoms.clear()
         self._finish()
 
     def _frozen_update(self, ps: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
@@ -311,10 +318,13 @@ class OneBitAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _apply(p: torch.Tensor, grp: dict[str, Any], m: torch.Tensor, denom: torch.Tensor) -> None:
-        update = m / denom
+        """p -= lr (m / denom + weight_decay p); one fused pass without weight decay."""
         if grp["weight_decay"] > 0.0:
+            update = m / denom
             update.add_(p, alpha=grp["weight_decay"])
-        p.add_(update, alpha=-grp["lr"])
+            p.add_(update, alpha=-grp["lr"])
+        else:
+            p.addcdiv_(m, denom, value=-grp["lr"])
 
     def _finish(self) -> None:
         self._done += 1
@@ -472,6 +482,8 @@ class _MomentumReduction(Compressor):
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
         if not self._frozen:
+            if self.opt._done + 1 == self.opt.freeze_step:
+                self.prepare(key, flat, shapes, group)
             yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
             for a, t in outputs:
                 t.view(-1).copy_(flat[a : a + t.numel()])
@@ -487,6 +499,16 @@ class _MomentumReduction(Compressor):
                 raise
             self.opt.last_skipped = True
         return flat
+
+    def prepare(
+        self, key: Hashable, flat: torch.Tensor, shapes: Sequence[torch.Size] | None, group: Any
+    ) -> None:
+        """Make and touch ``key``'s error-feedback buffers (about 2.5 P floats) in the last
+        warm-up step, so their page faults do not stall the first compressed one."""
+        codec = self.opt._codec
+        codec._check_world(comm.get_world_size(group))
+        if flat.numel():
+            codec._state_for(codec._entry(key, flat), flat, group, shapes)[0].take_spare()
 
     def steps_formed(
         self,
