@@ -437,6 +437,77 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_lm(args: argparse.Namespace) -> int:
+    import json
+
+    from overlap.bench.harness import Table, human_bytes
+    from overlap.bench.lm import LM_VARIANTS, plot_lm
+
+    variants = args.variant or LM_VARIANTS
+    bad = [v for v in variants if v not in LM_VARIANTS]
+    if bad:
+        _out(f"unknown variant(s) {bad}; choose from {LM_VARIANTS}")
+        return 2
+    freeze = args.freeze_step if args.freeze_step is not None else max(1, args.steps * 15 // 100)
+    if not 1 <= freeze < args.steps:
+        _out(f"--freeze-step {freeze}: choose 1 <= freeze-step < --steps ({args.steps})")
+        return 2
+    cmd = [
+        sys.executable,
+        "-m",
+        "overlap.bench.lm",
+        ",".join(variants),
+        str(args.steps),
+        str(freeze),
+        str(args.world_size),
+        str(args.lr),
+        str(args.layers),
+        str(args.width),
+    ]
+    rows, code = _run_json(cmd, None, "the language-model benchmark")
+    if rows is None:
+        return code
+    if args.plot:
+        plot_lm(rows, args.plot)
+    if args.json:
+        _out(json.dumps(rows, indent=2))
+        return 0
+    base = next((r for r in rows if r["variant"] == "ddp-adamw"), None)
+    t = Table(
+        [
+            "variant",
+            "final train loss",
+            "held-out loss",
+            "vs DDP",
+            "bytes/step warm-up",
+            "bytes/step after freeze",
+            "wall s",
+        ],
+        title=f"overlap bench lm: {rows[0]['params'] / 1e6:.2f}M-param byte-level GPT, "
+        f"{args.world_size} ranks, {args.steps} steps, freeze_step {freeze}, lr {args.lr} "
+        "(train loss: mean of the last 20 steps)",
+    )
+    for r in rows:
+        rel = (
+            f"{100 * (r['held_out_loss'] / base['held_out_loss'] - 1):+.1f}%"
+            if base is not None
+            else ""
+        )
+        t.add(
+            **{
+                "variant": r["variant"],
+                "final train loss": f"{r['final_train_loss']:.3f}",
+                "held-out loss": f"{r['held_out_loss']:.3f}",
+                "vs DDP": rel,
+                "bytes/step warm-up": human_bytes(r["bytes_warmup_step"]),
+                "bytes/step after freeze": human_bytes(r["bytes_after_freeze_step"]),
+                "wall s": f"{r['wall_s']:.1f}",
+            }
+        )
+    _out(t.markdown() if args.markdown else t.render())
+    return 0
+
+
 def cmd_trace_summarize(args: argparse.Namespace) -> int:
     from overlap.trace import OverlapReport, TraceFormatError, load_spans
 
@@ -599,6 +670,21 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")
     bt.set_defaults(func=cmd_bench_train)
+
+    bl = bsub.add_parser("lm", help="convergence: a byte-level transformer LM, DDP vs 1-bit Adam")
+    bl.add_argument("--variant", action="append", help="variant to run (repeatable)")
+    bl.add_argument("--steps", type=int, default=400)
+    bl.add_argument(
+        "--freeze-step", type=int, default=None, help="OneBitAdam's warm-up (default 15%%)"
+    )
+    bl.add_argument("--lr", type=float, default=1e-3)
+    bl.add_argument("--layers", type=int, default=2)
+    bl.add_argument("--width", type=int, default=128)
+    bl.add_argument("--world-size", type=int, default=2)
+    bl.add_argument("--plot", default=None, help="write the loss curves to this PNG")
+    bl.add_argument("--json", action="store_true")
+    bl.add_argument("--markdown", action="store_true")
+    bl.set_defaults(func=cmd_bench_lm)
 
     tr = sub.add_parser("trace", help="read a trace written by Tracer.export_chrome")
     trs = tr.add_subparsers(dest="trace_cmd", required=True)

@@ -32,6 +32,7 @@ the set of parameters (the reductions are collective).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -83,6 +84,12 @@ class OneBitAdam(torch.optim.Optimizer):
             :class:`~overlap.errors.NonFiniteError` (the default) or ``"skip"`` the update
             (``skipped_steps`` counts them, ``last_skipped`` says so). Either way the NaN
             never reaches the momentum, the variance or the error buffers.
+        bias_correction: False (the default) is DeepSpeed's algorithm, which never corrects
+            (its ``bias_correction`` flag is stored and ignored). True applies Adam's
+            correction as ``torch.optim.AdamW`` does, with the variance's correction frozen
+            with it: step lr / (1 - b1^t) on m / (sqrt(v / (1 - b2^F)) + eps), F the warm-up
+            steps, and decoupled weight decay p *= 1 - lr wd. It matters in short runs,
+            where the uncorrected v stays small for about 1 / (1 - b2) steps.
         per_tensor_scales: each tensor gets its own 1-bit scales (default True).
         group: the ranks to average over in standalone use (default: the world).
     """
@@ -96,6 +103,7 @@ class OneBitAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
+        bias_correction: bool = False,
         on_nonfinite: str = "raise",
         per_tensor_scales: bool = True,
         group: Any = None,
@@ -118,7 +126,13 @@ class OneBitAdam(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "bias_correction": bool(bias_correction),
+        }
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
         self.on_nonfinite = on_nonfinite
@@ -127,7 +141,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self.last_skipped = False
         self._done = 0  # completed (not skipped) steps
         self._codec = OneBit(per_tensor_scales=per_tensor_scales)  # the error feedback
-        self._denoms: dict[int, tuple[float, torch.Tensor]] = {}  # frozen sqrt(v) + eps
+        self._denoms: dict[int, tuple[Any, torch.Tensor]] = {}  # frozen sqrt(v) + eps
         self._sched: Any = None  # the BucketScheduler reducing for us, if any
         self._momentum = _MomentumReduction(self)
         self._synced: int | None = None  # the step whose buckets the scheduler finished
@@ -292,10 +306,10 @@ class OneBitAdam(torch.optim.Optimizer):
             m, v = st["exp_avg"], st["exp_avg_sq"]
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = v.sqrt().add_(grp["eps"])
-            self._apply(p, grp, m, denom)
+            denom = self._denom(grp, v, st["step"] + 1)
+            self._apply(p, grp, m, denom, st["step"] + 1)
             if last:
-                self._denoms[id(p)] = (grp["eps"], denom)
+                self._denoms[id(p)] = ((grp["eps"], grp["bias_correction"]), denom)
             st["step"] += 1
         self._finish()
 
@@ -308,23 +322,39 @@ class OneBitAdam(torch.optim.Optimizer):
             mask = grp.get("exp_avg_mask")
             if mask is not None:
                 m.mul_(mask.to(m.device))
-            eps = grp["eps"]
+            key = (grp["eps"], grp["bias_correction"])
             cached = self._denoms.get(id(p))
-            if cached is None or cached[0] != eps:
-                cached = self._denoms[id(p)] = (eps, st["exp_avg_sq"].sqrt().add_(eps))
-            self._apply(p, grp, m, cached[1])
+            if cached is None or cached[0] != key:
+                t_v = min(st["step"] + 1, self.freeze_step)  # v's last update
+                cached = self._denoms[id(p)] = (key, self._denom(grp, st["exp_avg_sq"], t_v))
+            self._apply(p, grp, m, cached[1], st["step"] + 1)
             st["step"] += 1
         self._finish()
 
     @staticmethod
-    def _apply(p: torch.Tensor, grp: dict[str, Any], m: torch.Tensor, denom: torch.Tensor) -> None:
-        """p -= lr (m / denom + weight_decay p); one fused pass without weight decay."""
-        if grp["weight_decay"] > 0.0:
+    def _denom(grp: dict[str, Any], v: torch.Tensor, t_v: int) -> torch.Tensor:
+        """sqrt(v) + eps, or sqrt(v / (1 - b2^t_v)) + eps with bias correction."""
+        if grp["bias_correction"]:
+            return (v.sqrt() / math.sqrt(1.0 - grp["betas"][1] ** t_v)).add_(grp["eps"])
+        return v.sqrt().add_(grp["eps"])
+
+    @staticmethod
+    def _apply(
+        p: torch.Tensor, grp: dict[str, Any], m: torch.Tensor, denom: torch.Tensor, t: int
+    ) -> None:
+        """DeepSpeed's p -= lr (m / denom + wd p) (one fused pass without weight decay), or
+        with bias correction AdamW's p *= 1 - lr wd; p -= lr / (1 - b1^t) m / denom."""
+        lr, wd = grp["lr"], grp["weight_decay"]
+        if grp["bias_correction"]:
+            if wd > 0.0:
+                p.mul_(1.0 - lr * wd)
+            p.addcdiv_(m, denom, value=-lr / (1.0 - grp["betas"][0] ** t))
+        elif wd > 0.0:
             update = m / denom
-            update.add_(p, alpha=grp["weight_decay"])
-            p.add_(update, alpha=-grp["lr"])
+            update.add_(p, alpha=wd)
+            p.add_(update, alpha=-lr)
         else:
-            p.addcdiv_(m, denom, value=-grp["lr"])
+            p.addcdiv_(m, denom, value=-lr)
 
     def _finish(self) -> None:
         self._done += 1

@@ -25,10 +25,11 @@ from overlap.errors import NonFiniteError
 SHAPES = [(5, 3), (7,), (4, 4), (1,), (33,)]
 FREEZE = 3
 STEPS = 7
-# group 0: the first three tensors; group 1 (other betas, weight decay): the rest
+# group 0: the first three tensors, DeepSpeed's (no bias correction); group 1 (other betas,
+# weight decay, AdamW's bias correction): the rest
 GROUPS = [
-    {"idx": [0, 1, 2], "lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.0},
-    {"idx": [3, 4], "lr": 5e-3, "betas": (0.8, 0.99), "weight_decay": 0.1},
+    {"idx": [0, 1, 2], "lr": 1e-2, "betas": (0.9, 0.999), "weight_decay": 0.0, "bc": False},
+    {"idx": [3, 4], "lr": 5e-3, "betas": (0.8, 0.99), "weight_decay": 0.1, "bc": True},
 ]
 EPS = 1e-8
 
@@ -137,14 +138,21 @@ class Reference:
 
     def _update(self, i: int) -> None:
         h = self.hyper[i]
-        upd = self.m[i] / (self.v[i].sqrt() + EPS) + h["weight_decay"] * self.p[i]
-        self.p[i] = self.p[i] - h["lr"] * upd
+        if not h["bc"]:  # DeepSpeed's
+            upd = self.m[i] / (self.v[i].sqrt() + EPS) + h["weight_decay"] * self.p[i]
+            self.p[i] = self.p[i] - h["lr"] * upd
+            return
+        b1, b2 = h["betas"]  # AdamW's, the variance's correction frozen with it
+        t, t_v = self.done + 1, min(self.done + 1, FREEZE)
+        denom = (self.v[i] / (1 - b2**t_v)).sqrt() + EPS
+        self.p[i] = self.p[i] * (1 - h["lr"] * h["weight_decay"])
+        self.p[i] = self.p[i] - h["lr"] / (1 - b1**t) * self.m[i] / denom
 
 
 # -------------------------------------------------------------------------- fixtures
-def _params() -> list[nn.Parameter]:
+def _params(device: str = "cpu") -> list[nn.Parameter]:
     gen = torch.Generator().manual_seed(11)
-    return [nn.Parameter(torch.randn(*s, generator=gen)) for s in SHAPES]
+    return [nn.Parameter(torch.randn(*s, generator=gen).to(device)) for s in SHAPES]
 
 
 def _opt(params: list[nn.Parameter], **kw: Any) -> OneBitAdam:
@@ -154,18 +162,19 @@ def _opt(params: list[nn.Parameter], **kw: Any) -> OneBitAdam:
             "lr": g["lr"],
             "betas": g["betas"],
             "weight_decay": g["weight_decay"],
+            "bias_correction": g["bc"],
         }
         for g in GROUPS
     ]
     return OneBitAdam(groups, freeze_step=FREEZE, eps=EPS, **kw)
 
 
-def _all_grads(step: int, w: int) -> list[list[torch.Tensor]]:
+def _all_grads(step: int, w: int, device: str = "cpu") -> list[list[torch.Tensor]]:
     """Every rank's gradients at ``step`` (each rank can compute every rank's)."""
     out = []
     for r in range(w):
         gen = torch.Generator().manual_seed(1000 * step + r)
-        out.append([torch.randn(*s, generator=gen) for s in SHAPES])
+        out.append([torch.randn(*s, generator=gen).to(device) for s in SHAPES])
     return out
 
 
@@ -182,21 +191,22 @@ def _same_on_every_rank(ts: list[torch.Tensor]) -> None:
 
 def _close(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert torch.allclose(a.detach(), b, rtol=1e-5, atol=1e-6), (what, i, a, b)
+        a, b = a.detach().cpu(), b.cpu()
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (what, i, a, b)
 
 
 # ----------------------------------------------------------------------------- checks
-def standalone_matches_reference(mode: str = "blocking") -> int:
+def standalone_matches_reference(mode: str = "blocking", device: str = "cpu") -> int:
     """``loss.backward(); opt.step()``: every step equal to the reference (float rounding),
     parameters bitwise identical across ranks, the stage switch at freeze_step."""
     r, w = comm.get_rank(), comm.get_world_size()
-    params = _params()
+    params = _params(device)
     opt = _opt(params)
-    ref = Reference(params, w, [list(range(len(SHAPES)))])
+    ref = Reference([p.cpu() for p in params], w, [list(range(len(SHAPES)))])
     for step in range(STEPS):
         grads = _all_grads(step, w)
         opt.zero_grad()
-        _backward(params, grads[r])
+        _backward(params, [g.to(device) for g in grads[r]])
         assert opt.frozen == (step >= FREEZE)
         opt.step()
         ref.step(grads)
@@ -207,18 +217,19 @@ def standalone_matches_reference(mode: str = "blocking") -> int:
     return opt.step_count
 
 
-def overlapped_matches_reference(mode: str = "blocking") -> list[list[int]]:
+def overlapped_matches_reference(mode: str = "blocking", device: str = "cpu") -> list[list[int]]:
     """``BucketScheduler(params, optimizer=opt)`` with several buckets: equal to the reference
     with the scheduler's bucket partition; .grad keeps the local gradient once frozen."""
     r, w = comm.get_rank(), comm.get_world_size()
-    params = _params()
+    params = _params(device)
     opt = _opt(params)
     sched = BucketScheduler(params, optimizer=opt, bucket_cap_mb=1e-4, first_bucket_mb=5e-5)
-    ref = Reference(params, w, [])
+    ref = Reference([p.cpu() for p in params], w, [])
     pidx = {id(p): i for i, p in enumerate(params)}
     try:
         for step in range(STEPS):
-            grads = _all_grads(step, w)
+            cpu_grads = _all_grads(step, w)
+            grads = [[g.to(device) for g in gs] for gs in cpu_grads]
             opt.zero_grad()
             if mode == "blocking":
                 _backward(params, grads[r])
@@ -233,7 +244,7 @@ def overlapped_matches_reference(mode: str = "blocking") -> list[list[int]]:
             opt.step()
             # the frozen steps run on the buckets as rebuilt after step 0
             ref.partition = [[pidx[id(p)] for p in b.params] for b in sched.buckets]
-            ref.step(grads)
+            ref.step(cpu_grads)
             _close(list(params), ref.p, f"params at step {step}")
             if step >= FREEZE:  # DeepSpeed's: backward allreduce off, .grad is local
                 _close([p.grad for p in params], grads[r], "local grads")  # type: ignore[misc]

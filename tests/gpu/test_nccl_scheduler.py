@@ -57,3 +57,17 @@ def test_without_record_stream_memory_is_reused_in_flight(nccl: RankPool) -> Non
 
 def test_scheduler_under_allocation_churn(nccl: RankPool) -> None:
     assert nccl.run(nc.scheduler_churn, 12, timeout=180) == [0.0]
+
+
+def test_onebitadam_standalone_on_cuda_matches_the_reference(nccl: RankPool) -> None:
+    from tests.gloo import onebit_adam_cases as oc
+
+    assert nccl.run(oc.standalone_matches_reference, "blocking", "cuda", timeout=120) == [oc.STEPS]
+
+
+def test_onebitadam_overlapped_on_cuda_matches_the_reference(nccl: RankPool) -> None:
+    """Momentum formed and 1-bit reduced on the side stream, rebuilt into exp_avg."""
+    from tests.gloo import onebit_adam_cases as oc
+
+    (parts,) = nccl.run(oc.overlapped_matches_reference, "blocking", "cuda", timeout=120)
+    assert len(parts) > 1

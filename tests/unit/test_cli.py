@@ -104,3 +104,37 @@ def test_torchrun_example() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "averaged over 2 ranks: [0.5, 1.5, 2.5, 3.5]" in out.stdout
+
+
+def test_bench_lm_trains_and_counts_bytes(tmp_path: Path) -> None:
+    """A few steps of the language-model benchmark: losses fall, 1-bit Adam sends far fewer
+    bytes after its freeze than in warm-up, and the plot is written."""
+    png = tmp_path / "lm.png"
+    out = run(
+        "bench",
+        "lm",
+        "--steps",
+        "12",
+        "--freeze-step",
+        "4",
+        "--variant",
+        "ddp-adamw",
+        "--variant",
+        "overlap-onebitadam",
+        "--plot",
+        str(png),
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.stdout)}
+    for r in rows.values():
+        assert r["train_loss"][-1] < r["train_loss"][0] and r["held_out_loss"] < 5.5
+    ob = rows["overlap-onebitadam"]
+    assert ob["bytes_after_freeze_step"] * 16 < ob["bytes_warmup_step"]
+    assert ob["bytes_warmup_step"] >= ob["fp32_bytes"]
+    assert png.stat().st_size > 10_000
+
+
+def test_bench_lm_rejects_a_freeze_past_the_end() -> None:
+    out = run("bench", "lm", "--steps", "10", "--freeze-step", "10")
+    assert out.returncode == 2 and "--freeze-step 10" in out.stdout

@@ -1,0 +1,270 @@
+"""``overlap bench lm``: does a compressed optimizer train a language model as well as DDP?
+
+A small GPT-style byte-level transformer trained on real English text that ships with
+Python (the ``pydoc_data.topics`` help texts, about 465 KB: 90% train, 10% held out), on W
+gloo ranks, each rank drawing its own batches. Every variant starts from the same weights
+and sees the same batches, one variant after the other:
+
+* ``ddp-adamw``: DDP with torch's AdamW (fp32 allreduce every step), the baseline;
+* ``overlap-onebitadam``: :class:`overlap.OneBitAdam` overlapped by a BucketScheduler;
+* ``overlap-onebitadam-bc``: the same with ``bias_correction=True`` (AdamW's correction);
+* ``onebitadam-serial``: OneBitAdam standalone (``step()`` communicates, as DeepSpeed);
+* ``overlap-onebit-adamw``: raw-gradient 1-bit (``OneBit``) under AdamW, for comparison;
+* ``onebitadam-nofreeze``: OneBitAdam that never freezes: the same Adam (no bias correction)
+  with an fp32 allreduce every step, so the compression's own effect shows apart from the
+  optimizer's.
+
+Reported per variant: the training loss per step (averaged over ranks), the held-out loss
+at the end, the wall time, and the bytes issued per step before and after the freeze as the
+comm observer sees them (each op's payload; DDP's are counted as its fp32 allreduce).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LM_VARIANTS", "TinyGPT", "bench_lm_rank", "corpus"]
+
+LM_VARIANTS = [
+    "ddp-adamw",
+    "onebitadam-nofreeze",
+    "overlap-onebitadam",
+    "overlap-onebitadam-bc",
+    "onebitadam-serial",
+    "overlap-onebit-adamw",
+]
+
+
+def corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) byte tensors of the pydoc topics text, split 90/10."""
+    import pydoc_data.topics as topics
+
+    text = "\n".join(topics.topics[k] for k in sorted(topics.topics)).encode("utf-8")
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    cut = int(len(data) * 0.9)
+    return data[:cut], data[cut:]
+
+
+class TinyGPT(nn.Module):
+    """A pre-norm GPT: byte embeddings, learned positions, causal self-attention blocks."""
+
+    mask: torch.Tensor
+
+    def __init__(self, layers: int = 4, width: int = 256, heads: int = 4, seq: int = 128) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(256, width)
+        self.pos = nn.Parameter(torch.zeros(seq, width))
+        block = nn.TransformerEncoderLayer(
+            width,
+            heads,
+            4 * width,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 256, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok(x) + self.pos[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        out: torch.Tensor = self.head(self.norm(h))
+        return out
+
+
+def _batch(data: torch.Tensor, gen: torch.Generator, batch: int, seq: int) -> torch.Tensor:
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+    return torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+
+
+def _loss(model: nn.Module, xy: torch.Tensor) -> torch.Tensor:
+    logits = model(xy[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, 256), xy[:, 1:].reshape(-1))
+
+
+def _setup(name: str, model: nn.Module, lr: float, freeze: int) -> tuple[Any, Any, Any]:
+    """(forward module, optimizer, scheduler) for one variant."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from overlap import BucketScheduler, OneBit, OneBitAdam
+
+    if name == "ddp-adamw":
+        return DDP(model), torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), None
+    if name == "overlap-onebit-adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        return model, opt, BucketScheduler(model, compression=OneBit(warmup_steps=freeze))
+    if name == "onebitadam-nofreeze":
+        return model, OneBitAdam(model.parameters(), lr=lr, freeze_step=1 << 30), None
+    bc = name.endswith("-bc")
+    adam = OneBitAdam(model.parameters(), lr=lr, freeze_step=freeze, bias_correction=bc)
+    if name.startswith("overlap-onebitadam"):
+        return model, adam, BucketScheduler(model, optimizer=adam)
+    return model, adam, None
+
+
+def bench_lm_rank(
+    variants: list[str],
+    steps: int,
+    freeze: int,
+    lr: float = 1e-3,
+    batch: int = 16,
+    seq: int = 64,
+    layers: int = 2,
+    width: int = 128,
+    eval_batches: int = 8,
+) -> list[dict[str, Any]]:
+    """Train each variant for ``steps`` steps on this rank; rank 0's rows are the result."""
+    from overlap import comm
+    from overlap.comm import hooks
+
+    torch.set_num_threads(1)
+    rank, w = comm.get_rank(), comm.get_world_size()
+    train, held = corpus()
+    evals = _batch(held, torch.Generator().manual_seed(12345), eval_batches * batch, seq)
+    rows = []
+    for name in variants:
+        torch.manual_seed(0)
+        model = TinyGPT(layers, width, seq=seq)
+        nparams = sum(p.numel() for p in model.parameters())
+        fwd, opt, sched = _setup(name, model, lr, freeze)
+        sent = [0]
+
+        def observe(
+            op: str, t0: int, t1: int, nbytes: int, *rest: Any, box: list[int] = sent
+        ) -> None:
+            if not op.startswith("bucket"):  # a scheduler bucket: its ops are counted
+                box[0] += nbytes
+
+        hooks.set_observer(observe)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        losses, per_step = [], []
+        comm.barrier()
+        t0 = time.perf_counter()
+        try:
+            for _ in range(steps):
+                xy = _batch(train, gen, batch, seq)
+                start = sent[0]
+                opt.zero_grad()
+                loss = _loss(fwd, xy)
+                loss.backward()  # type: ignore[no-untyped-call]
+                if sched is not None:
+                    sched.synchronize()
+                opt.step()
+                per_step.append(sent[0] - start)
+                losses.append(float(loss.detach()))
+        finally:
+            hooks.set_observer(None)
+            if sched is not None:
+                sched.remove()
+        wall = time.perf_counter() - t0
+        with torch.no_grad():
+            held_loss = float(
+                sum(
+                    float(_loss(model, evals[i * batch : (i + 1) * batch]))
+                    for i in range(eval_batches)
+                )
+                / eval_batches
+            )
+        mean = torch.tensor(losses, dtype=torch.float64)
+        comm.all_reduce(mean, op="avg")
+        fp32 = nparams * 4
+        if name == "ddp-adamw":
+            per_step = [fp32] * steps  # DDP's own allreduce: the observer does not see it
+        warm = per_step[:freeze]
+        late = per_step[freeze + 1 :] or per_step[-1:]
+        rows.append(
+            {
+                "variant": name,
+                "params": nparams,
+                "world": w,
+                "steps": steps,
+                "freeze_step": freeze,
+                "lr": lr,
+                "batch": batch,
+                "seq": seq,
+                "train_loss": [round(x, 4) for x in mean.tolist()],
+                "final_train_loss": float(mean[-20:].mean()),
+                "held_out_loss": held_loss,
+                "wall_s": wall,
+                "bytes_warmup_step": sum(warm) / max(1, len(warm)),
+                "bytes_after_freeze_step": sum(late) / max(1, len(late)),
+                "fp32_bytes": fp32,
+            }
+        )
+    return rows
+
+
+def plot_lm(rows: list[dict[str, Any]], out: str) -> str:
+    """Training-loss curves (20-step moving average) of ``rows`` to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        xs = r["train_loss"]
+        k = 20
+        smooth = [
+            sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1])
+            for i in range(len(xs))
+        ]
+        ax.plot(
+            range(1, len(xs) + 1),
+            smooth,
+            label=f"{r['variant']} (held-out {r['held_out_loss']:.3f})",
+        )
+    f = rows[0]["freeze_step"]
+    ax.axvline(f, color="grey", linestyle=":", label=f"freeze_step {f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (20-step mean, nats/byte)")
+    ax.set_title(
+        f"TinyGPT {rows[0]['params'] / 1e6:.1f}M params, {rows[0]['world']} ranks, "
+        f"batch {rows[0]['batch']}x{rows[0]['seq']} bytes per rank"
+    )
+    ax.set_ylim(
+        bottom=max(0.0, min(min(r["train_loss"]) for r in rows) - 0.2), top=math.log(256) * 0.75
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main_lm(argv: list[str] | None = None) -> None:
+    """``python -m overlap.bench.lm VARIANTS STEPS FREEZE WORLD LR LAYERS WIDTH``: prints
+    RESULT."""
+    import json
+    import sys
+
+    from overlap.testing import RankPool
+
+    a = sys.argv[1:] if argv is None else argv
+    with RankPool(int(a[3]), timeout=7200) as pool:
+        rows = pool.run(
+            bench_lm_rank,
+            a[0].split(","),
+            int(a[1]),
+            int(a[2]),
+            float(a[4]),
+            16,
+            64,
+            int(a[5]),
+            int(a[6]),
+            timeout=7200,
+        )[0]
+    sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main_lm()
