@@ -26,7 +26,7 @@ from overlap.comm import state
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle, HandleState
 from overlap.comm.init import destroy_process_group, init_distributed
-from overlap.comm.p2p import P2POp
+from overlap.comm.p2p import P2POp, check_tag
 from overlap.comm.reduce_op import ReduceOp
 
 __all__ = [
@@ -279,17 +279,25 @@ def barrier(group: Any = None, async_op: bool = False) -> Any:
 # -------------------------------------------------------------------------- point to point
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until it is handed over."""
+    if tag:
+        check_tag(tag)
     state.active().send(tensor, dst, group, tag)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
     """Receive into ``tensor`` from ``src`` (any rank if None); returns the sender's rank."""
+    if tag:
+        check_tag(tag)
     r: int = state.active().recv(tensor, src, group, tag)
     return r
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
-    """Start sending ``tensor`` to ``dst``; the Handle resolves to ``tensor``."""
+    """Start sending ``tensor`` to ``dst``; the Handle resolves to ``tensor``.
+
+    Tags 20000-29999 are reserved (overlap's ring and naive allreduce use them)."""
+    if tag:
+        check_tag(tag)
     h: Handle = state.active().isend(tensor, dst, group, tag)
     return h
 
@@ -300,6 +308,8 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
     To give up waiting, time out the *await* (``asyncio.wait_for``) or pass a timeout to
     ``wait``: the receive itself stays posted and keeps the tensor.
     """
+    if tag:
+        check_tag(tag)
     h: Handle = state.active().irecv(tensor, src, group, tag)
     return h
 
@@ -309,5 +319,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[Any]) -> list[Handle]:
 
     Takes :class:`P2POp` (``torch.distributed.P2POp`` works too).
     """
+    for p in p2p_op_list:
+        check_tag(getattr(p, "tag", 0) or 0)
     handles: list[Handle] = state.active().batch_isend_irecv(p2p_op_list)
     return handles

@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
+from overlap.comm.p2p import RESERVED_TAGS
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
 from overlap.comm.steps import Steps
 
 __all__ = ["ALGORITHMS", "naive_steps", "ring_steps"]
 
-_TAG_BASE = 20_000
-_TAG_SPAN = 10_000  # stays below MPI's guaranteed tag bound (32767)
+_TAG_BASE = RESERVED_TAGS.start
+_TAG_SPAN = len(RESERVED_TAGS)  # stays below MPI's guaranteed tag bound (32767)
 _counters: dict[tuple[int, ...], itertools.count[int]] = {}
 
 _REDUCE: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {
@@ -60,6 +61,14 @@ def _setup(tensor: Any, op: Any, group: Any) -> tuple[torch.Tensor, ReduceOp, li
     return tensor.view(-1), rop, ranks, comm.get_rank(group)
 
 
+def _backend() -> Any:
+    """The active backend: the ring's messages use the reserved tags, which the public
+    isend/irecv refuse."""
+    from overlap.comm import state
+
+    return state.active()
+
+
 def _next_tag(ranks: list[int]) -> int:
     counter = _counters.setdefault(tuple(ranks), itertools.count())
     return _TAG_BASE + next(counter) % _TAG_SPAN
@@ -67,7 +76,6 @@ def _next_tag(ranks: list[int]) -> int:
 
 def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Steps:
     """Ring allreduce of ``tensor`` in place; returns it."""
-    from overlap import comm
 
     flat, rop, ranks, r = _setup(tensor, op, group)
     w = len(ranks)
@@ -81,9 +89,9 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
     def exchange(send: torch.Tensor, recv: torch.Tensor) -> list[Any]:
         hs = []
         if recv.numel():
-            hs.append(comm.irecv(recv, src=prv, group=group, tag=tag))
+            hs.append(_backend().irecv(recv, prv, group, tag))
         if send.numel():
-            hs.append(comm.isend(send, dst=nxt, group=group, tag=tag))
+            hs.append(_backend().isend(send, nxt, group, tag))
         return hs
 
     # One receive buffer for every step: allocating a fresh one per step costs page faults
@@ -104,7 +112,6 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
 
 def naive_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Steps:
     """Reduce to the group's first rank, then send the result back; in place."""
-    from overlap import comm
 
     flat, rop, ranks, r = _setup(tensor, op, group)
     w = len(ranks)
@@ -114,18 +121,15 @@ def naive_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Ste
     root = ranks[0]
     if r == 0:
         incoming = [torch.empty_like(flat) for _ in range(w - 1)]
-        yield [
-            comm.irecv(buf, src=ranks[q + 1], group=group, tag=tag)
-            for q, buf in enumerate(incoming)
-        ]
+        yield [_backend().irecv(buf, ranks[q + 1], group, tag) for q, buf in enumerate(incoming)]
         for buf in incoming:  # rank order: a deterministic result
             _REDUCE[rop](flat, buf)
         if rop is ReduceOp.AVG:
             flat.div_(w)
-        yield [comm.isend(flat, dst=q, group=group, tag=tag) for q in ranks[1:]]
+        yield [_backend().isend(flat, q, group, tag) for q in ranks[1:]]
     else:
-        yield [comm.isend(flat, dst=root, group=group, tag=tag)]
-        yield [comm.irecv(flat, src=root, group=group, tag=tag)]
+        yield [_backend().isend(flat, root, group, tag)]
+        yield [_backend().irecv(flat, root, group, tag)]
     return tensor
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["GroupInfo", "NonMemberGroup", "resolve_group"]
+__all__ = ["GroupInfo", "NonMemberGroup", "forget_group", "resolve_group"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,8 @@ def resolve_group(group: Any) -> GroupInfo:
 
 def clear_cache() -> None:
     _cache.clear()
+
+
+def forget_group(pg: Any) -> None:
+    """Drop one group's cached info (it is being destroyed)."""
+    _cache.pop(pg, None)

@@ -238,13 +238,22 @@ def _init_mpi(timeout: float | None = None) -> None:
     )
 
 
-def destroy_process_group() -> None:
+def destroy_process_group(group: Any = None) -> None:
     """Leave the job: stop the waiter threads and destroy the default group. Idempotent.
 
     On gloo and NCCL, handles still in flight fail with CommError (their awaiters and
     waiters wake), and any handle of this job waited on later fails the same way: nothing is
     left waiting for an op that can no longer complete. (On MPI a pending op keeps the job
-    timeout's expiry: failing it early would free buffers MPI may still write into.)"""
+    timeout's expiry: failing it early would free buffers MPI may still write into.)
+
+    With ``group`` (one from :func:`new_group`), free that group only, as torch's and
+    DeepSpeed's ``destroy_process_group(group)``: its sockets and threads on gloo, its
+    communicator on MPI. Every member calls it, when it has no op in flight on the group.
+    """
+    if group is not None:
+        if state.is_active():
+            state.active().destroy_group(group)
+        return
     backend = state.clear()
     fail_in_flight()
     reset_pool()

@@ -177,6 +177,11 @@ class MpiBackend:
     def new_group(self, ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
         world = self.world.size
         ranks = list(range(world)) if ranks is None else [int(r) for r in ranks]
+        if not ranks:
+            raise ValueError(
+                "new_group: ranks is empty; pass the global ranks of the group's members "
+                "(or None for every rank)"
+            )
         bad = [r for r in ranks if not 0 <= r < world]
         if bad:
             raise ValueError(f"new_group: ranks {bad} are outside the world of {world} ranks")
@@ -197,6 +202,22 @@ class MpiBackend:
 
     def destroy(self) -> None:
         return None
+
+    def destroy_group(self, group: Any) -> None:
+        """Free one group's communicator (MPI_Comm_free; every member calls it)."""
+        if isinstance(group, NonMemberGroup):
+            return
+        if not isinstance(group, MpiGroup):
+            raise TypeError(
+                f"destroy_process_group(group) takes a group from new_group, got "
+                f"{type(group).__name__}; to leave the job call it with no group"
+            )
+        if group.comm is self.world.comm:
+            raise ValueError(
+                "destroy_process_group(group) frees a group from new_group; to leave the job "
+                "call destroy_process_group() with no group"
+            )
+        group.comm.Free()
 
     # ------------------------------------------------------------------------- helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:

@@ -10,6 +10,20 @@ import torch
 __all__ = ["P2POp"]
 
 
+# Tags of overlap's own point-to-point traffic (the ring and naive allreduce): the public
+# send/recv refuse them, so a user's receive can never take one of those messages.
+RESERVED_TAGS = range(20_000, 30_000)
+
+
+def check_tag(tag: int) -> None:
+    if tag in RESERVED_TAGS:
+        raise ValueError(
+            f"tag={tag} is reserved: tags {RESERVED_TAGS.start}-{RESERVED_TAGS.stop - 1} carry "
+            "overlap's ring and naive allreduce messages (all_reduce(algorithm=...)); use a tag "
+            "outside that range"
+        )
+
+
 @dataclass
 class P2POp:
     """A point-to-point op to batch: ``op`` is ``"isend"``/``"irecv"`` or the function itself.

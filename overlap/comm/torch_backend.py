@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm import hooks as _hooks
-from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, resolve_group
+from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, forget_group, resolve_group
 from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
@@ -67,6 +67,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# dtypes gloo refuses with a bare "Invalid scalar type" (measured, torch 2.13): refused here
+# first, naming the tensor and the fix.
+_GLOO_UNSUPPORTED = frozenset(
+    [torch.int16, torch.uint16, torch.uint32, torch.uint64]
+    + [getattr(torch, n) for n in dir(torch) if n.startswith("float8_")]
+)
+
+
 class TorchBackend:
     """deepspeed.comm-style ops over an initialised torch.distributed default group."""
 
@@ -75,6 +83,7 @@ class TorchBackend:
         self.device_type = "cuda" if name == "nccl" else "cpu"
         self._cpu = name != "nccl"
         self._native_avg = name == "nccl"
+        self._bad_dtypes = _GLOO_UNSUPPORTED if name == "gloo" else frozenset()
         # The job's timeout (init_distributed(timeout=...)): every group made here gets it,
         # instead of torch's 30-minute default for new_group.
         self.timeout = timeout
@@ -104,6 +113,11 @@ class TorchBackend:
         if ranks is None:
             ranks = list(range(world))
         ranks = [int(r) for r in ranks]
+        if not ranks:
+            raise ValueError(
+                "new_group: ranks is empty; pass the global ranks of the group's members "
+                "(or None for every rank)"
+            )
         bad = [r for r in ranks if not 0 <= r < world]
         if bad:
             raise ValueError(f"new_group: ranks {bad} are outside the world of {world} ranks")
@@ -123,6 +137,18 @@ class TorchBackend:
     def destroy(self) -> None:
         clear_cache()
 
+    def destroy_group(self, group: Any) -> None:
+        """Free one group from new_group (torch's destroy_process_group(group))."""
+        if isinstance(group, NonMemberGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
+            return  # nothing was made on this rank
+        if group is dist.group.WORLD:
+            raise ValueError(
+                "destroy_process_group(group) frees a group from new_group; to leave the job "
+                "call destroy_process_group() with no group"
+            )
+        forget_group(group)
+        dist.destroy_process_group(group)
+
     # ------------------------------------------------------------------------- helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:
         """The tensor to hand to torch: ``t`` itself, or a detached view of it when it
@@ -134,13 +160,28 @@ class TorchBackend:
             and (t.is_cpu if self._cpu else t.is_cuda)
             and t.layout is _strided
             and t.is_contiguous()
+            and t.dtype not in self._bad_dtypes
         ):
             return t.detach() if t.requires_grad else t
         checked = check_tensor(t, name, self.device_type, self.name)
+        self._check_dtype(checked, name)
         return checked.detach() if checked.requires_grad else checked
 
+    def _check_dtype(self, t: torch.Tensor, name: str) -> None:
+        if t.dtype in self._bad_dtypes:
+            wider = "torch.int32" if "int" in str(t.dtype) else "torch.float16"
+            raise TypeError(
+                f"{name} is {t.dtype}, which gloo cannot send or reduce; convert it "
+                f"({name}.to({wider}), or .view(torch.uint8) for ops that only move bytes), "
+                "or use the MPI backend"
+            )
+
     def _ts(self, ts: Any, name: str, length: int | None = None) -> list[torch.Tensor]:
-        return check_tensor_list(ts, name, self.device_type, self.name, length)
+        out = check_tensor_list(ts, name, self.device_type, self.name, length)
+        if self._bad_dtypes:
+            for i, t in enumerate(out):
+                self._check_dtype(t, f"{name}[{i}]")
+        return out
 
     def _launch(
         self,

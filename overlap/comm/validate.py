@@ -95,7 +95,19 @@ def check_like(ts: Sequence[torch.Tensor], ref: torch.Tensor, name: str, ref_nam
             )
 
 
+def _no_scalar(op: str, **ts: torch.Tensor) -> None:
+    """Gathered and scattered tensors are split along dim 0: a 0-dim tensor has none (gloo
+    crashed the process on one: SIGSEGV, torch 2.13)."""
+    for name, t in ts.items():
+        if t.dim() == 0:
+            raise ValueError(
+                f"{op}: {name} is a 0-dim tensor, which cannot be split across ranks; pass "
+                f"{name}.reshape(1)"
+            )
+
+
 def check_gathered_size(out: torch.Tensor, inp: torch.Tensor, size: int) -> None:
+    _no_scalar("all_gather_into_tensor", output_tensor=out, input_tensor=inp)
     if out.numel() != inp.numel() * size:
         raise ValueError(
             f"all_gather_into_tensor: output has {out.numel()} elements, expected "
@@ -106,6 +118,7 @@ def check_gathered_size(out: torch.Tensor, inp: torch.Tensor, size: int) -> None
 
 
 def check_reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, size: int) -> None:
+    _no_scalar("reduce_scatter", output=out, input=inp)
     if inp.numel() != out.numel() * size:
         raise ValueError(
             f"reduce_scatter: input has {inp.numel()} elements, which is not "

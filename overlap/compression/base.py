@@ -107,12 +107,17 @@ class Compressor(ABC):
         if isinstance(state, dict):
             state.clear()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; ValueError if it belongs to another setup."""
+    def check_state(self, state: dict[str, Any]) -> None:
+        """ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing (the
+        scheduler checks before it applies anything, so a refused load is atomic)."""
         if state.get("name") != self.name:
             raise ValueError(
                 f"this state is for the {state.get('name')!r} compressor, not {self.name!r}"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; ValueError if it belongs to another setup."""
+        self.check_state(state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

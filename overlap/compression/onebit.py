@@ -377,8 +377,9 @@ class OneBit(Compressor):
             self._world = w
         elif self._world != w:
             raise ValueError(
-                f"this OneBit was used with {self._world} ranks, now {w}: its "
-                "error feedback is laid out per rank; use a fresh OneBit"
+                f"this OneBit's state is for {self._world} ranks but its group has {w}: its "
+                "error feedback is laid out per rank; resume on the same number of ranks or "
+                "use a fresh OneBit"
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -405,25 +406,33 @@ class OneBit(Compressor):
         return {
             "name": self.name,
             "world_size": self._world,
+            "per_tensor_scales": self.per_tensor_scales,
             "warmup_steps": self.warmup_steps,
             "skipped_steps": self.skipped_steps,
             "state": out,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a state of another compressor, another ``per_tensor_scales``, another
+        world size than this OneBit already runs on, or with error buffers that do not fit."""
         if state.get("name") != self.name:
             raise ValueError(
                 f"this state is for the {state.get('name')!r} compressor, not 'onebit'"
             )
+        saved_pts = state.get("per_tensor_scales")
+        if saved_pts is not None and bool(saved_pts) != self.per_tensor_scales:
+            raise ValueError(
+                f"this OneBit state was saved with per_tensor_scales={bool(saved_pts)} but this "
+                f"OneBit has per_tensor_scales={self.per_tensor_scales}: its error feedback is "
+                f"laid out for the other; build OneBit(per_tensor_scales={bool(saved_pts)})"
+            )
         saved_w = state.get("world_size")
-        if comm.is_initialized() and saved_w is not None:
-            w = comm.get_world_size()
-            if saved_w != w:
-                raise ValueError(
-                    f"this OneBit state was saved on {saved_w} ranks but this job has {w}: "
-                    "error-feedback buffers are laid out per rank and cannot be resharded; "
-                    "resume on the same number of ranks or start a fresh OneBit"
-                )
+        if saved_w is not None and self._world is not None and saved_w != self._world:
+            raise ValueError(
+                f"this OneBit state was saved on {saved_w} ranks but this OneBit runs on "
+                f"{self._world}: error-feedback buffers are laid out per rank and cannot be "
+                "resharded; resume on the same number of ranks or start a fresh OneBit"
+            )
         for k, v in state["state"].items():
             if v["worker_error"] is not None and saved_w:
                 P = padded_numel(v["numel"], saved_w)
@@ -432,6 +441,12 @@ class OneBit(Compressor):
                         f"bucket {k!r}: error buffers do not match {v['numel']} "
                         f"elements on {saved_w} ranks; the state is corrupt"
                     )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. The world size is checked against the group at the
+        first reduction (a OneBit does not know its group before), not against the world."""
+        self.check_state(state)
+        saved_w = state.get("world_size")
         self._world = saved_w
         self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
         self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -169,13 +169,16 @@ class PowerSGD(Compressor):
             },
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
         if state.get("rank") != self.rank:
             raise ValueError(
                 f"this state was made with rank {state.get('rank')}, this "
                 f"PowerSGD has rank {self.rank}"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.start_iter = int(state.get("start_iter", self.start_iter))
         self.state = {
             k: {

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -43,6 +44,17 @@ __all__ = ["BucketScheduler"]
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
+
+# What live (not removed) schedulers hold: each parameter is hooked by at most one, and each
+# compressor's per-bucket state belongs to at most one. Keyed by id() with a weak reference
+# to the object itself (tensors compare elementwise, so they cannot be dict keys), so a
+# recycled id is never mistaken for a held object.
+_HELD: dict[int, tuple[weakref.ref[Any], BucketScheduler]] = {}
+
+
+def _holder(obj: Any) -> BucketScheduler | None:
+    entry = _HELD.get(id(obj))
+    return entry[1] if entry is not None and entry[0]() is obj else None
 
 
 def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
@@ -159,6 +171,29 @@ class BucketScheduler:
             )
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
+        if gradient_as_bucket_view and reduce_dtype is not None:
+            other = sorted({str(p.dtype) for p in self.params if p.dtype != reduce_dtype})
+            if other:
+                raise ValueError(
+                    f"gradient_as_bucket_view=True makes each .grad a view into its bucket, "
+                    f"so the bucket must have the gradient's dtype, but reduce_dtype is "
+                    f"{reduce_dtype} and some parameters are {', '.join(other)}: drop one of "
+                    "the two options"
+                )
+        if getattr(optimizer, "_sched", None) is not None:
+            optimizer._attach(self)  # raises: it names the scheduler that already holds it
+        if any(_holder(p) is not None for p in self.params):
+            raise ValueError(
+                "these parameters are already reduced by another BucketScheduler that was "
+                "not removed: call remove() on it before building a new one (two schedulers "
+                "would reduce every gradient twice)"
+            )
+        if compression is not None and _holder(compression) is not None:
+            raise ValueError(
+                f"this {type(compression).__name__} is already used by another "
+                "BucketScheduler: a compressor keeps per-bucket state (error feedback), so "
+                "give each scheduler its own (or remove() the other one first)"
+            )
         self.device = self.params[0].device
         backend = comm.get_backend()
         want = "cuda" if backend == "nccl" else None
@@ -175,10 +210,17 @@ class BucketScheduler:
         self.world = len(ranks)
         self.group = comm.new_group(ranks)  # the buckets' collectives
         self.ctrl = comm.new_group(ranks)  # the per-step used-parameter mask, the rebuild
+        self._groups_owned = [self.group, self.ctrl]  # freed by remove()
         self.reduce_dtype = reduce_dtype
         self.optimizer = optimizer
-        if optimizer is not None:
-            compression = self._optimizer_reduction(optimizer, compression, average, ranks)
+        try:  # a refusal (the same on every rank) frees the groups just made
+            self._check_same_model()
+            if optimizer is not None:
+                compression = self._optimizer_reduction(optimizer, compression, average, ranks)
+        except BaseException:
+            for g in self._groups_owned:
+                comm.destroy_process_group(g)
+            raise
         self.compression = compression if compression is not None else NoCompression()
         self.average = average
         self.grad_as_view = gradient_as_bucket_view
@@ -192,7 +234,6 @@ class BucketScheduler:
 
             if current() is None:
                 tracer.attach()
-        self._check_same_model()
         self._pidx = {id(p): i for i, p in enumerate(self.params)}
         self._set_buckets(
             assign_buckets(list(reversed(self.params)), self.cap, self.first_cap, reduce_dtype)
@@ -214,6 +255,8 @@ class BucketScheduler:
             p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
             for p in self.params
         ]
+        for obj in [*self.params, self.compression]:
+            _HELD[id(obj)] = (weakref.ref(obj), self)
 
     # ----------------------------------------------------------------------- structure
     def _optimizer_reduction(
@@ -618,6 +661,12 @@ class BucketScheduler:
                 "this scheduler state belongs to a model with other parameter "
                 "shapes; load it into the same model"
             )
+        if sorted(i for lay in state["layout"] for i in lay) != list(range(len(self.params))):
+            raise ValueError(
+                "this scheduler state's bucket layout does not cover this model's parameters "
+                "once each; the state is corrupt or belongs to another model"
+            )
+        self.compression.check_state(state["compression"])  # refuse before changing anything
         self._set_buckets(
             assign_buckets(
                 [self.params[i] for lay in state["layout"] for i in lay],
@@ -644,13 +693,23 @@ class BucketScheduler:
         return out
 
     def remove(self) -> None:
-        """Remove every hook and stop the worker; the parameters are left as they are."""
+        """Remove every hook, stop the worker and free the scheduler's two process groups
+        (their sockets and threads); the parameters are left as they are. The parameters and
+        the compressor (or optimizer) can then be given to a new scheduler. Idempotent.
+        Every rank calls it (freeing a group is collective), at a step boundary."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
         self._launcher.close()
+        for obj in [*self.params, self.compression]:
+            if _holder(obj) is self:
+                del _HELD[id(obj)]
         if self.optimizer is not None:
             self.optimizer._detach(self)
+        groups, self._groups_owned = self._groups_owned, []
+        if groups and comm.is_initialized():
+            for g in groups:
+                comm.destroy_process_group(g)
 
     def __repr__(self) -> str:
         return (

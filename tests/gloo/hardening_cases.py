@@ -147,3 +147,150 @@ def debug_enabled() -> bool:
     from overlap.comm import debug
 
     return debug.enabled()
+
+
+def _os_resources() -> tuple[int, int]:
+    """(open file descriptors, OS threads) of this process."""
+    import os
+
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def scheduler_lifecycle(cycles: int) -> dict[str, Any]:
+    """(14) a second scheduler over hooked parameters is refused until remove(); (18) a
+    compressor is owned by one live scheduler; (15) build/step/remove cycles release their
+    groups and threads."""
+    from torch import nn
+
+    from overlap import BucketScheduler, OneBit
+
+    out: dict[str, Any] = {}
+    lin = nn.Linear(4, 3)
+
+    def step(s: BucketScheduler, model: nn.Linear) -> None:
+        model(torch.ones(2, model.in_features)).sum().backward()
+        s.synchronize()
+
+    s1 = BucketScheduler(lin)
+    try:
+        BucketScheduler(lin)
+        out["second"] = "no error"
+    except ValueError as e:
+        out["second"] = str(e)
+    step(s1, lin)  # the first one is unharmed by the refusal
+    s1.remove()
+    s1.remove()  # idempotent
+    comp = OneBit()
+    s2 = BucketScheduler(lin, compression=comp)
+    other = nn.Linear(2, 2)
+    try:
+        BucketScheduler(other, compression=comp)
+        out["shared_compressor"] = "no error"
+    except ValueError as e:
+        out["shared_compressor"] = str(e)
+    s2.remove()
+    s3 = BucketScheduler(other, compression=comp)  # free again after remove()
+    step(s3, other)
+    s3.remove()
+    step_model = nn.Linear(4, 3)
+    s = BucketScheduler(step_model)  # warm everything up once
+    step(s, step_model)
+    s.remove()
+    before = _os_resources()
+    for _ in range(cycles):
+        s = BucketScheduler(step_model)
+        step(s, step_model)
+        s.remove()
+    out["before"], out["after"] = before, _os_resources()
+    return out
+
+
+def checkpoint_refusals() -> dict[str, Any]:
+    """(11) a sub-group OneBit state restores; a refused scheduler load changes nothing; a
+    per-tensor state does not load into per_tensor_scales=False."""
+    from torch import nn
+
+    from overlap import BucketScheduler, OneBit, PowerSGD
+
+    out: dict[str, Any] = {}
+    r = comm.get_rank()
+    sub = comm.new_group([0, 1])
+    if r in (0, 1):
+        ob = OneBit()
+        ob.reduce("k", torch.arange(10.0) * (r + 1), group=sub)
+        again = OneBit()
+        again.load_state_dict(ob.state_dict())  # saved on the 2-rank sub-group of 3
+        x = torch.arange(10.0)
+        again.reduce("k", x, group=sub)
+        out["subgroup"] = "ok"
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    s = BucketScheduler(m, compression=OneBit(), bucket_cap_mb=1e-4, first_bucket_mb=1e-4)
+    m(torch.ones(2, 4)).sum().backward()
+    s.synchronize()
+    before = s.state_dict()
+    bad = dict(before)
+    bad["compression"] = PowerSGD().state_dict()
+    bad["layout"] = list(reversed(before["layout"]))
+    bad["step"] = 99
+    try:
+        s.load_state_dict(bad)
+        out["atomic"] = "no error"
+    except ValueError as e:
+        out["atomic"] = str(e)
+    after = s.state_dict()
+    out["unchanged"] = after["layout"] == before["layout"] and after["step"] == before["step"]
+    s.remove()
+    try:
+        OneBit(per_tensor_scales=False).load_state_dict(before["compression"])
+        out["per_tensor"] = "no error"
+    except ValueError as e:
+        out["per_tensor"] = str(e)
+    return out
+
+
+def call_errors() -> dict[str, str]:
+    """(13, 19, 20) errors that name the call and its fix, raised on every rank before
+    anything is sent; the group is still in step afterwards."""
+    from torch import nn
+
+    from overlap import BucketScheduler
+
+    out: dict[str, str] = {}
+
+    def catch(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    r = comm.get_rank()
+    catch("int16", lambda: comm.all_reduce(torch.ones(2, dtype=torch.int16)))
+    catch("uint32_list", lambda: comm.all_gather(torch.ones(2, dtype=torch.uint32)))
+    catch("float8", lambda: comm.broadcast(torch.zeros(2, dtype=torch.float8_e4m3fn), src=0))
+    catch(
+        "scalar_gather",
+        lambda: comm.all_gather_into_tensor(torch.zeros(2), torch.tensor(1.0)),
+    )
+    catch("scalar_scatter", lambda: comm.reduce_scatter(torch.tensor(0.0), torch.arange(2.0)))
+    catch("empty_group", lambda: comm.new_group([]))
+    catch("reserved_tag", lambda: comm.isend(torch.ones(1), dst=1 - r, tag=20000))
+    bf16 = nn.Linear(2, 2).to(torch.bfloat16)
+    catch(
+        "view_and_reduce_dtype",
+        lambda: BucketScheduler(bf16, reduce_dtype=torch.float32, gradient_as_bucket_view=True),
+    )
+    t = torch.ones(3)
+    comm.all_reduce(t)  # still in step
+    out["after"] = str(t.tolist())
+    # the ring still works with its reserved tags, and a user tag just below them too
+    x = torch.full((5,), float(r + 1))
+    comm.all_reduce(x, algorithm="ring")
+    h = comm.isend(torch.full((1,), 7.0), dst=1 - r, tag=19999)
+    y = torch.zeros(1)
+    comm.irecv(y, src=1 - r, tag=19999).wait(timeout=30)
+    h.wait(timeout=30)
+    out["ring"] = str(x.tolist())
+    out["user_tag"] = str(y.tolist())
+    return out

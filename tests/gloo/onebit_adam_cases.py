@@ -405,9 +405,14 @@ def refusals() -> dict[str, str]:
     opt = OneBitAdam(lin.parameters(), freeze_step=2)
     s1 = BucketScheduler(lin, optimizer=opt)
     catch("two_schedulers", lambda: BucketScheduler(lin, optimizer=opt))
+    lin2 = nn.Linear(3, 2)
     catch(
         "with_compression",
-        lambda: BucketScheduler(lin, optimizer=opt, compression=overlap.OneBit()),
+        lambda: BucketScheduler(
+            lin2,
+            optimizer=OneBitAdam(lin2.parameters(), freeze_step=2),
+            compression=overlap.OneBit(),
+        ),
     )
     catch("step_without_sync", opt.step)
     s1.remove()

@@ -40,3 +40,48 @@ def test_last_skipped_covers_every_bucket(pools: Callable[[int], RankPool]) -> N
 
 def test_spawn_ranks_env_enables_debug_mode() -> None:
     assert spawn_ranks(hc.debug_enabled, 1, env={"OVERLAP_DEBUG": "1"}, timeout=60) == [True]
+
+
+def test_scheduler_lifecycle_refusals_and_release(pools: Callable[[int], RankPool]) -> None:
+    cycles = 30
+    for out in pools(2).run(hc.scheduler_lifecycle, cycles, timeout=180):
+        assert out["second"].startswith("these parameters are already reduced by another"), out
+        assert "call remove() on it" in out["second"]
+        assert out["shared_compressor"].startswith("this OneBit is already used by another"), out
+        (fd0, th0), (fd1, th1) = out["before"], out["after"]
+        # 0.1.0: +10 fds and +5 threads per cycle (two gloo groups never freed)
+        assert fd1 - fd0 <= 4 and th1 - th0 <= 2, out
+
+
+def test_checkpoint_refusals_are_atomic_and_subgroups_restore(
+    pools: Callable[[int], RankPool],
+) -> None:
+    res = pools(3).run(hc.checkpoint_refusals, timeout=120)
+    assert res[0]["subgroup"] == res[1]["subgroup"] == "ok"
+    for out in res:
+        assert out["atomic"].startswith("this state is for the 'powersgd' compressor"), out
+        assert out["unchanged"], out
+        assert "saved with per_tensor_scales=True" in out["per_tensor"], out
+
+
+def test_errors_name_the_call_and_the_group_stays_in_step(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for out in pools(2).run(hc.call_errors, timeout=120):
+        assert out["int16"].startswith("TypeError: tensor is torch.int16, which gloo cannot"), out
+        assert out["uint32_list"].startswith("TypeError: tensor is torch.uint32"), out
+        assert out["float8"].startswith("TypeError: tensor is torch.float8_e4m3fn"), out
+        assert out["scalar_gather"].startswith(
+            "ValueError: all_gather_into_tensor: input_tensor is a 0-dim tensor"
+        ), out
+        assert out["scalar_scatter"].startswith(
+            "ValueError: reduce_scatter: output is a 0-dim tensor"
+        ), out
+        assert out["empty_group"].startswith("ValueError: new_group: ranks is empty"), out
+        assert out["reserved_tag"].startswith("ValueError: tag=20000 is reserved"), out
+        assert out["view_and_reduce_dtype"].startswith(
+            "ValueError: gradient_as_bucket_view=True makes each .grad a view"
+        ), out
+        assert out["after"] == "[2.0, 2.0, 2.0]"
+        assert out["ring"] == "[3.0, 3.0, 3.0, 3.0, 3.0]"
+        assert out["user_tag"] == "[7.0]"

@@ -71,7 +71,7 @@ def test_restore_into_another_world_size_or_model_is_refused(
     res = pools(3).run(sc.restore_elsewhere, states, timeout=60)
     for out in res:
         assert "saved on 2 ranks but this group has 3" in out["sched"], out
-        assert "saved on 2 ranks but this job has 3" in out["onebit"], out
+        assert "state is for 2 ranks but its group has 3" in out["onebit"], out
         assert "other parameter shapes" in out["shapes"], out
 
 
