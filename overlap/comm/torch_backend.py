@@ -38,6 +38,8 @@ from overlap.comm.validate import (
     check_tensor,
     check_tensor_list,
     nbytes_of,
+    root_refusal,
+    scratch_like,
 )
 from overlap.comm.waiters import TorchOp
 from overlap.errors import CommError
@@ -482,9 +484,15 @@ class TorchBackend:
         check_peer(dst, "dst", info.ranks, info.name)
         outs: list[torch.Tensor] | None = None
         if dist.get_rank() == dst:
-            check_root_list(gather_list, "gather_list", "gather", "destination", dst, info.size)
-            outs = self._ts(gather_list, "gather_list", info.size)
-            check_like(outs, t, "gather_list", "tensor")
+            try:
+                check_root_list(gather_list, "gather_list", "gather", "destination", dst, info.size)
+                outs = self._ts(gather_list, "gather_list", info.size)
+                check_like(outs, t, "gather_list", "tensor")
+            except (TypeError, ValueError) as exc:
+                scratch = scratch_like(t, info.size)
+                raise root_refusal(
+                    exc, "gather", lambda: dist.gather(t, scratch, dst=dst, group=info.pg)
+                ) from None
         return self._launch(
             "gather",
             info,
@@ -507,9 +515,17 @@ class TorchBackend:
         check_peer(src, "src", info.ranks, info.name)
         ins: list[torch.Tensor] | None = None
         if dist.get_rank() == src:
-            check_root_list(scatter_list, "scatter_list", "scatter", "source", src, info.size)
-            ins = self._ts(scatter_list, "scatter_list", info.size)
-            check_like(ins, t, "scatter_list", "tensor")
+            try:
+                check_root_list(scatter_list, "scatter_list", "scatter", "source", src, info.size)
+                ins = self._ts(scatter_list, "scatter_list", info.size)
+                check_like(ins, t, "scatter_list", "tensor")
+            except (TypeError, ValueError) as exc:
+                scratch = scratch_like(t, info.size)
+                raise root_refusal(
+                    exc,
+                    "scatter",
+                    lambda: dist.scatter(torch.empty_like(t), scratch, src=src, group=info.pg),
+                ) from None
         return self._launch(
             "scatter",
             info,

@@ -156,6 +156,24 @@ def check_splits(t: torch.Tensor, splits: Sequence[int] | None, name: str, size:
     return [int(s) for s in splits]
 
 
+def scratch_like(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """n stand-ins for ``t``: NaN for floating point (so misuse shows), zeros otherwise."""
+    fill = float("nan") if t.is_floating_point() or t.is_complex() else 0
+    return [torch.full_like(t, fill) for _ in range(n)]
+
+
+def root_refusal(exc: Exception, op: str, take_part: Any) -> Exception:
+    """A bad argument only the root can see (its gather/scatter list): the other ranks have
+    issued the collective already, so the root takes part with scratch buffers (``take_part``,
+    blocking) before raising; the group stays in step. Returns the error to raise."""
+    take_part()
+    return type(exc)(
+        f"{exc} (this rank took part in the {op} with scratch buffers first, so the other "
+        "ranks' call completed and the group stays in step; a scatter's receivers got NaN "
+        "or zeros)"
+    )
+
+
 def check_root_list(ts: Any, name: str, op: str, root_word: str, root: int, size: int) -> None:
     if ts is None:
         raise ValueError(

@@ -18,6 +18,12 @@ def _catch(fn: Callable[[], Any]) -> tuple[str, str]:
     return "no error", ""
 
 
+def _root_only(r: int, fn: Callable[[], Any]) -> tuple[str, str]:
+    """The root's error; on the other ranks the call must simply complete."""
+    got = _catch(fn)
+    return got if r == 0 or got[0] != "no error" else ("skip", "")
+
+
 def bad_calls() -> dict[str, tuple[str, str]]:
     r, w = comm.get_rank(), comm.get_world_size()
     t = torch.ones(4)
@@ -55,7 +61,20 @@ def bad_calls() -> dict[str, tuple[str, str]]:
         "a2a_bad_splits": _catch(
             lambda: comm.all_to_all_single(torch.empty(w), torch.ones(w), None, [5] * w)
         ),
-        "gather_no_list_on_dst": _catch(lambda: comm.gather(t, None, dst=r)),
+        # root-only bad arguments: every rank calls, only the root can see the mistake
+        "gather_no_list_on_dst": _root_only(r, lambda: comm.gather(t, None, dst=0)),
+        "gather_list_wrong_dtype": _root_only(
+            r,
+            lambda: comm.gather(
+                t, [torch.empty(4, dtype=torch.int64) for _ in range(w)] if r == 0 else None
+            ),
+        ),
+        "scatter_list_wrong_length": _root_only(
+            r,
+            lambda: comm.scatter(
+                torch.empty(4), [torch.ones(4) for _ in range(w + 1)] if r == 0 else None
+            ),
+        ),
         "send_to_self": _catch(lambda: comm.isend(t, dst=r)),
         "p2p_bad_kind": _catch(lambda: comm.batch_isend_irecv([comm.P2POp("put", t, 0)])),
         "new_group_bad_rank": _catch(lambda: comm.new_group([0, w + 5])),
