@@ -117,7 +117,17 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     Members get a process group; other ranks get a :class:`NonMemberGroup` whose use raises
     a ValueError naming the members.
     """
-    return state.active().new_group(ranks, **kwargs)
+    backend = state.active()
+    group = backend.new_group(ranks, **kwargs)
+    world = backend.get_world_size()
+    members = sorted(range(world) if ranks is None else {int(r) for r in ranks})
+    if len(members) < world and not kwargs.get("use_local_synchronization"):
+        # its private twin for async multi-phase ops (overlap.comm.driver), made now while
+        # every rank is here
+        from overlap.comm import driver
+
+        driver.make_twin(group, members, lambda: backend.new_group(members, **kwargs))
+    return group
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -141,17 +151,25 @@ def all_reduce(
         _debug.check(f"all_reduce[{algorithm}]", group, [tensor])
     if algorithm == "native":
         return backend.all_reduce(tensor, op, group, async_op)
-    from overlap.comm.algorithms import ALGORITHMS
-    from overlap.comm.steps import run, steps_handle
+    from overlap.comm.algorithms import ALGORITHMS, check_algorithm_args
+    from overlap.comm.steps import run
 
     make = ALGORITHMS.get(algorithm)
     if make is None:
         raise ValueError(f"unknown algorithm {algorithm!r}; use 'native', 'ring' or 'naive'")
-    steps = make(tensor, op, group)
     if not async_op:
-        return run(steps)
-    nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
-    return steps_handle(f"all_reduce[{algorithm}]", steps, nbytes=nbytes, backend=backend.name)
+        return run(make(tensor, op, group))
+    from overlap.comm import driver
+
+    check_algorithm_args(tensor, op, group)  # bad input raises here, not from the handle
+    return driver.submit(
+        f"all_reduce[{algorithm}]",
+        lambda twin: make(tensor, op, twin),
+        group,
+        nbytes=tensor.numel() * tensor.element_size(),
+        backend=backend.name,
+        device=tensor.device,
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:

@@ -29,7 +29,7 @@ from overlap.comm.p2p import RESERVED_TAGS
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
 from overlap.comm.steps import Steps
 
-__all__ = ["ALGORITHMS", "naive_steps", "ring_steps"]
+__all__ = ["ALGORITHMS", "check_algorithm_args", "naive_steps", "ring_steps"]
 
 _TAG_BASE = RESERVED_TAGS.start
 _TAG_SPAN = len(RESERVED_TAGS)  # stays below MPI's guaranteed tag bound (32767)
@@ -59,6 +59,11 @@ def _setup(tensor: Any, op: Any, group: Any) -> tuple[torch.Tensor, ReduceOp, li
     w = comm.get_world_size(group)
     ranks = [comm.get_global_rank(group, i) for i in range(w)]
     return tensor.view(-1), rop, ranks, comm.get_rank(group)
+
+
+def check_algorithm_args(tensor: Any, op: Any, group: Any) -> None:
+    """Raise for bad input now (an async ring/naive allreduce runs on a driver thread)."""
+    _setup(tensor, op, group)
 
 
 def _backend() -> Any:

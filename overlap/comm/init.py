@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlap.comm import state
+from overlap.comm import driver, state
 from overlap.comm.torch_backend import TorchBackend
 from overlap.comm.waiters import fail_in_flight, reset_pool
 
@@ -256,8 +256,11 @@ def destroy_process_group(group: Any = None) -> None:
         return
     backend = state.clear()
     fail_in_flight()
+    twins = driver.clear()
     reset_pool()
     if backend is not None:
         backend.destroy()
     if dist.is_initialized():
+        for pg in twins:  # the multi-phase twins of the groups (overlap.comm.driver)
+            dist.destroy_process_group(pg)
         dist.destroy_process_group()

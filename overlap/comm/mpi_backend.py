@@ -219,6 +219,11 @@ class MpiBackend:
                 "destroy_process_group(group) frees a group from new_group; to leave the job "
                 "call destroy_process_group() with no group"
             )
+        from overlap.comm import driver
+
+        twin = driver.forget(group)  # its multi-phase twin too, if it has one
+        if twin is not None:
+            twin.comm.Free()
         group.comm.Free()
 
     # ------------------------------------------------------------------------- helpers

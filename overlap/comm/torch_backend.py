@@ -148,8 +148,12 @@ class TorchBackend:
                 "destroy_process_group(group) frees a group from new_group; to leave the job "
                 "call destroy_process_group() with no group"
             )
-        forget_group(group)
-        dist.destroy_process_group(group)
+        from overlap.comm import driver
+
+        for pg in (driver.forget(group), group):  # its multi-phase twin too, if it has one
+            if pg is not None:
+                forget_group(pg)
+                dist.destroy_process_group(pg)
 
     # ------------------------------------------------------------------------- helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:

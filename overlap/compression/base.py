@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import torch
 
 from overlap import comm
-from overlap.comm.steps import Steps, run, steps_handle
+from overlap.comm import driver
+from overlap.comm.steps import Steps, run
 
 __all__ = ["BF16", "FP16", "Compressor", "NoCompression"]
 
@@ -61,15 +62,20 @@ class Compressor(ABC):
         shapes: Sequence[torch.Size] | None = None,
         async_op: bool = False,
     ) -> Any:
-        """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``.
+        """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``, run to
+        the end on a driver thread whatever is done with it (:mod:`overlap.comm.driver`).
 
         A direct call is a step of its own (:meth:`begin_step` runs first)."""
         self.begin_step()
-        steps = self.reduce_steps(key, flat, group=group, shapes=shapes)
         if not async_op:
-            return run(steps)
-        return steps_handle(
-            self.name, steps, nbytes=self.wire_bytes(flat, group), backend=comm.get_backend()
+            return run(self.reduce_steps(key, flat, group=group, shapes=shapes))
+        return driver.submit(
+            self.name,
+            lambda twin: self.reduce_steps(key, flat, group=twin, shapes=shapes),
+            group,
+            nbytes=self.wire_bytes(flat, group),
+            backend=comm.get_backend(),
+            device=flat.device,
         )
 
     def begin_step(self) -> None:

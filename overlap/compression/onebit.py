@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from overlap import comm
+from overlap.comm import driver
 from overlap.comm.handle import Handle
-from overlap.comm.steps import Steps, run, steps_handle
+from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
 from overlap.compression.codec import Codec, ErrorFeedback, codec_for
 from overlap.compression.layout import Layout, layout, padded_numel
@@ -228,20 +229,27 @@ def compressed_allreduce(
 
     ``worker_error`` (``padded_numel(n, W)`` float32 elements) and ``server_error`` (P/W)
     carry the error feedback between calls and are updated in place; start them at zero.
-    Returns the buffer, or with ``async_op=True`` a Handle resolving to it (await it, or
-    ``wait()``: phase 1 is issued now, phase 2 when the handle is first waited or awaited).
+    Returns the buffer, or with ``async_op=True`` a Handle resolving to it: the reduction
+    runs to the end on a driver thread whatever is done with the handle (await it, wait,
+    poll, or drop it; :mod:`overlap.comm.driver`).
     Raises NonFiniteError (on every rank, state untouched) if any rank's input holds NaN/Inf.
     ``segments`` (element counts adding up to the buffer's) gives each segment its own scales.
     """
-    steps = _raw_steps(buffer, worker_error, server_error, group, segments, not async_op)
     if not async_op:
-        return run(steps)
+        return run(_raw_steps(buffer, worker_error, server_error, group, segments, True))
     w = comm.get_world_size(group)
-    handle: Handle = steps_handle(
+    _check(buffer, worker_error, server_error, w)  # bad input raises here, not from the handle
+    if buffer.numel() == 0:  # nothing to send: done now
+        done = Handle("compressed_allreduce", result=buffer, backend=comm.get_backend())
+        done._finish(None)
+        return done
+    handle: Handle = driver.submit(
         "compressed_allreduce",
-        steps,
+        lambda twin: _raw_steps(buffer, worker_error, server_error, twin, segments, False),
+        group,
         nbytes=compressed_bytes(buffer.numel(), w),
         backend=comm.get_backend(),
+        device=buffer.device,
     )
     return handle
 

@@ -294,3 +294,73 @@ def call_errors() -> dict[str, str]:
     out["ring"] = str(x.tolist())
     out["user_tag"] = str(y.tolist())
     return out
+
+
+def _eventually(check: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not done after {timeout} s")
+        time.sleep(0.005)
+
+
+def multiphase_progress_without_waiter() -> dict[str, Any]:
+    """(2) compressed_allreduce, Compressor.reduce and ring/naive allreduce finish with no
+    one waiting: dropped, polled with done(), with only a callback, or with their awaiter's
+    loop gone; the peer never hangs, and the caller's own ops on the group stay in step."""
+    import threading
+
+    from overlap.compression import OneBit, compressed_allreduce, padded_numel
+
+    r, w = comm.get_rank(), comm.get_world_size()
+    n = 48  # a multiple of 8 W for W = 2, 3: no padding, so constant inputs reduce exactly
+    P = padded_numel(n, w)
+    want = sum(range(1, w + 1)) / w
+    out: dict[str, Any] = {}
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.full((n,), float(r + 1)), torch.zeros(P), torch.zeros(P // w)
+
+    # dropped
+    x, we, se = fresh()
+    compressed_allreduce(x, we, se, async_op=True)
+    _eventually(lambda: bool((x == want).all()), "dropped compressed_allreduce")
+    # polled with done() while the caller issues its own op on the same group
+    x, we, se = fresh()
+    h = compressed_allreduce(x, we, se, async_op=True)
+    mine = torch.ones(3)
+    comm.all_reduce(mine)  # interleaves with the handle's phases on every rank differently
+    _eventually(h.done, "polled compressed_allreduce")
+    out["polled"] = bool((x == want).all()) and mine.tolist() == [float(w)] * 3
+    # only a callback
+    x, we, se = fresh()
+    fired = threading.Event()
+    compressed_allreduce(x, we, se, async_op=True).add_done_callback(lambda _: fired.set())
+    out["callback"] = fired.wait(20) and bool((x == want).all())
+    # the awaiter's loop closes before the op is done (the peer starts late)
+    x, we, se = fresh()
+
+    async def impatient() -> None:
+        if r == w - 1:
+            time.sleep(0.5)
+        h = compressed_allreduce(x, we, se, async_op=True)
+        try:
+            await asyncio.wait_for(h, 0.01)
+        except (asyncio.TimeoutError, TimeoutError):
+            pass
+
+    overlap.run(impatient())
+    _eventually(lambda: bool((x == want).all()), "compressed_allreduce after its loop closed")
+    # Compressor.reduce and the p2p algorithms, dropped
+    flat = torch.full((n,), float(r + 1))
+    OneBit().reduce("k", flat, async_op=True)
+    _eventually(lambda: bool((flat == want).all()), "dropped OneBit.reduce")
+    total = float(sum(range(1, w + 1)))
+    for algorithm in ("ring", "naive"):
+        t = torch.full((5,), float(r + 1))
+        comm.all_reduce(t, algorithm=algorithm, async_op=True)
+        _eventually(lambda t=t: bool((t == total).all()), f"dropped {algorithm} all_reduce")
+    t = torch.ones(2)
+    comm.all_reduce(t)  # still in step
+    out["after"] = t.tolist()
+    return out

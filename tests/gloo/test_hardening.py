@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from overlap.testing import RankPool, spawn_ranks
 from tests.gloo import hardening_cases as hc
 
@@ -85,3 +87,11 @@ def test_errors_name_the_call_and_the_group_stays_in_step(
         assert out["after"] == "[2.0, 2.0, 2.0]"
         assert out["ring"] == "[3.0, 3.0, 3.0, 3.0, 3.0]"
         assert out["user_tag"] == "[7.0]"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_multiphase_handles_finish_without_a_waiter(
+    pools: Callable[[int], RankPool], world_size: int
+) -> None:
+    for out in pools(world_size).run(hc.multiphase_progress_without_waiter, timeout=120):
+        assert out == {"polled": True, "callback": True, "after": [float(world_size)] * 2}

@@ -17,6 +17,7 @@ import overlap
 from overlap import comm
 from tests.gloo import bad_input_cases, cases
 from tests.gloo import contract_cases as cc
+from tests.gloo import hardening_cases as hc
 from tests.gloo import onebit_adam_cases as oc
 from tests.mpi import mpi_cases
 
@@ -36,6 +37,7 @@ def checks() -> dict[str, Callable[[], Any]]:
         out["handle_keeps_tensors"] = cc.handle_keeps_tensors
         out["dropped_handle_still_completes"] = cc.dropped_handle_still_completes
     out.update(mpi_cases.CHECKS)
+    out["multiphase_without_waiter"] = hc.multiphase_progress_without_waiter
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     return out

@@ -1,0 +1,189 @@
+"""Multi-phase handles that finish on their own, in the same order on every rank.
+
+An awaitable multi-phase op (``compressed_allreduce``, ``Compressor.reduce`` and
+``all_reduce(algorithm="ring"|"naive")`` with ``async_op=True``) used to issue its later
+phases only when someone waited on its handle. A handle that was dropped, polled with
+``done()``, given only a callback, or abandoned when its event loop closed never finished,
+and its peers hung in the next phase.
+
+Now each such op is a *job* run to the end by a driver thread, whatever the caller does with
+the handle. Two rules keep the ranks in step (DESIGN.md contract 1):
+
+* a job's collectives run on a **private twin** of the caller's group (same ranks), so they
+  never interleave with the caller's own ops on that group, whose order the driver cannot
+  know;
+* the jobs of one twin run **one after another, in submission order**, on that twin's own
+  thread: the sequence of collectives on the twin is a function of the submission order
+  alone, which is the same on every rank, as for any collective.
+
+Twins are made with ordinary ``new_group`` calls, which every rank must make: a group of
+every rank gets its twin on first use (every rank is a member and calls the op), a proper
+subgroup when :func:`overlap.comm.new_group` makes it. (torch's member-only group creation,
+``use_local_synchronization=True``, hangs once a subgroup exists: measured, torch 2.13.)
+
+The cost: a thread hop at the start, no pipelining between two such ops on one group, and a
+second group per subgroup. Blocking calls (``async_op=False``) still run on the caller's
+thread and group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from overlap.comm.handle import Handle
+from overlap.comm.steps import Steps, run
+
+__all__ = ["clear", "forget", "make_twin", "submit"]
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 10.0  # a driver thread with nothing to do for this long exits (a new job restarts it)
+
+
+class _Driver:
+    """One private group's FIFO of jobs and the thread that runs them."""
+
+    def __init__(self, group: Any, name: str) -> None:
+        self.group = group
+        self.name = name
+        self.jobs: deque[tuple[Callable[[Any], Steps], Handle, Any]] = deque()
+        self.cv = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.closed = False
+
+    def submit(self, make: Callable[[Any], Steps], handle: Handle, ctx: Any) -> None:
+        with self.cv:
+            self.jobs.append((make, handle, ctx))
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._loop, name=f"overlap-steps-{self.name}", daemon=True
+                )
+                self.thread.start()
+            self.cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                if not self.jobs and not self.closed:
+                    self.cv.wait(IDLE_S)
+                if not self.jobs:
+                    self.thread = None
+                    return
+                make, handle, ctx = self.jobs.popleft()
+            try:
+                with ctx():
+                    result = run(make(self.group))
+            except BaseException as exc:
+                handle._finish(exc)
+            else:
+                handle._result = result
+                handle._finish(None)
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+
+
+_drivers: dict[Any, _Driver] = {}
+_lock = threading.Lock()
+
+
+def _name(ranks: list[int]) -> str:
+    return "ranks" + ",".join(map(str, ranks))
+
+
+def _twin(group: Any) -> _Driver:
+    """The driver of ``group``'s private twin (see the module docstring for who makes it)."""
+    from overlap import comm
+
+    key = group if group is not None else "world"
+    d = _drivers.get(key)
+    if d is not None:
+        return d
+    size = comm.get_world_size(group)
+    if size != comm.get_world_size():
+        raise ValueError(
+            "async multi-phase ops (compressed_allreduce, Compressor.reduce, ring/naive "
+            "all_reduce with async_op=True) on a subgroup need a group from "
+            "overlap.comm.new_group (it makes the subgroup's private twin): make the group "
+            "with it, or pass async_op=False"
+        )
+    ranks = [comm.get_global_rank(group, i) for i in range(size)]
+    with _lock:
+        d = _drivers.get(key)
+        if d is None:
+            d = _drivers[key] = _Driver(comm.new_group(ranks), _name(ranks))
+    return d
+
+
+def make_twin(group: Any, ranks: list[int], new_group: Callable[[], Any]) -> None:
+    """Called by ``new_group`` on every rank for a proper subgroup: make its twin now, while
+    every rank is calling (members keep it; other ranks get a non-member group)."""
+    from overlap.comm.groups import NonMemberGroup
+
+    twin = new_group()
+    if not isinstance(group, NonMemberGroup) and type(group).__name__ != "NonMemberGroup":
+        with _lock:
+            _drivers[group] = _Driver(twin, _name(ranks))
+
+
+def submit(
+    op: str,
+    make: Callable[[Any], Steps],
+    group: Any,
+    *,
+    nbytes: int = 0,
+    backend: str = "",
+    device: Any = None,
+) -> Handle:
+    """Run ``make(twin_group)`` (a steps generator) to the end on ``group``'s driver; the
+    returned Handle completes with its result or error. ``device``: a CUDA device makes the
+    job run on the caller's current stream of that device."""
+    d = _twin(group)
+    handle = Handle(op, result=None, nbytes=nbytes, backend=backend)
+    d.submit(make, handle, _context(device))
+    return handle
+
+
+def _context(device: Any) -> Any:
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return contextlib.nullcontext
+    import torch
+
+    stream = torch.cuda.current_stream(device)
+
+    @contextlib.contextmanager
+    def on_callers_stream() -> Any:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
+
+    return on_callers_stream
+
+
+def clear() -> list[Any]:
+    """Forget the twins (the job is being destroyed): their threads finish what is queued
+    (failing, once the backend is gone) and exit. Returns the twin groups, for the caller
+    to destroy with the job (a gloo group left to interpreter exit aborts the process)."""
+    with _lock:
+        drivers = list(_drivers.values())
+        _drivers.clear()
+    for d in drivers:
+        d.close()
+    return [d.group for d in drivers]
+
+
+def forget(group: Any) -> Any:
+    """Drop ``group``'s twin (``group`` is being destroyed); returns the twin group for the
+    caller to destroy too, or None if ``group`` never had one."""
+    with _lock:
+        d = _drivers.pop(group, None)
+    if d is None:
+        return None
+    d.close()
+    return d.group
