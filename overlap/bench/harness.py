@@ -87,13 +87,15 @@ class Table:
     def add(self, **row: Any) -> None:
         self.rows.append(row)
 
-    def render(self) -> str:
-        def fmt(v: Any) -> str:
-            if isinstance(v, float):
-                return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
-            return str(v)
+    @staticmethod
+    def fmt(v: Any) -> str:
+        """A cell: floats rounded for reading (2 decimals, none from 100 up)."""
+        if isinstance(v, float):
+            return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
 
-        cells = [[fmt(r.get(c, "")) for c in self.columns] for r in self.rows]
+    def render(self) -> str:
+        cells = [[self.fmt(r.get(c, "")) for c in self.columns] for r in self.rows]
         widths = [
             max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(self.columns)
         ]
@@ -107,7 +109,8 @@ class Table:
         head = "| " + " | ".join(self.columns) + " |"
         sep = "|" + "|".join("---" for _ in self.columns) + "|"
         body = [
-            "| " + " | ".join(str(r.get(c, "")) for c in self.columns) + " |" for r in self.rows
+            "| " + " | ".join(self.fmt(r.get(c, "")) for c in self.columns) + " |"
+            for r in self.rows
         ]
         return "\n".join([head, sep, *body])
 

@@ -138,3 +138,12 @@ def test_bench_lm_trains_and_counts_bytes(tmp_path: Path) -> None:
 def test_bench_lm_rejects_a_freeze_past_the_end() -> None:
     out = run("bench", "lm", "--steps", "10", "--freeze-step", "10")
     assert out.returncode == 2 and "--freeze-step 10" in out.stdout
+
+
+def test_bench_tables_round_their_floats() -> None:
+    from overlap.bench.harness import Table
+
+    t = Table(["variant", "step ms", "ratio"])
+    t.add(**{"variant": "ddp", "step ms": 213.4898899998916, "ratio": 1.0512345})
+    assert "| ddp | 213 | 1.05 |" in t.markdown()
+    assert "213.48" not in t.render() and "1.05" in t.render()
