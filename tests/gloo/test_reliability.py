@@ -46,3 +46,40 @@ def test_sigkilled_peer_becomes_comm_error(where: str) -> None:
     assert seconds < TIMEOUT + 5, res
     assert cause and cause[0] not in ("NoneType", "")  # the backend's error is kept
     assert codes[0] == 0, codes  # the survivor then exited by itself, nothing stuck
+
+
+def test_survivor_of_a_peer_death_exits_cleanly_every_time() -> None:
+    """Item 8: 4 runs; the survivor gets CommError and exits 0, with no abort at exit."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("survivor_script.py")
+    for _ in range(4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env["WORLD_SIZE"] = "2"
+        peer = subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": "1", "LOCAL_RANK": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            out = subprocess.run(
+                [sys.executable, str(script)],
+                env={**env, "RANK": "0", "LOCAL_RANK": "0"},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            peer.kill()
+            peer.wait()
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "rank 0 CommError" in out.stdout, out.stdout + out.stderr[-2000:]
+        assert "terminate called" not in out.stderr, out.stderr[-2000:]
