@@ -27,7 +27,7 @@ from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle, HandleState
 from overlap.comm.init import destroy_process_group, init_distributed
 from overlap.comm.p2p import P2POp, check_tag
-from overlap.comm.reduce_op import ReduceOp
+from overlap.comm.reduce_op import ReduceOp, parse_op
 
 __all__ = [
     "Handle",
@@ -68,6 +68,14 @@ __all__ = [
 def _check(op: str, group: Any, tensors: list[Any]) -> None:
     if _debug.enabled():
         _debug.check(op, group, tensors)
+
+
+def _opname(op: Any) -> str:
+    """A reduce op as the debug fingerprint spells it (so "sum" and ReduceOp.SUM agree)."""
+    try:
+        return parse_op(op).name.lower()
+    except Exception:
+        return repr(op)
 
 
 # ------------------------------------------------------------------------ process, groups
@@ -121,6 +129,9 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     group = backend.new_group(ranks, **kwargs)
     world = backend.get_world_size()
     members = sorted(range(world) if ranks is None else {int(r) for r in ranks})
+    if _debug.enabled() and not kwargs.get("use_local_synchronization"):
+        # debug mode's own group for this one, made now while every rank is here
+        _debug.make_group(group, lambda: backend.new_group(members, **kwargs))
     if len(members) < world and not kwargs.get("use_local_synchronization"):
         # its private twin for async multi-phase ops (overlap.comm.driver), made now while
         # every rank is here
@@ -148,7 +159,7 @@ def all_reduce(
     """
     backend = state.active()
     if _debug.enabled():
-        _debug.check(f"all_reduce[{algorithm}]", group, [tensor])
+        _debug.check(f"all_reduce[{algorithm}] op={_opname(op)}", group, [tensor])
     if algorithm == "native":
         return backend.all_reduce(tensor, op, group, async_op)
     from overlap.comm.algorithms import ALGORITHMS, check_algorithm_args
@@ -174,7 +185,7 @@ def all_reduce(
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     """Copy rank ``src``'s tensor into ``tensor`` on every rank of the group."""
-    _check("broadcast", group, [tensor])
+    _check(f"broadcast src={src}", group, [tensor])
     return state.active().broadcast(tensor, src, group, async_op)
 
 
@@ -186,7 +197,7 @@ def reduce(
     (gloo itself leaves partial results there; overlap restores them, as deepspeed.comm
     documents, at the cost of one copy of the tensor on non-destination ranks.)
     """
-    _check("reduce", group, [tensor])
+    _check(f"reduce dst={dst} op={_opname(op)}", group, [tensor])
     return state.active().reduce(tensor, dst, op, group, async_op)
 
 
@@ -222,7 +233,7 @@ def reduce_scatter(
     ``input`` is a list of world_size tensors shaped like ``output``, or one flat tensor of
     world_size x output elements.
     """
-    _check("reduce_scatter", group, [output, input])
+    _check(f"reduce_scatter op={_opname(op)}", group, [output, input])
     return state.active().reduce_scatter(output, input, op, group, async_op)
 
 
@@ -272,7 +283,7 @@ def gather(
     async_op: bool = False,
 ) -> Any:
     """Collect every rank's tensor into ``gather_list`` on ``dst`` (returns it there, else None)."""
-    _check("gather", group, [tensor])
+    _check(f"gather dst={dst}", group, [tensor])
     return state.active().gather(tensor, gather_list, dst, group, async_op)
 
 
@@ -284,7 +295,7 @@ def scatter(
     async_op: bool = False,
 ) -> Any:
     """Give rank i ``scatter_list[i]`` from ``src``, received into ``tensor``."""
-    _check("scatter", group, [tensor])
+    _check(f"scatter src={src}", group, [tensor])
     return state.active().scatter(tensor, scatter_list, src, group, async_op)
 
 

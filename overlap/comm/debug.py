@@ -9,6 +9,16 @@ issued, instead of hanging in (or silently mis-reducing) the real collective.
 
 It costs one small blocking all_gather per collective: a mode for finding bugs, not for
 training runs. Point-to-point ops are not checked (they are not collective).
+
+Each group has its own debug group and sequence counter, keyed by the group itself, not by
+its ranks: the BucketScheduler's two groups have the world's ranks, and their checks run on
+its worker thread while the caller's run on the main one (0.1.0 shared one counter among
+them and flagged correct programs). Debug groups are made where every rank is present:
+by ``comm.new_group`` for its group, and for the world at its first check. A group made
+otherwise (before debug mode was on, or by torch directly) is not checked.
+
+The fingerprint holds the reduce op and the root (src/dst) as well as the shapes, so
+``sum`` on one rank and ``max`` on another, or two broadcast roots, are caught too.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import torch
 
 from overlap.errors import CollectiveMismatchError
 
-__all__ = ["check", "enabled", "set_enabled"]
+__all__ = ["check", "enabled", "forget", "make_group", "set_enabled"]
 
 _DESC = 192  # bytes of description exchanged per rank
 
@@ -34,8 +44,8 @@ def env_enabled() -> bool:
 
 
 _enabled = env_enabled()
-_groups: dict[tuple[int, ...], Any] = {}
-_seq: dict[tuple[int, ...], int] = {}
+_groups: dict[Any, Any] = {}  # group (or "world") -> its debug group
+_seq: dict[Any, int] = {}
 _lock = threading.Lock()
 _inside = threading.local()
 
@@ -47,6 +57,30 @@ def enabled() -> bool:
 def set_enabled(on: bool) -> None:
     global _enabled
     _enabled = on
+
+
+def make_group(group: Any, new_group: Any) -> None:
+    """Make ``group``'s debug group now (``new_group`` is called on every rank)."""
+    from overlap.comm.groups import NonMemberGroup
+
+    dbg = new_group()
+    if not isinstance(group, NonMemberGroup) and type(group).__name__ != "NonMemberGroup":
+        with _lock:
+            _groups[group] = dbg
+
+
+def forget(group: Any = None) -> list[Any]:
+    """Drop ``group``'s debug group (every one with None: the job is being destroyed);
+    returns them, for the caller to destroy."""
+    with _lock:
+        if group is None:
+            out = list(_groups.values())
+            _groups.clear()
+            _seq.clear()
+            return out
+        _seq.pop(group, None)
+        dbg = _groups.pop(group, None)
+    return [] if dbg is None else [dbg]
 
 
 def _describe(op: str, tensors: Sequence[Any]) -> str:
@@ -77,16 +111,26 @@ def check(op: str, group: Any, tensors: Sequence[Any]) -> None:
     if w == 1:
         return
     ranks = tuple(comm.get_global_rank(group, i) for i in range(w))
+    key = "world" if group is None else group
     with _lock:
-        dbg = _groups.get(ranks)
-        seq = _seq.get(ranks, 0)
-        _seq[ranks] = seq + 1
+        dbg = _groups.get(key)
+    if dbg is None:
+        if group is not None:
+            return  # made before debug mode was on, or not by comm.new_group: not checked
+        _inside.active = True
+        try:
+            from overlap.comm import state
+
+            dbg = state.active().new_group(list(ranks))  # the world: every rank is here
+        finally:
+            _inside.active = False
+        with _lock:
+            dbg = _groups.setdefault(key, dbg)
+    with _lock:
+        seq = _seq.get(key, 0)
+        _seq[key] = seq + 1
     _inside.active = True
     try:
-        if dbg is None:
-            dbg = comm.new_group(list(ranks), use_local_synchronization=True)
-            with _lock:
-                _groups[ranks] = dbg
         desc = _describe(op, tensors)
         raw = desc.encode()[:_DESC]
         mine = torch.zeros(_DESC + 16, dtype=torch.uint8)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap.comm import debug as _debug
 from overlap.comm import driver, state
 from overlap.comm.torch_backend import TorchBackend
 from overlap.comm.waiters import fail_in_flight, reset_pool
@@ -256,11 +257,11 @@ def destroy_process_group(group: Any = None) -> None:
         return
     backend = state.clear()
     fail_in_flight()
-    twins = driver.clear()
+    twins = driver.clear() + _debug.forget()  # private groups made for the job's groups
     reset_pool()
     if backend is not None:
         backend.destroy()
     if dist.is_initialized():
-        for pg in twins:  # the multi-phase twins of the groups (overlap.comm.driver)
+        for pg in twins:  # multi-phase twins (overlap.comm.driver) and debug groups
             dist.destroy_process_group(pg)
         dist.destroy_process_group()

@@ -219,11 +219,12 @@ class MpiBackend:
                 "destroy_process_group(group) frees a group from new_group; to leave the job "
                 "call destroy_process_group() with no group"
             )
-        from overlap.comm import driver
+        from overlap.comm import debug, driver
 
-        twin = driver.forget(group)  # its multi-phase twin too, if it has one
-        if twin is not None:
-            twin.comm.Free()
+        # its multi-phase twin and its debug group too, if it has them
+        for extra in (driver.forget(group), *debug.forget(group)):
+            if extra is not None:
+                extra.comm.Free()
         group.comm.Free()
 
     # ------------------------------------------------------------------------- helpers

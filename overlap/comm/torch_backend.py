@@ -148,9 +148,10 @@ class TorchBackend:
                 "destroy_process_group(group) frees a group from new_group; to leave the job "
                 "call destroy_process_group() with no group"
             )
-        from overlap.comm import driver
+        from overlap.comm import debug, driver
 
-        for pg in (driver.forget(group), group):  # its multi-phase twin too, if it has one
+        # its multi-phase twin and its debug group too, if it has them
+        for pg in (driver.forget(group), *debug.forget(group), group):
             if pg is not None:
                 forget_group(pg)
                 dist.destroy_process_group(pg)

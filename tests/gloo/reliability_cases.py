@@ -13,7 +13,7 @@ from torch import nn
 
 import overlap
 from overlap import BucketScheduler, CommError, comm
-from overlap.comm import debug
+from overlap.comm import ReduceOp, debug
 from overlap.compression import OneBit, compressed_allreduce, padded_numel
 from overlap.errors import CollectiveMismatchError
 
@@ -37,6 +37,8 @@ def mismatch_is_detected() -> dict[str, Any]:
                 "dtype",
                 lambda: comm.all_reduce(torch.ones(4, dtype=torch.float64 if r else torch.float32)),
             ),
+            ("reduce_op", lambda: comm.all_reduce(torch.ones(4), op="sum" if r == 0 else "max")),
+            ("root", lambda: comm.broadcast(torch.ones(4), src=r)),
         ):
             try:
                 fn()
@@ -44,11 +46,31 @@ def mismatch_is_detected() -> dict[str, Any]:
             except CollectiveMismatchError as e:
                 out[name] = (e.ranks, str(e))
         t = torch.ones(3)
-        comm.all_reduce(t)  # a matching op still works afterwards, checked
+        comm.all_reduce(t, op=ReduceOp.SUM if r == 0 else "sum")  # both spellings agree
         out["after"] = t.tolist()
+        out["scheduler"] = _correct_scheduler_loop()  # never flagged
     finally:
         debug.set_enabled(False)
     return out
+
+
+def _correct_scheduler_loop() -> str:
+    """A correct BucketScheduler loop in debug mode (its worker checks its buckets while
+    the main thread checks the used-parameter mask): no false mismatch."""
+    from overlap import BucketScheduler, OneBit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    sched = BucketScheduler(model, compression=OneBit(), bucket_cap_mb=0.002, first_bucket_mb=0.001)
+    try:
+        for i in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+            model(x).sum().backward()
+            sched.synchronize()
+            comm.all_reduce(torch.ones(2))  # the caller's own ops on the world group
+    finally:
+        sched.remove()
+    return "ok"
 
 
 def many_ops(n: int) -> int:

@@ -16,11 +16,14 @@ def test_debug_mode_names_the_mismatch(pools: Callable[[int], RankPool]) -> None
     res = pools(2).run(rc.mismatch_is_detected, timeout=60)
     for r in (0, 1):
         assert res[r]["after"] == [2.0, 2.0, 2.0]
-        for case in ("shape", "op", "dtype"):
+        assert res[r]["scheduler"] == "ok"
+        for case in ("shape", "op", "dtype", "reduce_op", "root"):
             ranks, msg = res[r][case]
             assert ranks == [1] and "collective mismatch" in msg, (r, case, msg)
         assert "float32[4]" in res[r]["shape"][1] and "float32[8]" in res[r]["shape"][1]
         assert "broadcast" in res[r]["op"][1]
+        assert "op=sum" in res[r]["reduce_op"][1] and "op=max" in res[r]["reduce_op"][1]
+        assert "src=0" in res[r]["root"][1] and "src=1" in res[r]["root"][1]
 
 
 def test_10000_concurrent_awaited_ops(pools: Callable[[int], RankPool]) -> None:

@@ -19,6 +19,7 @@ from tests.gloo import bad_input_cases, cases
 from tests.gloo import contract_cases as cc
 from tests.gloo import hardening_cases as hc
 from tests.gloo import onebit_adam_cases as oc
+from tests.gloo import reliability_cases as rc
 from tests.mpi import mpi_cases
 
 MODES = ["blocking", "wait", "uvloop", "asyncio"]
@@ -38,9 +39,21 @@ def checks() -> dict[str, Callable[[], Any]]:
         out["dropped_handle_still_completes"] = cc.dropped_handle_still_completes
     out.update(mpi_cases.CHECKS)
     out["multiphase_without_waiter"] = hc.multiphase_progress_without_waiter
+    out["debug_mode"] = _debug_mode
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     return out
+
+
+def _debug_mode() -> None:
+    """Debug mode on MPI: a correct scheduler loop passes; wrong shapes, ops, dtypes, reduce
+    ops and roots are flagged on every rank, and the group stays in step."""
+    out = rc.mismatch_is_detected()
+    w = comm.get_world_size()
+    assert out["after"] == [float(w)] * 3 and out["scheduler"] == "ok", out
+    for case in ("shape", "op", "dtype", "reduce_op", "root"):
+        ranks, msg = out[case]
+        assert ranks and "collective mismatch" in msg, (case, out[case])
 
 
 def main() -> None:
