@@ -43,12 +43,11 @@ from overlap.comm.validate import (
     check_peer,
     check_reduce_scatter_flat,
     check_reduce_scatter_list,
-    check_root_list,
     check_splits,
     check_tensor,
     check_tensor_list,
+    checked_root_list,
     nbytes_of,
-    root_refusal,
     scratch_like,
 )
 from overlap.errors import CommError
@@ -652,19 +651,23 @@ class MpiBackend:
         root = g.ranks.index(dst)
         host, _ = self._host(t)
         if self.global_rank == dst:
-            try:
-                check_root_list(gather_list, "gather_list", "gather", "destination", dst, g.size)
-                outs = self._ts(gather_list, "gather_list", g.size)
-                check_like(outs, t, "gather_list", "tensor")
-            except (TypeError, ValueError) as exc:
-                sink = torch.empty((g.size, *host.shape), dtype=t.dtype)
-                # Igather + Wait, not Gather: MPI never matches a blocking collective with
-                # the nonblocking one the other ranks posted (measured: MPICH hangs).
-                raise root_refusal(
-                    exc,
-                    "gather",
-                    lambda: g.comm.Igather(self._buf(host), self._buf(sink), root).Wait(),
-                ) from None
+            # Igather + Wait, not Gather: MPI never matches a blocking collective with the
+            # nonblocking one the other ranks posted (measured: MPICH hangs).
+            outs = checked_root_list(
+                gather_list,
+                "gather_list",
+                "gather",
+                "destination",
+                dst,
+                g.size,
+                t,
+                self._ts,
+                lambda: g.comm.Igather(
+                    self._buf(host),
+                    self._buf(torch.empty((g.size, *host.shape), dtype=t.dtype)),
+                    root,
+                ).Wait(),
+            )
             flat = torch.empty((g.size, *host.shape), dtype=t.dtype)
 
             def unpack() -> None:
@@ -705,18 +708,21 @@ class MpiBackend:
         root = g.ranks.index(src)
         host, back = self._host(t, copy_in=False)
         if self.global_rank == src:
-            try:
-                check_root_list(scatter_list, "scatter_list", "scatter", "source", src, g.size)
-                ins = self._ts(scatter_list, "scatter_list", g.size)
-                check_like(ins, t, "scatter_list", "tensor")
-            except (TypeError, ValueError) as exc:
-                fake = torch.stack(scratch_like(host, g.size))
-                sink = torch.empty_like(host)
-                raise root_refusal(
-                    exc,
-                    "scatter",
-                    lambda: g.comm.Iscatter(self._buf(fake), self._buf(sink), root).Wait(),
-                ) from None
+            ins = checked_root_list(
+                scatter_list,
+                "scatter_list",
+                "scatter",
+                "source",
+                src,
+                g.size,
+                t,
+                self._ts,
+                lambda: g.comm.Iscatter(
+                    self._buf(torch.stack(scratch_like(host, g.size))),
+                    self._buf(torch.empty_like(host)),
+                    root,
+                ).Wait(),
+            )
             flat = torch.stack([x.detach().cpu() for x in ins])
 
             def start() -> Any:

@@ -33,12 +33,11 @@ from overlap.comm.validate import (
     check_peer,
     check_reduce_scatter_flat,
     check_reduce_scatter_list,
-    check_root_list,
     check_splits,
     check_tensor,
     check_tensor_list,
+    checked_root_list,
     nbytes_of,
-    root_refusal,
     scratch_like,
 )
 from overlap.comm.waiters import TorchOp
@@ -489,15 +488,17 @@ class TorchBackend:
         check_peer(dst, "dst", info.ranks, info.name)
         outs: list[torch.Tensor] | None = None
         if dist.get_rank() == dst:
-            try:
-                check_root_list(gather_list, "gather_list", "gather", "destination", dst, info.size)
-                outs = self._ts(gather_list, "gather_list", info.size)
-                check_like(outs, t, "gather_list", "tensor")
-            except (TypeError, ValueError) as exc:
-                scratch = scratch_like(t, info.size)
-                raise root_refusal(
-                    exc, "gather", lambda: dist.gather(t, scratch, dst=dst, group=info.pg)
-                ) from None
+            outs = checked_root_list(
+                gather_list,
+                "gather_list",
+                "gather",
+                "destination",
+                dst,
+                info.size,
+                t,
+                self._ts,
+                lambda: dist.gather(t, scratch_like(t, info.size), dst=dst, group=info.pg),
+            )
         return self._launch(
             "gather",
             info,
@@ -520,17 +521,19 @@ class TorchBackend:
         check_peer(src, "src", info.ranks, info.name)
         ins: list[torch.Tensor] | None = None
         if dist.get_rank() == src:
-            try:
-                check_root_list(scatter_list, "scatter_list", "scatter", "source", src, info.size)
-                ins = self._ts(scatter_list, "scatter_list", info.size)
-                check_like(ins, t, "scatter_list", "tensor")
-            except (TypeError, ValueError) as exc:
-                scratch = scratch_like(t, info.size)
-                raise root_refusal(
-                    exc,
-                    "scatter",
-                    lambda: dist.scatter(torch.empty_like(t), scratch, src=src, group=info.pg),
-                ) from None
+            ins = checked_root_list(
+                scatter_list,
+                "scatter_list",
+                "scatter",
+                "source",
+                src,
+                info.size,
+                t,
+                self._ts,
+                lambda: dist.scatter(
+                    torch.empty_like(t), scratch_like(t, info.size), src=src, group=info.pg
+                ),
+            )
         return self._launch(
             "scatter",
             info,

@@ -174,6 +174,28 @@ def root_refusal(exc: Exception, op: str, take_part: Any) -> Exception:
     )
 
 
+def checked_root_list(
+    ts: Any,
+    name: str,
+    op: str,
+    root_word: str,
+    root: int,
+    size: int,
+    like: torch.Tensor,
+    as_list: Any,
+    take_part: Any,
+) -> list[torch.Tensor]:
+    """The root's gather/scatter list, checked (``as_list`` is the backend's list check);
+    if it is bad, the root takes part with scratch buffers (``take_part()``) and raises."""
+    try:
+        check_root_list(ts, name, op, root_word, root, size)
+        out: list[torch.Tensor] = as_list(ts, name, size)
+        check_like(out, like, name, "tensor")
+        return out
+    except (TypeError, ValueError) as exc:
+        raise root_refusal(exc, op, take_part) from None
+
+
 def check_root_list(ts: Any, name: str, op: str, root_word: str, root: int, size: int) -> None:
     if ts is None:
         raise ValueError(

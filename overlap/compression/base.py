@@ -89,6 +89,13 @@ class Compressor(ABC):
         calls it in ``synchronize()``, before the copy-back)."""
         return None
 
+    def fill(self, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> bool:
+        """Copy ``param``'s gradient into its place in the bucket your own way, in the
+        gradient hook (on the autograd thread); return False (the default) to let the
+        scheduler copy it. OneBitAdam's reduction forms the momentum right there: one pass
+        where a copy and then a momentum pass would be two."""
+        return False
+
     def direct_targets(
         self, key: Hashable, params: Sequence[torch.Tensor]
     ) -> list[torch.Tensor] | None:

@@ -485,6 +485,26 @@ class _MomentumReduction(Compressor):
         self.opt = opt
         self._params: dict[Hashable, list[torch.Tensor]] = {}
         self._frozen = False
+        self._formed: dict[int, int] = {}  # id(param) -> the step its momentum was formed in
+        self._groups: dict[int, dict[str, Any]] | None = None
+
+    def _beta1(self, p: torch.Tensor) -> float:
+        if self._groups is None:
+            self._groups = {id(q): g for g in self.opt.param_groups for q in g["params"]}
+        b1: float = self._groups[id(p)]["betas"][0]
+        return b1
+
+    def fill(self, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> bool:
+        """After the warm-up, form the momentum straight into the bucket as the gradient
+        arrives: view = b1 m + (1 - b1) g, one pass instead of a copy and a momentum pass."""
+        if not self.opt.frozen:
+            return False
+        m = self.opt._state(param)["exp_avg"]
+        if m.dtype != view.dtype or grad.dtype != view.dtype or grad.layout != torch.strided:
+            return False  # the general path: copy now, form on the worker
+        torch.lerp(grad, m, self._beta1(param), out=view)
+        self._formed[id(param)] = self.opt._done
+        return True
 
     def begin_step(self) -> None:
         self._frozen = self.opt.frozen
@@ -518,10 +538,12 @@ class _MomentumReduction(Compressor):
             for a, t in outputs:
                 t.view(-1).copy_(flat[a : a + t.numel()])
             return flat
-        groups = {id(p): g for g in self.opt.param_groups for p in g["params"]}
+        step = self.opt._done
         for (a, m), p in zip(outputs, self._params[key], strict=True):
+            if self._formed.get(id(p)) == step:
+                continue  # formed in the gradient hook (fill)
             seg = flat[a : a + m.numel()]
-            torch.lerp(seg, m.reshape(-1).to(seg.dtype), groups[id(p)]["betas"][0], out=seg)
+            torch.lerp(seg, m.reshape(-1).to(seg.dtype), self._beta1(p), out=seg)
         try:
             yield from self.steps_formed(key, flat, shapes, outputs, group)
         except NonFiniteError:

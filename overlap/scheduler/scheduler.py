@@ -352,7 +352,8 @@ class BucketScheduler:
                 )
             view = b.view_of(pos)
             if grad is not None and not (self.grad_as_view and grad.data_ptr() == view.data_ptr()):
-                _copy_in(view, grad, self._prescale)
+                if not self.compression.fill(p, view, grad):
+                    _copy_in(view, grad, self._prescale)
                 if self.grad_as_view:
                     p.grad = view
             elif grad is not None and self._prescale is not None:

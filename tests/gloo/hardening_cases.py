@@ -11,6 +11,7 @@ import torch
 import overlap
 from overlap import CommError, comm
 from overlap.comm import waiters
+from tests.gloo.catching import catcher
 
 
 def many_outstanding_receives(n: int) -> list[float]:
@@ -258,12 +259,7 @@ def call_errors() -> dict[str, str]:
 
     out: dict[str, str] = {}
 
-    def catch(name: str, fn: Any) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except Exception as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    catch = catcher(out)
 
     r = comm.get_rank()
     catch("int16", lambda: comm.all_reduce(torch.ones(2, dtype=torch.int16)))

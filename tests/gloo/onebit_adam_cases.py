@@ -21,6 +21,7 @@ import overlap
 from overlap import BucketScheduler, OneBitAdam, comm
 from overlap.compression import padded_numel
 from overlap.errors import NonFiniteError
+from tests.gloo.catching import catcher
 
 SHAPES = [(5, 3), (7,), (4, 4), (1,), (33,)]
 FREEZE = 3
@@ -382,12 +383,7 @@ def refusals() -> dict[str, str]:
     """Every refusal names the problem and the fix, and changes nothing."""
     out: dict[str, str] = {}
 
-    def catch(name: str, fn: Any) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except Exception as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    catch = catcher(out)
 
     lin = nn.Linear(3, 2)
     catch("freeze_negative", lambda: OneBitAdam(lin.parameters(), freeze_step=-1))

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import overlap
 from overlap import BucketScheduler, comm
 from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
+from tests.gloo.catching import catcher
 
 
 class Net(nn.Module):
@@ -206,12 +207,7 @@ def bad_inputs() -> dict[str, str]:
     r = comm.get_rank()
     out: dict[str, str] = {}
 
-    def catch(name: str, fn: Any) -> None:
-        try:
-            fn()
-            out[name] = "no error"
-        except Exception as e:
-            out[name] = f"{type(e).__name__}: {e}"
+    catch = catcher(out)
 
     emb = nn.Embedding(10, 4, sparse=True)
     s1 = BucketScheduler(emb)
