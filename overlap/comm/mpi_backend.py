@@ -651,8 +651,14 @@ class MpiBackend:
         root = g.ranks.index(dst)
         host, _ = self._host(t)
         if self.global_rank == dst:
-            # Igather + Wait, not Gather: MPI never matches a blocking collective with the
-            # nonblocking one the other ranks posted (measured: MPICH hangs).
+
+            def take_part() -> None:
+                # Igather + Wait, not Gather: MPI never matches a blocking collective with
+                # the nonblocking one the other ranks posted (measured: MPICH hangs). The
+                # sink is a named local: an address buffer does not keep its tensor alive.
+                sink = torch.empty((g.size, *host.shape), dtype=t.dtype)
+                g.comm.Igather(self._buf(host), self._buf(sink), root).Wait()
+
             outs = checked_root_list(
                 gather_list,
                 "gather_list",
@@ -662,11 +668,7 @@ class MpiBackend:
                 g.size,
                 t,
                 self._ts,
-                lambda: g.comm.Igather(
-                    self._buf(host),
-                    self._buf(torch.empty((g.size, *host.shape), dtype=t.dtype)),
-                    root,
-                ).Wait(),
+                take_part,
             )
             flat = torch.empty((g.size, *host.shape), dtype=t.dtype)
 
@@ -708,6 +710,12 @@ class MpiBackend:
         root = g.ranks.index(src)
         host, back = self._host(t, copy_in=False)
         if self.global_rank == src:
+
+            def take_part() -> None:
+                fake = torch.stack(scratch_like(host, g.size))  # named: kept alive
+                sink = torch.empty_like(host)
+                g.comm.Iscatter(self._buf(fake), self._buf(sink), root).Wait()
+
             ins = checked_root_list(
                 scatter_list,
                 "scatter_list",
@@ -717,11 +725,7 @@ class MpiBackend:
                 g.size,
                 t,
                 self._ts,
-                lambda: g.comm.Iscatter(
-                    self._buf(torch.stack(scratch_like(host, g.size))),
-                    self._buf(torch.empty_like(host)),
-                    root,
-                ).Wait(),
+                take_part,
             )
             flat = torch.stack([x.detach().cpu() for x in ins])
 
