@@ -41,7 +41,7 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
-from overlap.compression.onebit import OneBit, compressed_bytes
+from overlap.compression.onebit import OneBit, compressed_bytes, write_outputs
 from overlap.errors import NonFiniteError
 
 __all__ = ["OneBitAdam"]
@@ -238,7 +238,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 avg.append(flat[a : a + g.numel()].view_as(p))
                 a += g.numel()
             if self._done + 1 == self.freeze_step:
-                self._momentum.prepare(_STANDALONE_KEY, flat, [p.shape for p, _ in ps], self.group)
+                self._codec.prepare(_STANDALONE_KEY, flat, self.group, [p.shape for p, _ in ps])
             self._adam(ps, avg)
             return None
         flat = torch.empty(
@@ -532,11 +532,10 @@ class _MomentumReduction(Compressor):
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
         if not self._frozen:
-            if self.opt._done + 1 == self.opt.freeze_step:
-                self.prepare(key, flat, shapes, group)
+            if self.opt._done + 1 == self.opt.freeze_step:  # the last warm-up step
+                self.opt._codec.prepare(key, flat, group, shapes)
             yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
-            for a, t in outputs:
-                t.view(-1).copy_(flat[a : a + t.numel()])
+            write_outputs(flat, outputs)
             return flat
         step = self.opt._done
         for (a, m), p in zip(outputs, self._params[key], strict=True):
@@ -551,16 +550,6 @@ class _MomentumReduction(Compressor):
                 raise
             self.opt.last_skipped = True
         return flat
-
-    def prepare(
-        self, key: Hashable, flat: torch.Tensor, shapes: Sequence[torch.Size] | None, group: Any
-    ) -> None:
-        """Make and touch ``key``'s error-feedback buffers (about 2.5 P floats) in the last
-        warm-up step, so their page faults do not stall the first compressed one."""
-        codec = self.opt._codec
-        codec._check_world(comm.get_world_size(group))
-        if flat.numel():
-            codec._state_for(codec._entry(key, flat), flat, group, shapes)[0].take_spare()
 
     def steps_formed(
         self,
