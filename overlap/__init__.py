@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from overlap import comm, compression
 from overlap.comm import Handle, ReduceOp, destroy_process_group, init_distributed
-from overlap.compression import BF16, FP16, NoCompression, OneBit, PowerSGD
+from overlap.compression import BF16, FP8, FP16, Int8, NoCompression, OneBit, PowerSGD
 from overlap.errors import (
     CommError,
     CommTimeoutError,
@@ -17,7 +17,7 @@ from overlap.errors import (
     OverlapError,
     RankError,
 )
-from overlap.optim import OneBitAdam
+from overlap.optim import DiLoCo, OneBitAdam
 from overlap.runtime import new_event_loop, run
 from overlap.scheduler import BucketScheduler
 from overlap.trace import OverlapReport, Tracer
@@ -30,7 +30,10 @@ __all__ = [
     "FP16",
     "CommError",
     "CommTimeoutError",
+    "DiLoCo",
+    "FP8",
     "Handle",
+    "Int8",
     "NoCompression",
     "NonFiniteError",
     "NotInitializedError",

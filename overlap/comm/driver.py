@@ -38,7 +38,7 @@ from typing import Any
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
 
-__all__ = ["clear", "forget", "make_twin", "submit"]
+__all__ = ["clear", "ensure_twin", "forget", "make_twin", "submit"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,15 @@ def _twin(group: Any) -> _Driver:
         if d is None:
             d = _drivers[key] = _Driver(comm.new_group(ranks), _name(ranks))
     return d
+
+
+def ensure_twin(group: Any) -> None:
+    """Make ``group``'s twin now if it has none yet. Call it where every rank of the job
+    is making the same collective call (a constructor that runs collectives anyway, as
+    DiLoCo's): a world group's twin made lazily at the first async op needs every rank
+    there, which a peer that has died or stalled by then is not (the survivors would get
+    the store's timeout instead of the CommError the op promises)."""
+    _twin(group)
 
 
 def make_twin(group: Any, ranks: list[int], new_group: Callable[[], Any]) -> None:

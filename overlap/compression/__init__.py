@@ -1,4 +1,5 @@
-"""Gradient compression: DeepSpeed's 1-bit allreduce, casts and PowerSGD.
+"""Gradient compression: DeepSpeed's 1-bit allreduce, casts, int8/fp8
+block quantization and PowerSGD.
 
 ``compressed_allreduce(buffer, worker_error, server_error)`` is the exact two-phase 1-bit
 algorithm; the :class:`Compressor` classes wrap each method with per-bucket state for the
@@ -17,11 +18,14 @@ from overlap.compression.onebit import (
 )
 from overlap.compression.packbits import pack_signs, unpack_signs
 from overlap.compression.powersgd import PowerSGD
+from overlap.compression.quantize import FP8, Int8
 
 __all__ = [
     "BF16",
     "FP16",
     "Compressor",
+    "FP8",
+    "Int8",
     "NoCompression",
     "OneBit",
     "PowerSGD",

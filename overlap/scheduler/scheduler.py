@@ -26,7 +26,6 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -37,6 +36,7 @@ from overlap import comm
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
+from overlap.ownership import claim, holder_of, release
 from overlap.scheduler.buckets import Bucket, assign_buckets
 from overlap.scheduler.streams import Launcher
 
@@ -44,17 +44,6 @@ __all__ = ["BucketScheduler"]
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
-
-# What live (not removed) schedulers hold: each parameter is hooked by at most one, and each
-# compressor's per-bucket state belongs to at most one. Keyed by id() with a weak reference
-# to the object itself (tensors compare elementwise, so they cannot be dict keys), so a
-# recycled id is never mistaken for a held object.
-_HELD: dict[int, tuple[weakref.ref[Any], BucketScheduler]] = {}
-
-
-def _holder(obj: Any) -> BucketScheduler | None:
-    entry = _HELD.get(id(obj))
-    return entry[1] if entry is not None and entry[0]() is obj else None
 
 
 def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
@@ -182,17 +171,18 @@ class BucketScheduler:
                 )
         if getattr(optimizer, "_sched", None) is not None:
             optimizer._attach(self)  # raises: it names the scheduler that already holds it
-        if any(_holder(p) is not None for p in self.params):
+        held = next((h for p in self.params if (h := holder_of(p)) is not None), None)
+        if held is not None:
             raise ValueError(
-                "these parameters are already reduced by another BucketScheduler that was "
-                "not removed: call remove() on it before building a new one (two schedulers "
-                "would reduce every gradient twice)"
+                f"these parameters are already reduced by a {type(held).__name__} that was "
+                "not removed: call remove() on it before building a BucketScheduler (both "
+                "would average every gradient)"
             )
-        if compression is not None and _holder(compression) is not None:
+        if compression is not None and (held := holder_of(compression)) is not None:
             raise ValueError(
-                f"this {type(compression).__name__} is already used by another "
-                "BucketScheduler: a compressor keeps per-bucket state (error feedback), so "
-                "give each scheduler its own (or remove() the other one first)"
+                f"this {type(compression).__name__} is already used by a "
+                f"{type(held).__name__}: a compressor keeps per-bucket state (error feedback), "
+                "so give each its own (or remove() the other one first)"
             )
         self.device = self.params[0].device
         backend = comm.get_backend()
@@ -255,8 +245,7 @@ class BucketScheduler:
             p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
             for p in self.params
         ]
-        for obj in [*self.params, self.compression]:
-            _HELD[id(obj)] = (weakref.ref(obj), self)
+        claim([*self.params, self.compression], self)
 
     # ----------------------------------------------------------------------- structure
     def _optimizer_reduction(
@@ -702,9 +691,7 @@ class BucketScheduler:
             h.remove()
         self._hooks = []
         self._launcher.close()
-        for obj in [*self.params, self.compression]:
-            if _holder(obj) is self:
-                del _HELD[id(obj)]
+        release([*self.params, self.compression], self)
         if self.optimizer is not None:
             self.optimizer._detach(self)
         groups, self._groups_owned = self._groups_owned, []

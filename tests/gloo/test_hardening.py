@@ -47,9 +47,13 @@ def test_spawn_ranks_env_enables_debug_mode() -> None:
 def test_scheduler_lifecycle_refusals_and_release(pools: Callable[[int], RankPool]) -> None:
     cycles = 30
     for out in pools(2).run(hc.scheduler_lifecycle, cycles, timeout=180):
-        assert out["second"].startswith("these parameters are already reduced by another"), out
+        assert out["second"].startswith(
+            "these parameters are already reduced by a BucketScheduler"
+        ), out
         assert "call remove() on it" in out["second"]
-        assert out["shared_compressor"].startswith("this OneBit is already used by another"), out
+        assert out["shared_compressor"].startswith(
+            "this OneBit is already used by a BucketScheduler"
+        ), out
         (fd0, th0), (fd1, th1) = out["before"], out["after"]
         # 0.1.0: +10 fds and +5 threads per cycle (two gloo groups never freed)
         assert fd1 - fd0 <= 4 and th1 - th0 <= 2, out

@@ -17,6 +17,7 @@ import overlap
 from overlap import comm
 from tests.gloo import bad_input_cases, cases
 from tests.gloo import contract_cases as cc
+from tests.gloo import diloco_cases as dl
 from tests.gloo import hardening_cases as hc
 from tests.gloo import onebit_adam_cases as oc
 from tests.gloo import reliability_cases as rc
@@ -42,7 +43,20 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["debug_mode"] = _debug_mode
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
+    out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
+    out["diloco/streaming"] = lambda: dl.matches_reference([4], 2, 1, "async", steps=10)
+    out["diloco/resume_int8"] = lambda: _true(dl.resume_is_bit_identical("int8"))
+    out["int8_reduce"] = lambda: _int8_bounded(dl.quantized_reduce("int8", 1000, 64))
     return out
+
+
+def _true(ok: bool) -> None:
+    assert ok
+
+
+def _int8_bounded(res: list[float]) -> None:
+    worst, drift = res
+    assert worst < 0.02 and drift < 0.06, res
 
 
 def _debug_mode() -> None:

@@ -1,0 +1,210 @@
+"""Block-quantized averaging: :class:`Int8` and :class:`FP8`, with error feedback.
+
+A buffer is averaged in two phases, as the 1-bit allreduce is (and as INTELLECT-1's int8
+ring is), because a sum of 8-bit values overflows 8 bits:
+
+1. each rank adds its worker error, cuts the (padded) buffer into blocks of ``block``
+   elements, stores each block as one float32 scale (absmax / the type's largest value) and
+   one 8-bit code per element, and sends chunk j of codes and scales to rank j
+   (all_to_all);
+2. rank j decodes the W copies of its chunk, averages them in float32, adds its server
+   error, quantizes the average again and every rank gathers every chunk (all_gather), then
+   decodes it into the buffer.
+
+Each quantization's error (what was meant minus what was sent) is kept per bucket key and
+added to the next call with the same key: nothing is lost, only delayed. A rank sends
+2 (W-1)/W (P + 4 P / block) bytes where an fp32 ring allreduce sends 2 (W-1)/W 4 P: with the
+default block of 1024, 3.98x fewer.
+
+A non-finite input shows as a non-finite scale after phase 2 on every rank alike: the call
+raises :class:`~overlap.errors.NonFiniteError` everywhere and the error state is left as it
+was. Codes travel as uint8, so FP8 runs on gloo too (gloo refuses float8 tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from overlap import comm
+from overlap.comm.steps import Steps
+from overlap.compression.base import Compressor
+from overlap.errors import NonFiniteError
+
+__all__ = ["FP8", "Int8"]
+
+
+class _BlockQuantized(Compressor):
+    """Shared two-phase algorithm; subclasses give the 8-bit code (``_encode``/``_decode``)."""
+
+    summable = False
+    top: ClassVar[float]  # the largest magnitude a code stands for
+
+    def __init__(self, block: int = 1024, error_feedback: bool = True) -> None:
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"block must be a positive int (elements per scale), got {block!r}")
+        self.block = block
+        self.error_feedback = bool(error_feedback)
+        self.state: dict[Hashable, dict[str, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ the code
+    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        """float32 values in [-top, top] -> uint8 codes."""
+        raise NotImplementedError
+
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes -> float32 values."""
+        raise NotImplementedError
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes uint8 [P], scales float32 [P / block]) of a padded float32 vector."""
+        blocks = x.view(-1, self.block)
+        scales = blocks.abs().amax(dim=1).div_(self.top)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = self._encode(blocks / safe[:, None])
+        return codes.reshape(-1), scales
+
+    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return (self._decode(codes).view(-1, self.block) * scales[:, None]).reshape(-1)
+
+    # ------------------------------------------------------------------ the reduction
+    def padded(self, n: int, w: int) -> int:
+        """Elements after padding ``n`` to whole blocks in W equal chunks."""
+        unit = self.block * w
+        return -(-n // unit) * unit
+
+    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
+        w = comm.get_world_size(group)
+        p = self.padded(flat.numel(), w)
+        return 2 * (w - 1) * (p + 4 * (p // self.block)) // w
+
+    def reduce_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> Steps:
+        w = comm.get_world_size(group)
+        n = flat.numel()
+        if n == 0:
+            return flat
+        dev = flat.device
+        p = self.padded(n, w)
+        chunk = p // w
+        st = self.state.get(key, {})
+        worker = st.get("worker")
+        if worker is not None and worker.numel() != p:
+            raise ValueError(
+                f"{self.name}: bucket {key!r} had {worker.numel()} padded elements and now has "
+                f"{p}: call reset() when the buckets change"
+            )
+        x = torch.zeros(p, dtype=torch.float32, device=dev)
+        x[:n].copy_(flat.reshape(-1))
+        if worker is not None:
+            x.add_(worker)
+        codes, scales = self._quantize(x)
+
+        # phase 1: chunk j of codes and scales to rank j
+        rcodes = torch.empty_like(codes)
+        rscales = torch.empty_like(scales)
+        yield [
+            comm.all_to_all_single(rcodes, codes, group=group, async_op=True),
+            comm.all_to_all_single(rscales, scales, group=group, async_op=True),
+        ]
+
+        # server side: the average of this rank's chunk, quantized again
+        avg = self._dequantize(rcodes, rscales).view(w, chunk).sum(0).div_(w)
+        server = st.get("server")
+        if server is not None:
+            avg.add_(server)
+        scodes, sscales = self._quantize(avg)
+
+        # phase 2: every chunk to everyone
+        acodes = torch.empty_like(codes)
+        ascales = torch.empty_like(scales)
+        yield [
+            comm.all_gather_into_tensor(acodes, scodes, group=group, async_op=True),
+            comm.all_gather_into_tensor(ascales, sscales, group=group, async_op=True),
+        ]
+        if not bool(torch.isfinite(ascales).all()):
+            raise NonFiniteError(
+                f"{self.name}: a rank's input holds NaN or Inf; the buffer and the error state "
+                "were left unchanged on every rank. Skip this step or find the non-finite value",
+                ranks=[],
+            )
+        out = self._dequantize(acodes, ascales)
+        if self.error_feedback:
+            mine = self._dequantize(codes, scales)
+            self.state[key] = {
+                "worker": x.sub_(mine),
+                "server": avg.sub_(self._dequantize(scodes, sscales)),
+            }
+        flat.copy_(out[:n].view_as(flat))
+        return flat
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "block": self.block,
+            "state": {k: {n: t.clone() for n, t in v.items()} for k, v in self.state.items()},
+        }
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        super().check_state(state)
+        if state.get("block") != self.block:
+            raise ValueError(
+                f"this state was saved with block={state.get('block')}, this {self.name} has "
+                f"block={self.block}: build it with the saved block size"
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.state = {
+            k: {n: t.clone() for n, t in v.items()} for k, v in state.get("state", {}).items()
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block={self.block}, error_feedback={self.error_feedback})"
+
+
+class Int8(_BlockQuantized):
+    """Two-phase int8 averaging with per-block scales and error feedback (4x fewer bytes than
+    fp32, less the scales). Codes are round(x / scale), scale = block absmax / 127."""
+
+    name = "int8"
+    top = 127.0
+
+    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.round().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.int8).to(torch.float32)
+
+
+class FP8(_BlockQuantized):
+    """Two-phase float8 (e4m3) averaging with per-block scales and error feedback: as
+    :class:`Int8`, with codes of more range and less resolution near the block maximum.
+    Needs a torch build with ``torch.float8_e4m3fn`` (2.1 and later)."""
+
+    name = "fp8"
+    top = 448.0
+
+    def __init__(self, block: int = 1024, error_feedback: bool = True) -> None:
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise RuntimeError(
+                f"FP8 needs torch.float8_e4m3fn, which torch {torch.__version__} lacks: "
+                "upgrade torch, or use overlap.Int8()"
+            )
+        super().__init__(block, error_feedback)
+
+    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.float8_e4m3fn).to(torch.float32)

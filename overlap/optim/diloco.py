@@ -1,0 +1,436 @@
+"""DiLoCo and Streaming DiLoCo: infrequent outer synchronisation, awaitable.
+
+Each rank trains on its own (inner optimizer, H steps); then the *pseudo-gradient* (global
+weights minus local weights) is averaged across the ranks and an outer optimizer applies it
+to the global weights, which become every rank's weights again (arXiv 2311.08105).
+
+Streaming DiLoCo (arXiv 2501.18512) splits the parameters into F fragments that sync in
+turn, each at its own offset within every H steps; a fragment's reduction is issued without
+waiting and *lands* ``delay`` inner steps later, where the new global fragment is mixed into
+the local weights that went on training meanwhile: local = alpha * local + (1 - alpha) *
+global. The reduction runs on overlap's driver thread (:mod:`overlap.comm.driver`) while the
+inner steps compute; ``astep()`` returns while it is in flight.
+
+The schedule, for inner step t (1-based, counted by :meth:`DiLoCo.step`):
+
+* fragment i *issues* at every t with t % H == offset_i, offset_i = ((i + 1) * H // F) % H
+  (F = 1: t = H, 2H, ...: DiLoCo exactly);
+* it *lands* at t + delay (delay = 0: in the same call, before it returns).
+
+At a landing, for the fragment's parameters only: the outer optimizer steps the global
+weights with the averaged pseudo-gradient as their ``.grad`` (every other parameter's
+``.grad`` is None during that step, and restored after, so the outer momentum of other
+fragments does not move); the result is the new global fragment. The global weights change
+only after the reduction has fully landed, so a failed sync (a dead peer: CommError) leaves
+them whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from overlap import comm
+from overlap.comm import driver
+from overlap.compression.base import Compressor, NoCompression
+from overlap.errors import NonFiniteError
+from overlap.ownership import claim, holder_of, release
+
+__all__ = ["OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "schedule"]
+
+log = logging.getLogger(__name__)
+
+# The default outer optimizer: Nesterov SGD. The paper's lr 0.7 / momentum 0.9 were tuned
+# for H = 500; these were chosen by the sweep in docs/diloco.md for H of 8 to 32.
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+
+
+def schedule(sync_every: int, fragments: int, delay: int, steps: int) -> list[tuple[int, str, int]]:
+    """(step, "issue" | "land", fragment) events of steps 1..``steps``, in the order
+    :meth:`DiLoCo.step` performs them: a step's landings first (by fragment), then its
+    issues (each followed at once by its landing when ``delay`` is 0)."""
+    _check_schedule(sync_every, fragments, delay)
+    offs = offsets(sync_every, fragments)
+    landing: dict[int, int] = {}
+    out: list[tuple[int, str, int]] = []
+    for t in range(1, steps + 1):
+        for i in sorted(i for i, at in landing.items() if at == t):
+            out.append((t, "land", i))
+            del landing[i]
+        for i in range(fragments):
+            if t % sync_every == offs[i]:
+                out.append((t, "issue", i))
+                if delay == 0:
+                    out.append((t, "land", i))
+                else:
+                    landing[i] = t + delay
+    return out
+
+
+def offsets(sync_every: int, fragments: int) -> list[int]:
+    """Each fragment's sync offset within every ``sync_every`` steps."""
+    return [((i + 1) * sync_every // fragments) % sync_every for i in range(fragments)]
+
+
+def _check_schedule(sync_every: Any, fragments: Any, delay: Any) -> None:
+    for name, v, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+        raise ValueError(f"delay must be an int >= 0 (inner steps), got {delay!r}")
+    if delay >= sync_every:
+        raise ValueError(
+            f"delay={delay} must be less than sync_every={sync_every}: a fragment's reduction "
+            "has to land before the fragment syncs again; lower delay or raise sync_every"
+        )
+
+
+def split(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Parameter indices, in model order, cut into ``fragments`` contiguous runs of about
+    equal element counts (each run at least one parameter)."""
+    total = sum(sizes)
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    acc, f = 0, 0
+    for i, n in enumerate(sizes):
+        left = len(sizes) - i
+        if out[f] and (acc >= total * (f + 1) / fragments or left <= fragments - 1 - f):
+            f += 1
+        out[f].append(i)
+        acc += n
+    return out
+
+
+class DiLoCo:
+    """Low-communication data parallelism: sync every ``sync_every`` inner steps.
+
+    Args:
+        model: the module whose trainable parameters are synced. Every rank builds the same
+            model; rank 0 of ``group``'s weights are broadcast at construction (as DDP does).
+        inner_optimizer: the optimizer the training loop steps; DiLoCo never touches its
+            state (checkpoint it yourself). It must update only the model's parameters.
+        outer_optimizer: a torch optimizer over exactly the model's trainable parameters,
+            stepping the global weights with the averaged pseudo-gradient; default Nesterov
+            SGD (``OUTER_LR``, ``OUTER_MOMENTUM``).
+        sync_every: H, inner steps between a fragment's syncs.
+        fragments: F; 1 is DiLoCo, more is Streaming DiLoCo.
+        delay: inner steps between issuing a fragment's reduction and merging its result
+            (0 <= delay < H); 0 waits for it at once.
+        compression: a :class:`~overlap.compression.Compressor` for the pseudo-gradients
+            (``overlap.BF16()``, ``overlap.Int8()``, ``overlap.FP8()``; default none).
+        group: the ranks that average (a data-parallel group); default the world.
+        alpha: the merge's weight on the local weights at a landing; default 0 with
+            delay 0 (the global weights replace the local ones: DiLoCo exactly) and 0.5 with
+            a delay (the paper's).
+
+    Call :meth:`step` (or ``await`` :meth:`astep`) after every inner optimizer step. It
+    returns at once when nothing is due.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        outer_optimizer: torch.optim.Optimizer | None = None,
+        sync_every: int = 16,
+        fragments: int = 1,
+        delay: int = 0,
+        compression: Compressor | None = None,
+        group: Any = None,
+        alpha: float | None = None,
+    ) -> None:
+        _check_schedule(sync_every, fragments, delay)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad) to sync")
+        if fragments > len(self.params):
+            raise ValueError(
+                f"fragments={fragments} but the model has {len(self.params)} trainable "
+                f"parameters: a fragment is one or more whole parameters; use at most "
+                f"{len(self.params)} fragments"
+            )
+        bad = sorted({str(p.dtype) for p in self.params if not p.dtype.is_floating_point})
+        if bad:
+            raise TypeError(f"DiLoCo syncs floating-point parameters, not {', '.join(bad)}")
+        if alpha is None:
+            alpha = 0.0 if delay == 0 else 0.5
+        if not 0.0 <= float(alpha) < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {alpha!r}")
+        mine = {id(p) for p in self.params}
+        for name, opt in (
+            ("inner_optimizer", inner_optimizer),
+            ("outer_optimizer", outer_optimizer),
+        ):
+            if opt is None:
+                continue
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"{name} must be a torch.optim.Optimizer, got {type(opt).__name__}")
+            theirs = {id(p) for g in opt.param_groups for p in g["params"]}
+            if theirs - mine:
+                raise ValueError(
+                    f"the {name} updates parameters that are not this model's trainable "
+                    "parameters: build it over model.parameters()"
+                )
+            if name == "outer_optimizer" and theirs != mine:
+                raise ValueError(
+                    f"the outer_optimizer covers {len(theirs)} of the model's {len(mine)} "
+                    "trainable parameters: it must step all of them (build it over "
+                    "model.parameters())"
+                )
+        if outer_optimizer is inner_optimizer:
+            raise ValueError("outer_optimizer must be a separate optimizer from inner_optimizer")
+        held = next((h for p in self.params if (h := holder_of(p)) is not None), None)
+        if held is not None:
+            raise ValueError(
+                f"this model's parameters are already averaged by a {type(held).__name__}: "
+                "DiLoCo replaces per-step gradient averaging; remove() the other one first"
+            )
+        if compression is not None and (held := holder_of(compression)) is not None:
+            raise ValueError(
+                f"this {type(compression).__name__} is already used by a {type(held).__name__}: "
+                "give DiLoCo its own compressor (it keeps per-fragment error state)"
+            )
+        self.inner = inner_optimizer
+        self.outer = outer_optimizer or torch.optim.SGD(
+            self.params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True
+        )
+        self.sync_every, self.fragments, self.delay = sync_every, fragments, delay
+        self.alpha = float(alpha)
+        self.compression: Compressor = compression if compression is not None else NoCompression()
+        self.group = group
+        self.frags = split([p.numel() for p in self.params], fragments)
+        self.offsets = offsets(sync_every, fragments)
+        self._t = 0
+        # fragment -> (landing step, Handle or the landed average)
+        self._inflight: dict[int, tuple[int, Any]] = {}
+        self.syncs = 0
+        self.bytes_sent = 0
+        self._removed = False
+        self._start()
+        self.globals = [p.detach().clone() for p in self.params]
+        claim([*self.params, self.compression], self)
+
+    # ------------------------------------------------------------------ set-up
+    def _start(self) -> None:
+        """Check every rank has the same parameters, then take rank 0's weights."""
+        g = self.group
+        sig = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode())
+        conf = [len(self.params), sig, self.sync_every, self.fragments, self.delay]
+        mine = torch.tensor(conf, dtype=torch.int64, device=self._ctrl())
+        everyone = comm.all_gather(mine, group=g)
+        differ = [i for i, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
+        if differ:
+            ranks = [comm.get_global_rank(g, i) for i in differ]
+            raise ValueError(
+                f"DiLoCo differs across ranks: ranks {ranks} have other parameter shapes or "
+                f"dtypes, or another sync_every/fragments/delay, than rank "
+                f"{comm.get_global_rank(g, 0)}; build the same model and DiLoCo everywhere"
+            )
+        driver.ensure_twin(g)  # every rank is here now; a sync later may find a peer gone
+        src = comm.get_global_rank(g, 0)
+        with torch.no_grad():
+            for p in self.params:
+                comm.broadcast(p.data, src=src, group=g)
+
+    def _ctrl(self) -> torch.device:
+        return self.params[0].device if comm.get_backend() == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ the loop
+    @property
+    def inner_steps(self) -> int:
+        """Inner steps counted so far."""
+        return self._t
+
+    def _due_now(self) -> tuple[list[int], list[int]]:
+        t = self._t
+        land = sorted(i for i, (at, _) in self._inflight.items() if at == t and self.delay > 0)
+        issue = [i for i in range(self.fragments) if t % self.sync_every == self.offsets[i]]
+        return land, issue
+
+    def step(self) -> None:
+        """Count one inner step; land and issue what is due (blocking for what lands)."""
+        self._check_live()
+        self._t += 1
+        land, issue = self._due_now()
+        for i in land:
+            self._land(i, self._wait(i))
+        for i in issue:
+            self._issue(i)
+            if self.delay == 0:
+                self._land(i, self._wait(i))
+
+    async def astep(self) -> None:
+        """As :meth:`step`, awaiting each landing on the event loop; with a delay it returns
+        while the issued reductions are in flight."""
+        self._check_live()
+        self._t += 1
+        land, issue = self._due_now()
+        for i in land:
+            self._land(i, await self._await(i))
+        for i in issue:
+            self._issue(i)
+            if self.delay == 0:
+                self._land(i, await self._await(i))
+
+    def flush(self) -> None:
+        """Land every in-flight fragment now (at the end of training, before evaluating or
+        saving the final weights). Every rank must call it at the same step."""
+        self._check_live()
+        for i in sorted(self._inflight):
+            self._land(i, self._wait(i))
+
+    def _fragment(self, i: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for j in self.frags[i]:
+            yield self.params[j], self.globals[j]
+
+    def _issue(self, i: int) -> None:
+        with torch.no_grad():
+            flat = torch.cat([(g - p).reshape(-1).to(torch.float32) for p, g in self._fragment(i)])
+        h = self.compression.reduce(i, flat, group=self.group, async_op=True)
+        self._inflight[i] = (self._t + self.delay, h)
+        self.syncs += 1
+        self.bytes_sent += self.compression.wire_bytes(flat, self.group)
+
+    def _wait(self, i: int) -> torch.Tensor:
+        _, h = self._inflight[i]
+        try:
+            out: torch.Tensor = h if isinstance(h, torch.Tensor) else h.wait()
+        except BaseException:
+            del self._inflight[i]  # the global weights are untouched
+            raise
+        return out
+
+    async def _await(self, i: int) -> torch.Tensor:
+        _, h = self._inflight[i]
+        try:
+            out: torch.Tensor = h if isinstance(h, torch.Tensor) else await h
+        except BaseException:
+            del self._inflight[i]
+            raise
+        return out
+
+    def _land(self, i: int, avg: torch.Tensor) -> None:
+        """Outer step on fragment ``i`` with the averaged pseudo-gradient, then the merge."""
+        del self._inflight[i]
+        if not bool(torch.isfinite(avg).all()):
+            raise NonFiniteError(
+                f"DiLoCo: the averaged pseudo-gradient of fragment {i} holds NaN or Inf (a "
+                "rank's weights diverged); the global weights were left unchanged",
+                ranks=[],
+            )
+        pairs = list(self._fragment(i))
+        saved = [p.grad for p in self.params]
+        try:
+            with torch.no_grad():
+                local = [p.detach().clone() for p, _ in pairs] if self.alpha else []
+                for q in self.params:
+                    q.grad = None
+                a = 0
+                for p, g in pairs:
+                    n = p.numel()
+                    p.copy_(g)
+                    p.grad = avg[a : a + n].view(p.shape).to(p.dtype)
+                    a += n
+            self.outer.step()
+            with torch.no_grad():
+                for k, (p, g) in enumerate(pairs):
+                    g.copy_(p)
+                    if self.alpha:
+                        p.mul_(1.0 - self.alpha).add_(local[k], alpha=self.alpha)
+        finally:
+            for q, s in zip(self.params, saved, strict=True):
+                q.grad = s
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The global weights, the outer optimizer's state, the schedule position, the
+        compressor's error state and every in-flight fragment (waited for here, so this is a
+        collective: every rank calls it at the same step). The inner optimizer's state and
+        the model's weights are yours to save alongside."""
+        self._check_live()
+        for i in sorted(self._inflight):
+            at, _ = self._inflight[i]
+            avg = self._wait(i)
+            self._inflight[i] = (at, avg)
+        return {
+            "sync_every": self.sync_every,
+            "fragments": self.fragments,
+            "delay": self.delay,
+            "alpha": self.alpha,
+            "sizes": [p.numel() for p in self.params],
+            "step": self._t,
+            "globals": [g.clone() for g in self.globals],
+            "outer": copy.deepcopy(self.outer.state_dict()),
+            "inflight": {i: (at, t.clone()) for i, (at, t) in self._inflight.items()},
+            "compression": self.compression.state_dict(),
+            "syncs": self.syncs,
+            "bytes_sent": self.bytes_sent,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; ValueError (nothing changed) if it is for
+        another model or schedule."""
+        self._check_live()
+        for k in ("sync_every", "fragments", "delay", "alpha"):
+            if state.get(k) != getattr(self, k):
+                raise ValueError(
+                    f"this state has {k}={state.get(k)!r} but this DiLoCo has "
+                    f"{k}={getattr(self, k)!r}: build the DiLoCo as it was saved"
+                )
+        if state.get("sizes") != [p.numel() for p in self.params]:
+            raise ValueError("this state is for another model (its parameter sizes differ)")
+        self.compression.check_state(state["compression"])
+        for i in sorted(self._inflight):  # let collectives in flight finish everywhere
+            self._wait(i)
+        self._inflight.clear()
+        with torch.no_grad():
+            for g, s in zip(self.globals, state["globals"], strict=True):
+                g.copy_(s)
+        self.outer.load_state_dict(copy.deepcopy(state["outer"]))
+        self.compression.load_state_dict(state["compression"])
+        self._inflight = {int(i): (int(at), t.clone()) for i, (at, t) in state["inflight"].items()}
+        self._t = int(state["step"])
+        self.syncs = int(state.get("syncs", 0))
+        self.bytes_sent = int(state.get("bytes_sent", 0))
+
+    def statistics(self) -> dict[str, Any]:
+        """Inner steps, syncs issued, bytes this rank sent for them, fragments in flight."""
+        return {
+            "inner_steps": self._t,
+            "syncs": self.syncs,
+            "bytes_sent": self.bytes_sent,
+            "bytes_per_step": self.bytes_sent / max(1, self._t),
+            "in_flight": sorted(self._inflight),
+        }
+
+    def remove(self) -> None:
+        """Land nothing more and give the model back (a BucketScheduler may then take it).
+        Reductions in flight are waited for (they are collectives), their results dropped."""
+        if self._removed:
+            return
+        for i in sorted(self._inflight):
+            try:
+                self._wait(i)
+            except Exception as exc:
+                log.warning("DiLoCo.remove: an in-flight reduction failed: %s", exc)
+        self._inflight.clear()
+        release([*self.params, self.compression], self)
+        self._removed = True
+
+    def _check_live(self) -> None:
+        if self._removed:
+            raise RuntimeError("this DiLoCo was removed; build a new one to sync again")
+
+    def __repr__(self) -> str:
+        return (
+            f"DiLoCo(sync_every={self.sync_every}, fragments={self.fragments}, "
+            f"delay={self.delay}, alpha={self.alpha}, compression={self.compression!r})"
+        )

@@ -1,0 +1,338 @@
+"""Rank-side checks of DiLoCo and the Int8/FP8 quantizers (gloo pools; some run under
+mpiexec too).
+
+The reference is DiLoCo computed from the math for all W ranks in one process: each rank's
+inner AdamW on its own gradients; at a fragment's issue step the pseudo-gradients
+(global - local) are averaged; at its landing step the global fragment takes a Nesterov SGD
+step written out by hand (buf = m buf + d; global -= lr (d + m buf)) and the local fragment
+becomes alpha local + (1 - alpha) global.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import overlap
+from overlap import BucketScheduler, DiLoCo, comm
+from overlap.errors import CommError, NonFiniteError
+from tests.gloo.catching import catcher
+
+SHAPES = [(5, 3), (7,), (4, 4), (1,), (33,)]
+LR_IN = 0.05
+LR_OUT, MOM = 0.7, 0.9
+
+
+class Params(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES)
+
+
+def _grads(params: list[torch.Tensor], rank: int, t: int) -> list[torch.Tensor]:
+    """A per-rank quadratic pull towards a moving target: grad = p - target(rank, t)."""
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    return [p.detach() - torch.randn(p.shape, generator=g) for p in params]
+
+
+class Reference:
+    """DiLoCo / Streaming DiLoCo for W simulated ranks, from the math."""
+
+    def __init__(
+        self, w: int, h: int, frags: list[list[int]], delay: int, alpha: float, offs: list[int]
+    ) -> None:
+        self.w, self.h, self.frags, self.delay, self.alpha, self.offs = (
+            w,
+            h,
+            frags,
+            delay,
+            alpha,
+            offs,
+        )
+        base = [p.detach().clone() for p in Params().ps]
+        self.local = [[nn.Parameter(b.clone()) for b in base] for _ in range(w)]
+        self.inner = [torch.optim.AdamW(ps, lr=LR_IN) for ps in self.local]
+        self.glob = [b.clone() for b in base]
+        self.buf = [torch.zeros_like(b) for b in base]
+        self.pending: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self.t = 0
+
+    def step(self) -> None:
+        self.t += 1
+        for r in range(self.w):
+            for p, g in zip(self.local[r], _grads(list(self.local[r]), r, self.t), strict=True):
+                p.grad = g
+            self.inner[r].step()
+        for i in sorted(i for i, (at, _) in self.pending.items() if at == self.t):
+            self._land(i)
+        for i, off in enumerate(self.offs):
+            if self.t % self.h == off:
+                d = [
+                    sum(self.glob[j] - self.local[r][j].detach() for r in range(self.w)) / self.w
+                    for j in self.frags[i]
+                ]
+                self.pending[i] = (self.t + self.delay, d)
+                if self.delay == 0:
+                    self._land(i)
+
+    def _land(self, i: int) -> None:
+        _, d = self.pending.pop(i)
+        for j, dj in zip(self.frags[i], d, strict=True):
+            self.buf[j] = MOM * self.buf[j] + dj
+            self.glob[j] = self.glob[j] - LR_OUT * (dj + MOM * self.buf[j])
+            for r in range(self.w):
+                with torch.no_grad():
+                    p = self.local[r][j]
+                    p.copy_(self.alpha * p + (1 - self.alpha) * self.glob[j])
+
+
+def _build(h: int, frags: int = 1, delay: int = 0, **kw: Any) -> tuple[Params, Any, DiLoCo]:
+    model = Params()
+    inner = torch.optim.AdamW(model.parameters(), lr=LR_IN)
+    outer = torch.optim.SGD(model.parameters(), lr=LR_OUT, momentum=MOM, nesterov=True)
+    d = DiLoCo(model, inner, outer, sync_every=h, fragments=frags, delay=delay, **kw)
+    return model, inner, d
+
+
+def _inner_step(model: Params, inner: Any, t: int) -> None:
+    ps = list(model.ps)
+    for p, g in zip(ps, _grads(ps, comm.get_rank(), t), strict=True):
+        p.grad = g
+    inner.step()
+    inner.zero_grad()
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+            raise AssertionError(f"{what}: tensor {k} differs by {(a - b).abs().max():.3g}")
+
+
+def matches_reference(
+    hs: list[int], frags: int = 1, delay: int = 0, mode: str = "blocking", steps: int = 20
+) -> list[Any]:
+    """Run DiLoCo against the reference for each H; return the schedule events it ran."""
+    w, r = comm.get_world_size(), comm.get_rank()
+    out: list[Any] = []
+    for h in hs:
+        model, inner, d = _build(h, frags, delay)
+        ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
+        try:
+            for t in range(1, steps + 1):
+                _inner_step(model, inner, t)
+                if mode == "async":
+                    overlap.run(d.astep())
+                else:
+                    d.step()
+                ref.step()
+                _close(list(model.ps), [p.detach() for p in ref.local[r]], f"H={h} step {t} local")
+                _close(d.globals, ref.glob, f"H={h} step {t} global")
+            out.append([d.frags, d.offsets, d.statistics()["syncs"]])
+        finally:
+            d.remove()
+    return out
+
+
+def astep_returns_while_in_flight() -> list[Any]:
+    """With a delay, astep() returns with the reduction still in flight; it lands later."""
+    model, inner, d = _build(4, 2, 1)
+    seen = []
+    try:
+
+        async def main() -> None:
+            for t in range(1, 9):
+                _inner_step(model, inner, t)
+                await d.astep()
+                seen.append(d.statistics()["in_flight"])
+
+        overlap.run(main())
+    finally:
+        d.remove()
+    return seen
+
+
+def resume_is_bit_identical(compression: str) -> bool:
+    """Streaming with a fragment in flight at the checkpoint: the resumed run equals the
+    uninterrupted one bit for bit (model, inner optimizer and DiLoCo state saved)."""
+
+    def make() -> tuple[Params, Any, DiLoCo]:
+        comp = {"none": None, "int8": overlap.Int8(block=8)}[compression]
+        return _build(4, 2, 1, compression=comp)
+
+    model, inner, d = make()
+    saved: bytes = b""
+    try:
+        for t in range(1, 15):
+            if t == 7:  # fragment 0 issues at 2, 6, 10 and lands a step later: in flight
+                buf = io.BytesIO()
+                torch.save(
+                    {"model": model.state_dict(), "inner": inner.state_dict(), "d": d.state_dict()},
+                    buf,
+                )
+                saved = buf.getvalue()
+                mid = d.statistics()["in_flight"]
+            _inner_step(model, inner, t)
+            d.step()
+        want = [p.detach().clone() for p in model.ps] + [g.clone() for g in d.globals]
+    finally:
+        d.remove()
+    model, inner, d = make()
+    try:
+        ck = torch.load(io.BytesIO(saved), weights_only=False)
+        model.load_state_dict(ck["model"])
+        inner.load_state_dict(ck["inner"])
+        d.load_state_dict(ck["d"])
+        for t in range(7, 15):
+            _inner_step(model, inner, t)
+            d.step()
+        got = [p.detach().clone() for p in model.ps] + [g.clone() for g in d.globals]
+    finally:
+        d.remove()
+    assert mid == [0], mid  # the checkpoint really held a fragment in flight
+    return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def quantized_reduce(kind: str, n: int, block: int) -> list[float]:
+    """Int8/FP8 averages: one call's error within the code's resolution, and with error
+    feedback the running sum of outputs tracks the running sum of exact averages."""
+    w, r = comm.get_world_size(), comm.get_rank()
+    comp = {"int8": overlap.Int8, "fp8": overlap.FP8}[kind](block=block)
+    total_out = torch.zeros(n)
+    total_true = torch.zeros(n)
+    worst = 0.0
+    for k in range(30):
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(97 * k + j)) for j in range(w)]
+        exact = torch.stack(xs).mean(0)
+        got = comp.reduce("k", xs[r].clone(), async_op=(k % 2 == 1))
+        got = got.wait() if k % 2 == 1 else got
+        if k == 0:
+            worst = float((got - exact).abs().max() / exact.abs().max())
+        total_out += got
+        total_true += exact
+    drift = float((total_out - total_true).abs().max())
+    same = comm.all_gather(total_out)
+    assert all(torch.equal(s, same[0]) for s in same), "ranks disagree"
+    return [worst, drift]
+
+
+def quantized_in_scheduler(kind: str) -> float:
+    """A BucketScheduler with compression=Int8()/FP8(): gradients within the code's error of
+    the exact average (first step: no error feedback yet)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    ref = [p.detach().clone() for p in model.parameters()]
+    comp = {"int8": overlap.Int8, "fp8": overlap.FP8}[kind](block=64)
+    sched = BucketScheduler(model, compression=comp, bucket_cap_mb=0.004, first_bucket_mb=0.004)
+    try:
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(comm.get_rank()))
+        model(x).pow(2).sum().backward()
+        sched.synchronize()
+        got = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    finally:
+        sched.remove()
+    # the exact average, computed locally from every rank's input
+    w = comm.get_world_size()
+    exact = [torch.zeros_like(p) for p in ref]
+    for j in range(w):
+        m = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), ref, strict=True):
+                p.copy_(q)
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(j))
+        m(x).pow(2).sum().backward()
+        for e, p in zip(exact, m.parameters(), strict=True):
+            e += p.grad / w  # type: ignore[operator]
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, exact, strict=True))
+
+
+def nonfinite_leaves_globals() -> list[Any]:
+    """A NaN on one rank: NonFiniteError on every rank, global weights unchanged."""
+    model, inner, d = _build(2)
+    try:
+        _inner_step(model, inner, 1)
+        d.step()
+        before = [g.clone() for g in d.globals]
+        _inner_step(model, inner, 2)
+        if comm.get_rank() == 1:
+            with torch.no_grad():
+                model.ps[0][0, 0] = math.nan
+        try:
+            d.step()
+            return ["no error"]
+        except NonFiniteError:
+            pass
+        return [
+            "NonFiniteError",
+            all(torch.equal(a, b) for a, b in zip(before, d.globals, strict=True)),
+        ]
+    finally:
+        d.remove()
+
+
+def refusals() -> dict[str, str]:
+    """Every refusal with its message; nothing is held after one."""
+    out: dict[str, str] = {}
+    catch = catcher(out)
+    model = Params()
+    inner = torch.optim.AdamW(model.parameters())
+    stray = [nn.Parameter(torch.ones(2))]
+    catch("sync_every", lambda: DiLoCo(model, inner, sync_every=0))
+    catch("delay", lambda: DiLoCo(model, inner, sync_every=4, delay=4))
+    catch("fragments", lambda: DiLoCo(model, inner, sync_every=4, fragments=6))
+    catch("outer_other", lambda: DiLoCo(model, inner, torch.optim.SGD(stray, lr=0.1)))
+    part = list(model.parameters())[:2]
+    catch("outer_part", lambda: DiLoCo(model, inner, torch.optim.SGD(part, lr=0.1)))
+    catch("inner_other", lambda: DiLoCo(model, torch.optim.SGD(stray, lr=0.1)))
+    catch("alpha", lambda: DiLoCo(model, inner, sync_every=4, delay=1, alpha=1.0))
+    sched = BucketScheduler(model)
+    catch("after_scheduler", lambda: DiLoCo(model, inner))
+    sched.remove()
+    d = DiLoCo(model, inner)
+    catch("scheduler_after", lambda: BucketScheduler(model))
+    m2 = Params()
+    other = DiLoCo(m2, torch.optim.AdamW(m2.parameters()), sync_every=8)
+    catch("load_other", lambda: d.load_state_dict(other.state_dict()))
+    other.remove()
+    d.remove()
+    catch("removed", d.step)
+    DiLoCo(model, inner).remove()  # the model is free again after remove()
+    # a rank with another schedule: every rank refuses, naming the odd one
+    catch("differs", lambda: DiLoCo(model, inner, sync_every=4 + comm.get_rank()))
+    return out
+
+
+def peer_dies_during_sync(timeout: float) -> list[Any]:
+    """Rank 1 is SIGKILLed while rank 0 waits on an outer sync: rank 0 gets CommError within
+    the timeout (+ 5 s), with the global weights untouched."""
+    import os
+    import signal
+    import threading
+
+    model, inner, d = _build(2, compression=overlap.Int8(block=8))
+    _inner_step(model, inner, 1)
+    d.step()
+    before = [g.clone() for g in d.globals]
+    _inner_step(model, inner, 2)
+    if comm.get_rank() == 1:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        time.sleep(60)
+    t0 = time.monotonic()
+    try:
+        d.step()
+    except CommError as e:
+        return [
+            "CommError",
+            time.monotonic() - t0,
+            type(e.__cause__).__name__,
+            all(torch.equal(a, b) for a, b in zip(before, d.globals, strict=True)),
+            d.statistics()["in_flight"],
+        ]
+    finally:
+        d.remove()
+    return ["no error"]

@@ -1,0 +1,118 @@
+"""DiLoCo and Streaming DiLoCo on real gloo ranks, against DiLoCo from the math; the Int8
+and FP8 quantizers; checkpoints, faults and refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from overlap.testing import RankPool
+from tests.gloo import diloco_cases as dc
+
+ALL = [[0, 1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_diloco_equals_the_math_for_several_h(
+    pools: Callable[[int], RankPool], world_size: int
+) -> None:
+    """fragments=1, delay=0 is DiLoCo exactly: H=1, 4 and 8 over 20 steps (20, 5, 2 syncs)."""
+    out = pools(world_size).run(dc.matches_reference, [1, 4, 8], timeout=120)
+    assert out == [[[ALL, [0], 20], [ALL, [0], 5], [ALL, [0], 2]]] * world_size
+
+
+@pytest.mark.parametrize(
+    ("hs", "frags", "delay", "mode", "want"),
+    [
+        # H=4, 2 fragments: [0,1,2] syncs at 2, 6, ..., [3,4] at 4, 8, ...; 10 syncs in 20
+        ([4], 2, 1, "blocking", [[[[0, 1, 2], [3, 4]], [2, 0], 10]]),
+        # H=6: offsets 3 and 0
+        ([6], 2, 0, "blocking", [[[[0, 1, 2], [3, 4]], [3, 0], 6]]),
+        # H=8, 3 fragments, 2 steps of delay, awaited in an event loop
+        ([8], 3, 2, "async", [[[[0, 1, 2], [3], [4]], [2, 5, 0], 7]]),
+    ],
+)
+def test_streaming_schedule_and_merge_equal_the_math(
+    pools: Callable[[int], RankPool],
+    hs: list[int],
+    frags: int,
+    delay: int,
+    mode: str,
+    want: list[object],
+) -> None:
+    assert pools(2).run(dc.matches_reference, hs, frags, delay, mode, timeout=120) == [want] * 2
+
+
+def test_astep_returns_while_the_reduction_is_in_flight(pools: Callable[[int], RankPool]) -> None:
+    seen = pools(2).run(dc.astep_returns_while_in_flight, timeout=120)
+    assert seen == [[[], [0], [], [1], [], [0], [], [1]]] * 2
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_resume_mid_flight_is_bit_identical(
+    pools: Callable[[int], RankPool], compression: str
+) -> None:
+    assert pools(2).run(dc.resume_is_bit_identical, compression, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize(("kind", "worst", "drift"), [("int8", 0.01, 0.05), ("fp8", 0.07, 0.25)])
+def test_quantized_average_is_close_and_error_feedback_keeps_it_unbiased(
+    pools: Callable[[int], RankPool], kind: str, worst: float, drift: float
+) -> None:
+    """One call is within the code's resolution; over 30 calls the running sum of outputs
+    stays within about one call's error of the exact running sum (errors carried, not
+    accumulated)."""
+    for w in (2, 3):
+        res = pools(w).run(dc.quantized_reduce, kind, 1000, 64, timeout=120)
+        assert res[0] == res[-1], res
+        assert 0 < res[0][0] < worst and res[0][1] < drift, res
+
+
+@pytest.mark.parametrize(("kind", "bound"), [("int8", 0.03), ("fp8", 0.08)])
+def test_quantizers_work_as_bucket_compression(
+    pools: Callable[[int], RankPool], kind: str, bound: float
+) -> None:
+    out = pools(2).run(dc.quantized_in_scheduler, kind, timeout=120)
+    assert out[0] == out[1] and 0 < out[0] < bound, out
+
+
+def test_nonfinite_pseudo_gradient_leaves_global_weights(
+    pools: Callable[[int], RankPool],
+) -> None:
+    assert pools(2).run(dc.nonfinite_leaves_globals, timeout=120) == [["NonFiniteError", True]] * 2
+
+
+def test_peer_death_during_sync_is_comm_error_globals_whole() -> None:
+    timeout = 10.0
+    pool = RankPool(2, timeout=timeout).start()
+    try:
+        res = pool.run(dc.peer_dies_during_sync, timeout, timeout=120, expect_dead=(1,))
+    finally:
+        pool.close()
+    kind, seconds, cause, whole, in_flight = res[0]
+    assert kind == "CommError" and seconds < timeout + 5, res
+    assert cause not in ("NoneType", "") and whole and in_flight == [], res
+
+
+def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> None:
+    out = pools(2).run(dc.refusals, timeout=120)
+    want = {
+        "sync_every": "ValueError: sync_every must be an int >= 1, got 0",
+        "delay": "ValueError: delay=4 must be less than sync_every=4",
+        "fragments": "ValueError: fragments=6 but the model has 5 trainable parameters",
+        "outer_other": "ValueError: the outer_optimizer updates parameters that are not",
+        "outer_part": "ValueError: the outer_optimizer covers 2 of the model's 5",
+        "inner_other": "ValueError: the inner_optimizer updates parameters that are not",
+        "alpha": "ValueError: alpha must be in [0, 1), got 1.0",
+        "after_scheduler": "ValueError: this model's parameters are already averaged by a "
+        "BucketScheduler",
+        "scheduler_after": "ValueError: these parameters are already reduced by a DiLoCo",
+        "load_other": "ValueError: this state has sync_every=8 but this DiLoCo has sync_every=16",
+        "removed": "RuntimeError: this DiLoCo was removed",
+        "differs": "ValueError: DiLoCo differs across ranks: ranks [1]",
+    }
+    for r in (0, 1):
+        assert set(out[r]) == set(want)
+        for k, v in want.items():
+            assert out[r][k].startswith(v), (r, k, out[r][k])
