@@ -441,12 +441,15 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
     import json
 
     from overlap.bench.harness import Table, human_bytes
-    from overlap.bench.lm import LM_VARIANTS, plot_lm
+    from overlap.bench.lm import LM_VARIANTS, known_variant, plot_lm, time_to_loss
 
     variants = args.variant or LM_VARIANTS
-    bad = [v for v in variants if v not in LM_VARIANTS]
+    bad = [v for v in variants if not known_variant(v)]
     if bad:
-        _out(f"unknown variant(s) {bad}; choose from {LM_VARIANTS}")
+        _out(
+            f"unknown variant(s) {bad}; choose from {LM_VARIANTS} or a DiLoCo spelling "
+            "diloco[-stream][-int8|-bf16|-fp8][-hH][-fF][-dD][-olrX][-omY]"
+        )
         return 2
     freeze = args.freeze_step if args.freeze_step is not None else max(1, args.steps * 15 // 100)
     if not 1 <= freeze < args.steps:
@@ -463,8 +466,9 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
         str(args.lr),
         str(args.layers),
         str(args.width),
+        str(args.diloco_steps or args.steps),
     ]
-    rows, code = _run_json(cmd, None, "the language-model benchmark")
+    rows, code = _run_json(cmd, args.link, "the language-model benchmark")
     if rows is None:
         return code
     if args.plot:
@@ -481,11 +485,14 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
             "vs DDP",
             "bytes/step warm-up",
             "bytes/step after freeze",
+            "wire bytes/step",
             "wall s",
+            "s to DDP's loss",
         ],
         title=f"overlap bench lm: {rows[0]['params'] / 1e6:.2f}M-param byte-level GPT, "
-        f"{args.world_size} ranks, {args.steps} steps, freeze_step {freeze}, lr {args.lr} "
-        "(train loss: mean of the last 20 steps)",
+        f"{args.world_size} ranks, {args.steps} steps, freeze_step {freeze}, lr {args.lr}, "
+        f"link {args.link or 'loopback'} (train loss: mean of the last 20 steps; s to "
+        "DDP's loss: wall time until the 20-step mean first reaches DDP's final one)",
     )
     for r in rows:
         rel = (
@@ -501,11 +508,21 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
                 "vs DDP": rel,
                 "bytes/step warm-up": human_bytes(r["bytes_warmup_step"]),
                 "bytes/step after freeze": human_bytes(r["bytes_after_freeze_step"]),
+                "wire bytes/step": (
+                    human_bytes(r["wire_bytes_step"]) if r.get("wire_bytes_step") else ""
+                ),
                 "wall s": f"{r['wall_s']:.1f}",
+                "s to DDP's loss": (
+                    _fmt_opt(time_to_loss(r, base["final_train_loss"])) if base is not None else ""
+                ),
             }
         )
     _out(t.markdown() if args.markdown else t.render())
     return 0
+
+
+def _fmt_opt(x: float | None) -> str:
+    return "never" if x is None else f"{x:.1f}"
 
 
 def cmd_trace_summarize(args: argparse.Namespace) -> int:
@@ -681,6 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--layers", type=int, default=2)
     bl.add_argument("--width", type=int, default=128)
     bl.add_argument("--world-size", type=int, default=2)
+    bl.add_argument(
+        "--diloco-steps", type=int, default=None, help="steps of DiLoCo variants (default --steps)"
+    )
+    bl.add_argument("--link", default=None, help="shaped loopback rate, e.g. 100mbit (root)")
     bl.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     bl.add_argument("--json", action="store_true")
     bl.add_argument("--markdown", action="store_true")

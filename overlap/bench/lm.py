@@ -12,7 +12,12 @@ and sees the same batches, one variant after the other:
 * ``overlap-onebit-adamw``: raw-gradient 1-bit (``OneBit``) under AdamW, for comparison;
 * ``onebitadam-nofreeze``: OneBitAdam that never freezes: the same Adam (no bias correction)
   with an fp32 allreduce every step, so the compression's own effect shows apart from the
-  optimizer's.
+  optimizer's;
+* ``diloco[-stream][-int8|-bf16|-fp8][-hH][-fF][-dD][-olrX][-omY]``: :class:`overlap.DiLoCo`
+  over AdamW (inner), e.g. ``diloco-h8`` (sync every 8 steps, the default outer optimizer),
+  ``diloco-stream-int8-h8`` (4 fragments, delay 1, Int8 pseudo-gradients),
+  ``diloco-h8-olr0.7-om0.9`` (the outer Nesterov SGD's lr and momentum; ``-om0`` is plain
+  SGD, ``-olr1-om0`` plain averaging).
 
 Reported per variant: the training loss per step (averaged over ranks), the held-out loss
 at the end, the wall time, and the bytes issued per step before and after the freeze as the
@@ -22,13 +27,22 @@ comm observer sees them (each op's payload; DDP's are counted as its fp32 allred
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["LM_VARIANTS", "TinyGPT", "bench_lm_rank", "corpus"]
+__all__ = [
+    "LM_VARIANTS",
+    "TinyGPT",
+    "bench_lm_rank",
+    "corpus",
+    "diloco_spec",
+    "known_variant",
+    "time_to_loss",
+]
 
 LM_VARIANTS = [
     "ddp-adamw",
@@ -38,6 +52,33 @@ LM_VARIANTS = [
     "onebitadam-serial",
     "overlap-onebit-adamw",
 ]
+
+
+_DILOCO = re.compile(
+    r"^diloco(?P<stream>-stream)?(?:-(?P<comp>int8|bf16|fp8))?(?:-h(?P<h>\d+))?"
+    r"(?:-f(?P<f>\d+))?(?:-d(?P<d>\d+))?(?:-olr(?P<olr>[\d.]+))?(?:-om(?P<om>[\d.]+))?$"
+)
+
+
+def diloco_spec(name: str) -> dict[str, Any] | None:
+    """The DiLoCo settings a variant name spells, or None if it is not a DiLoCo variant."""
+    m = _DILOCO.match(name)
+    if m is None:
+        return None
+    stream = m["stream"] is not None
+    return {
+        "compression": m["comp"],
+        "sync_every": int(m["h"] or 8),
+        "fragments": int(m["f"] or (4 if stream else 1)),
+        "delay": int(m["d"] or (1 if stream else 0)),
+        "outer_lr": None if m["olr"] is None else float(m["olr"]),
+        "outer_momentum": None if m["om"] is None else float(m["om"]),
+    }
+
+
+def known_variant(name: str) -> bool:
+    """A fixed variant, or a DiLoCo spelling :func:`diloco_spec` reads."""
+    return name in LM_VARIANTS or diloco_spec(name) is not None
 
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,10 +133,34 @@ def _loss(model: nn.Module, xy: torch.Tensor) -> torch.Tensor:
 
 
 def _setup(name: str, model: nn.Module, lr: float, freeze: int) -> tuple[Any, Any, Any]:
-    """(forward module, optimizer, scheduler) for one variant."""
+    """(forward module, optimizer, scheduler or DiLoCo) for one variant."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from overlap import BucketScheduler, OneBit, OneBitAdam
+    import overlap
+    from overlap import BucketScheduler, DiLoCo, OneBit, OneBitAdam
+    from overlap.optim import diloco as dl
+
+    spec = diloco_spec(name)
+    if spec is not None:
+        inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        outer = None
+        if spec["outer_lr"] is not None or spec["outer_momentum"] is not None:
+            olr = dl.OUTER_LR if spec["outer_lr"] is None else spec["outer_lr"]
+            om = dl.OUTER_MOMENTUM if spec["outer_momentum"] is None else spec["outer_momentum"]
+            outer = torch.optim.SGD(model.parameters(), lr=olr, momentum=om, nesterov=om > 0)
+        comp = {None: None, "int8": overlap.Int8, "bf16": overlap.BF16, "fp8": overlap.FP8}[
+            spec["compression"]
+        ]
+        d = DiLoCo(
+            model,
+            inner,
+            outer,
+            sync_every=spec["sync_every"],
+            fragments=spec["fragments"],
+            delay=spec["delay"],
+            compression=comp() if comp is not None else None,
+        )
+        return model, inner, d
 
     if name == "ddp-adamw":
         return DDP(model), torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), None
@@ -121,8 +186,10 @@ def bench_lm_rank(
     layers: int = 2,
     width: int = 128,
     eval_batches: int = 8,
+    diloco_steps: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Train each variant for ``steps`` steps on this rank; rank 0's rows are the result."""
+    """Train each variant for ``steps`` steps (DiLoCo variants ``diloco_steps``, default the
+    same) on this rank; rank 0's rows are the result."""
     from overlap import comm
     from overlap.comm import hooks
 
@@ -132,6 +199,8 @@ def bench_lm_rank(
     evals = _batch(held, torch.Generator().manual_seed(12345), eval_batches * batch, seq)
     rows = []
     for name in variants:
+        is_diloco = diloco_spec(name) is not None
+        n_steps = diloco_steps if is_diloco and diloco_steps else steps
         torch.manual_seed(0)
         model = TinyGPT(layers, width, seq=seq)
         nparams = sum(p.numel() for p in model.parameters())
@@ -146,24 +215,31 @@ def bench_lm_rank(
 
         hooks.set_observer(observe)
         gen = torch.Generator().manual_seed(1000 + rank)
-        losses, per_step = [], []
+        losses, per_step, clock = [], [], []
+        stats: dict[str, Any] = {}
         comm.barrier()
         t0 = time.perf_counter()
         try:
-            for _ in range(steps):
+            for _ in range(n_steps):
                 xy = _batch(train, gen, batch, seq)
                 start = sent[0]
                 opt.zero_grad()
                 loss = _loss(fwd, xy)
                 loss.backward()  # type: ignore[no-untyped-call]
-                if sched is not None:
+                if sched is not None and not is_diloco:
                     sched.synchronize()
                 opt.step()
+                if is_diloco:
+                    sched.step()
                 per_step.append(sent[0] - start)
                 losses.append(float(loss.detach()))
+                clock.append(round(time.perf_counter() - t0, 4))
+            if is_diloco:
+                sched.flush()  # the last fragments in flight land before the evaluation
         finally:
             hooks.set_observer(None)
             if sched is not None:
+                stats = sched.statistics() if is_diloco else {}
                 sched.remove()
         wall = time.perf_counter() - t0
         with torch.no_grad():
@@ -174,11 +250,14 @@ def bench_lm_rank(
                 )
                 / eval_batches
             )
-        mean = torch.tensor(losses, dtype=torch.float64)
-        comm.all_reduce(mean, op="avg")
+        mean = torch.tensor([*losses, held_loss], dtype=torch.float64)
+        comm.all_reduce(mean, op="avg")  # DiLoCo's local weights differ: every rank's loss
+        held_loss = float(mean[-1])
+        mean = mean[:-1]
         fp32 = nparams * 4
+        ring = 2 * (w - 1) * fp32 // w  # what a rank sends in an fp32 ring allreduce
         if name == "ddp-adamw":
-            per_step = [fp32] * steps  # DDP's own allreduce: the observer does not see it
+            per_step = [fp32] * n_steps  # DDP's own allreduce: the observer does not see it
         warm = per_step[:freeze]
         late = per_step[freeze + 1 :] or per_step[-1:]
         rows.append(
@@ -186,7 +265,7 @@ def bench_lm_rank(
                 "variant": name,
                 "params": nparams,
                 "world": w,
-                "steps": steps,
+                "steps": n_steps,
                 "freeze_step": freeze,
                 "lr": lr,
                 "batch": batch,
@@ -198,9 +277,31 @@ def bench_lm_rank(
                 "bytes_warmup_step": sum(warm) / max(1, len(warm)),
                 "bytes_after_freeze_step": sum(late) / max(1, len(late)),
                 "fp32_bytes": fp32,
+                "clock_s": clock,
+                # bytes this rank put on the wire per step: DDP's fp32 ring, DiLoCo's syncs
+                "wire_bytes_step": (
+                    stats["bytes_per_step"] if is_diloco else ring if name == "ddp-adamw" else None
+                ),
             }
         )
     return rows
+
+
+def smoothed(xs: list[float], k: int = 20) -> list[float]:
+    """The trailing ``k``-step mean of ``xs`` at each step."""
+    return [
+        sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1])
+        for i in range(len(xs))
+    ]
+
+
+def time_to_loss(row: dict[str, Any], target: float) -> float | None:
+    """Seconds until ``row``'s 20-step mean training loss first reaches ``target`` (None:
+    never)."""
+    for loss, t in zip(smoothed(row["train_loss"]), row["clock_s"], strict=True):
+        if loss <= target:
+            return float(t)
+    return None
 
 
 def plot_lm(rows: list[dict[str, Any]], out: str) -> str:
@@ -213,11 +314,7 @@ def plot_lm(rows: list[dict[str, Any]], out: str) -> str:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in rows:
         xs = r["train_loss"]
-        k = 20
-        smooth = [
-            sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1])
-            for i in range(len(xs))
-        ]
+        smooth = smoothed(xs)
         ax.plot(
             range(1, len(xs) + 1),
             smooth,
@@ -242,14 +339,15 @@ def plot_lm(rows: list[dict[str, Any]], out: str) -> str:
 
 
 def main_lm(argv: list[str] | None = None) -> None:
-    """``python -m overlap.bench.lm VARIANTS STEPS FREEZE WORLD LR LAYERS WIDTH``: prints
-    RESULT."""
+    """``python -m overlap.bench.lm VARIANTS STEPS FREEZE WORLD LR LAYERS WIDTH
+    [DILOCO_STEPS]``: prints RESULT."""
     import json
     import sys
 
     from overlap.testing import RankPool
 
     a = sys.argv[1:] if argv is None else argv
+    diloco_steps = int(a[7]) if len(a) > 7 else None
     with RankPool(int(a[3]), timeout=7200) as pool:
         rows = pool.run(
             bench_lm_rank,
@@ -261,6 +359,8 @@ def main_lm(argv: list[str] | None = None) -> None:
             64,
             int(a[5]),
             int(a[6]),
+            8,
+            diloco_steps,
             timeout=7200,
         )[0]
     sys.stdout.write("RESULT " + json.dumps(rows) + "\n")

@@ -84,10 +84,16 @@ class _Driver:
                 handle._result = result
                 handle._finish(None)
 
-    def close(self) -> None:
+    def close(self, join: float = 0.0) -> None:
+        """Stop taking jobs; the thread finishes what is queued and exits. ``join``: wait up
+        to that many seconds for it (the job is being torn down: a thread that outlives the
+        teardown can abort the process at exit)."""
         with self.cv:
             self.closed = True
             self.cv.notify()
+            thread = self.thread
+        if join and thread is not None and thread is not threading.current_thread():
+            thread.join(join)
 
 
 _drivers: dict[Any, _Driver] = {}
@@ -183,7 +189,7 @@ def clear() -> list[Any]:
         drivers = list(_drivers.values())
         _drivers.clear()
     for d in drivers:
-        d.close()
+        d.close(join=5.0)
     return [d.group for d in drivers]
 
 
@@ -194,5 +200,5 @@ def forget(group: Any) -> Any:
         d = _drivers.pop(group, None)
     if d is None:
         return None
-    d.close()
+    d.close(join=5.0)
     return d.group

@@ -95,6 +95,18 @@ def test_peer_death_during_sync_is_comm_error_globals_whole() -> None:
     assert cause not in ("NoneType", "") and whole and in_flight == [], res
 
 
+def test_ranks_exit_cleanly_after_syncs_on_the_driver() -> None:
+    """A torch optimizer plus a reduction on a driver thread used to abort both ranks at
+    exit ("terminate called without an active exception"): the driver thread outlived
+    destroy_process_group. It is joined there now."""
+    pool = RankPool(2, timeout=60).start()
+    try:
+        pool.run(dc.matches_reference, [2], steps=4, timeout=120)
+    finally:
+        codes = pool.close()
+    assert codes == {0: 0, 1: 0}, codes
+
+
 def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> None:
     out = pools(2).run(dc.refusals, timeout=120)
     want = {
