@@ -385,6 +385,10 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     rows, code = _run_json(cmd, args.link, "the training benchmark")
     if rows is None:
         return code
+    if args.plot:
+        from overlap.bench.train import plot_steps
+
+        plot_steps(rows, args.plot, args.link or "loopback")
     if args.json:
         _out(json.dumps(rows, indent=2))
         return 0
@@ -404,6 +408,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         [
             "variant",
             "step ms",
+            "slowest ms",
             "vs DDP",
             "x compute",
             "bytes/rank/step",
@@ -422,6 +427,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             **{
                 "variant": r["variant"],
                 "step ms": ms(r["step_ms"]),
+                "slowest ms": ms(r.get("max_step_ms")),
                 "vs DDP": vs_ddp(r),
                 "x compute": f"{r['step_ms'] / floor:.2f}" if floor else "",
                 "bytes/rank/step": ""
@@ -448,7 +454,7 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
     if bad:
         _out(
             f"unknown variant(s) {bad}; choose from {LM_VARIANTS} or a DiLoCo spelling "
-            "diloco[-stream][-int8|-bf16|-fp8][-hH][-fF][-dD][-olrX][-omY]"
+            "diloco[-stream][-int8|-bf16|-fp8][-hH][-fF][-dD][-olrX][-omY][-aA]"
         )
         return 2
     freeze = args.freeze_step if args.freeze_step is not None else max(1, args.steps * 15 // 100)
@@ -684,6 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu (gloo ranks) or cuda (NCCL, one rank per GPU; the scheduler's GPU overhead)",
     )
     bt.add_argument("--batch", type=int, default=None, help="default 64 on cpu, 1024 on cuda")
+    bt.add_argument("--plot", default=None, help="write step time against step to this PNG")
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")
     bt.set_defaults(func=cmd_bench_train)

@@ -13,11 +13,11 @@ and sees the same batches, one variant after the other:
 * ``onebitadam-nofreeze``: OneBitAdam that never freezes: the same Adam (no bias correction)
   with an fp32 allreduce every step, so the compression's own effect shows apart from the
   optimizer's;
-* ``diloco[-stream][-int8|-bf16|-fp8][-hH][-fF][-dD][-olrX][-omY]``: :class:`overlap.DiLoCo`
+* ``diloco[-stream][-int8|-bf16|-fp8][-hH][-fF][-dD][-olrX][-omY][-aA]``: :class:`overlap.DiLoCo`
   over AdamW (inner), e.g. ``diloco-h8`` (sync every 8 steps, the default outer optimizer),
   ``diloco-stream-int8-h8`` (4 fragments, delay 1, Int8 pseudo-gradients),
   ``diloco-h8-olr0.7-om0.9`` (the outer Nesterov SGD's lr and momentum; ``-om0`` is plain
-  SGD, ``-olr1-om0`` plain averaging).
+  SGD, ``-olr1-om0`` plain averaging; ``-aA`` the merge's alpha).
 
 Reported per variant: the training loss per step (averaged over ranks), the held-out loss
 at the end, the wall time, and the bytes issued per step before and after the freeze as the
@@ -56,7 +56,7 @@ LM_VARIANTS = [
 
 _DILOCO = re.compile(
     r"^diloco(?P<stream>-stream)?(?:-(?P<comp>int8|bf16|fp8))?(?:-h(?P<h>\d+))?"
-    r"(?:-f(?P<f>\d+))?(?:-d(?P<d>\d+))?(?:-olr(?P<olr>[\d.]+))?(?:-om(?P<om>[\d.]+))?$"
+    r"(?:-f(?P<f>\d+))?(?:-d(?P<d>\d+))?(?:-olr(?P<olr>[\d.]+))?(?:-om(?P<om>[\d.]+))?(?:-a(?P<a>[\d.]+))?$"
 )
 
 
@@ -73,6 +73,7 @@ def diloco_spec(name: str) -> dict[str, Any] | None:
         "delay": int(m["d"] or (1 if stream else 0)),
         "outer_lr": None if m["olr"] is None else float(m["olr"]),
         "outer_momentum": None if m["om"] is None else float(m["om"]),
+        "alpha": None if m["a"] is None else float(m["a"]),
     }
 
 
@@ -159,6 +160,7 @@ def _setup(name: str, model: nn.Module, lr: float, freeze: int) -> tuple[Any, An
             fragments=spec["fragments"],
             delay=spec["delay"],
             compression=comp() if comp is not None else None,
+            alpha=spec["alpha"],
         )
         return model, inner, d
 
@@ -280,7 +282,11 @@ def bench_lm_rank(
                 "clock_s": clock,
                 # bytes this rank put on the wire per step: DDP's fp32 ring, DiLoCo's syncs
                 "wire_bytes_step": (
-                    stats["bytes_per_step"] if is_diloco else ring if name == "ddp-adamw" else None
+                    stats["steady_bytes_per_step"]
+                    if is_diloco
+                    else ring
+                    if name == "ddp-adamw"
+                    else None
                 ),
             }
         )

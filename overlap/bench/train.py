@@ -1,7 +1,9 @@
 """``overlap bench train``: step time of DDP and overlap variants on one model, one run.
 
 Every variant trains the same MLP (``--model-size`` million parameters, 2048-wide layers) on
-the same data; the variants are interleaved step by step so noise hits them alike.
+the same data; the variants are interleaved step by step so noise hits them alike (DiLoCo
+variants run their steps back to back afterwards: their reductions run in the background
+across steps and would slow an interleaved neighbour).
 
 ``--device cuda`` runs the model on the GPU with NCCL (one rank per GPU: NCCL refuses two
 ranks on one device). At world size 1 there is no wire, so it measures what the scheduler
@@ -39,7 +41,13 @@ VARIANTS = [
 # scheduler, and 1-bit Adam standalone (DeepSpeed's serial form: backward, then step()
 # communicates). Their "vs DDP" is against ddp-adamw when it runs too.
 ADAM_VARIANTS = ["ddp-adamw", "overlap-onebitadam", "onebitadam-serial"]
-ALL_VARIANTS = VARIANTS + ADAM_VARIANTS
+# DiLoCo (run only when named): SGD inner steps, an outer sync every DILOCO_H steps: plain
+# (the whole model, fp32, waited for at the sync step) and streaming (4 fragments in turn,
+# Int8, each landing DILOCO_DELAY steps after it was issued).
+DILOCO_VARIANTS = ["diloco", "diloco-streaming"]
+DILOCO_H = 8
+DILOCO_DELAY = 1
+ALL_VARIANTS = VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
 WIDTH = 2048
@@ -84,7 +92,22 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
     from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
 
     model = _model(million, device)
-    v: dict[str, Any] = {"name": name, "model": model, "sched": None}
+    v: dict[str, Any] = {"name": name, "model": model, "sched": None, "diloco": None}
+    if name in DILOCO_VARIANTS:
+        from overlap import DiLoCo, Int8
+
+        v["forward"] = model
+        v["opt"] = torch.optim.SGD(model.parameters(), lr=1e-4)
+        stream = name == "diloco-streaming"
+        v["diloco"] = DiLoCo(
+            model,
+            v["opt"],
+            sync_every=DILOCO_H,
+            fragments=min(4, len(list(model.parameters()))) if stream else 1,
+            delay=DILOCO_DELAY if stream else 0,
+            compression=Int8() if stream else None,
+        )
+        return v
     if "onebitadam" in name:
         v["forward"] = model
         v["opt"] = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=COMPRESS_FROM)
@@ -144,34 +167,49 @@ def bench_train_rank(
         v["name"]: {"step": [], "comm": [], "hidden": [], "exposed": [], "all": []} for v in vs
     }
     bar = Progress((warmup + steps) * len(vs), enabled=comm.get_rank() == 0)
+    xs = [torch.randn(batch, WIDTH, generator=gen).to(device) for _ in range(warmup + steps)]
+
+    def one_step(v: dict[str, Any], i: int) -> None:
+        bar.advance(f"{v['name']} step {i + 1}/{warmup + steps}")
+        comm.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        v["opt"].zero_grad()
+        v["forward"](xs[i]).pow(2).mean().backward()
+        t_bwd = time.perf_counter()
+        if v["sched"] is not None:
+            v["sched"].synchronize()
+        t_sync = time.perf_counter()
+        v["opt"].step()
+        if v["diloco"] is not None:
+            v["diloco"].step()
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        r = rec[v["name"]]
+        r["all"].append(t1 - t0)
+        if i < warmup:
+            return
+        r["step"].append(t1 - t0)
+        if v["sched"] is not None:
+            c, h = comm_overlap(v["sched"].statistics()["timeline"], t0, t_bwd)
+            r["comm"].append(c)
+            r["hidden"].append(h)
+            r["exposed"].append(t_sync - t_bwd)
+
+    # Interleaved step by step, so noise hits the variants alike; DiLoCo variants then run
+    # their steps back to back, since their reductions go on in the background across
+    # steps and would slow an interleaved neighbour (flattering themselves).
     for i in range(warmup + steps):
-        x = torch.randn(batch, WIDTH, generator=gen).to(device)
         for v in vs:
-            bar.advance(f"{v['name']} step {i + 1}/{warmup + steps}")
-            comm.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            v["opt"].zero_grad()
-            v["forward"](x).pow(2).mean().backward()
-            t_bwd = time.perf_counter()
-            if v["sched"] is not None:
-                v["sched"].synchronize()
-            t_sync = time.perf_counter()
-            v["opt"].step()
-            if cuda:
-                torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            r = rec[v["name"]]
-            r["all"].append(t1 - t0)
-            if i < warmup:
-                continue
-            r["step"].append(t1 - t0)
-            if v["sched"] is not None:
-                c, h = comm_overlap(v["sched"].statistics()["timeline"], t0, t_bwd)
-                r["comm"].append(c)
-                r["hidden"].append(h)
-                r["exposed"].append(t_sync - t_bwd)
+            if v["diloco"] is None:
+                one_step(v, i)
+    for v in vs:
+        if v["diloco"] is not None:
+            for i in range(warmup + steps):
+                one_step(v, i)
+            v["diloco"].flush()
     bar.close()
     rows = []
     fp32 = 2 * (w - 1) / w * nparams * 4
@@ -187,6 +225,9 @@ def bench_train_rank(
         "compute": 0.0,
     }
     for v in vs:
+        if v["diloco"] is not None:  # its syncs, once per sync_every steps
+            sent[v["name"]] = v["diloco"].steady_bytes_per_step()
+    for v in vs:
         n = v["name"]
         r = rec[n]
         row: dict[str, Any] = {
@@ -198,6 +239,7 @@ def bench_train_rank(
             "step_ms": median(r["step"]) * 1e3,
             "bytes_per_rank": sent.get(n),
             "steps_ms": [round(t * 1e3, 1) for t in r["all"]],
+            "max_step_ms": max(r["step"]) * 1e3,
         }
         # +1: the scheduler rebuilds its buckets after step 0, which resets the compressor's
         # per-bucket state, so its warm-up counts again from step 1
@@ -217,7 +259,31 @@ def bench_train_rank(
         rows.append(row)
         if v["sched"] is not None:
             v["sched"].remove()
+        if v["diloco"] is not None:
+            v["diloco"].remove()
     return rows
+
+
+def plot_steps(rows: list[dict[str, Any]], out: str, link: str) -> str:
+    """Each variant's step time against the step number, to a PNG (DiLoCo's stalls at its
+    syncs show as spikes, streaming's as their absence)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        ax.plot(range(1, len(r["steps_ms"]) + 1), r["steps_ms"], marker=".", label=r["variant"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms, rank 0)")
+    ax.set_yscale("log")
+    ax.set_title(f"{rows[0]['params'] / 1e6:.1f}M-param MLP, {rows[0]['world']} ranks, link {link}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def main_train(argv: list[str] | None = None) -> None:

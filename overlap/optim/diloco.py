@@ -47,9 +47,9 @@ __all__ = ["OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "schedule"]
 log = logging.getLogger(__name__)
 
 # The default outer optimizer: Nesterov SGD. The paper's lr 0.7 / momentum 0.9 were tuned
-# for H = 500; these were chosen by the sweep in docs/diloco.md for H of 8 to 32.
-OUTER_LR = 0.7
-OUTER_MOMENTUM = 0.9
+# for H = 500; these were chosen by the sweep in docs/diloco.md (H = 8).
+OUTER_LR = 0.6
+OUTER_MOMENTUM = 0.3
 
 
 def schedule(sync_every: int, fragments: int, delay: int, steps: int) -> list[tuple[int, str, int]]:
@@ -401,6 +401,17 @@ class DiLoCo:
         self.syncs = int(state.get("syncs", 0))
         self.bytes_sent = int(state.get("bytes_sent", 0))
 
+    def steady_bytes_per_step(self) -> float:
+        """Bytes this rank sends per inner step once every fragment syncs in turn: each
+        fragment's reduction once per ``sync_every`` steps."""
+        total = sum(
+            self.compression.wire_bytes(
+                torch.empty(sum(self.params[j].numel() for j in f), device="meta"), self.group
+            )
+            for f in self.frags
+        )
+        return total / self.sync_every
+
     def statistics(self) -> dict[str, Any]:
         """Inner steps, syncs issued, bytes this rank sent for them, fragments in flight."""
         return {
@@ -408,6 +419,7 @@ class DiLoCo:
             "syncs": self.syncs,
             "bytes_sent": self.bytes_sent,
             "bytes_per_step": self.bytes_sent / max(1, self._t),
+            "steady_bytes_per_step": self.steady_bytes_per_step(),
             "in_flight": sorted(self._inflight),
         }
 
