@@ -479,6 +479,8 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
         return code
     if args.plot:
         plot_lm(rows, args.plot)
+    if args.plot_time:
+        plot_lm(rows, args.plot_time, x="time")
     if args.json:
         _out(json.dumps(rows, indent=2))
         return 0
@@ -710,6 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bl.add_argument("--link", default=None, help="shaped loopback rate, e.g. 100mbit (root)")
     bl.add_argument("--plot", default=None, help="write the loss curves to this PNG")
+    bl.add_argument("--plot-time", default=None, help="the same against wall time")
     bl.add_argument("--json", action="store_true")
     bl.add_argument("--markdown", action="store_true")
     bl.set_defaults(func=cmd_bench_lm)

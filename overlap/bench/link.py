@@ -12,8 +12,11 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["LinkError", "shaped_link"]
 
@@ -31,9 +34,40 @@ def _run(*cmd: str) -> None:
         raise LinkError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
 
 
+def _remove(name: str) -> None:
+    """Kill what still runs inside namespace ``name``, then delete it."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+    for pid in pids.stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (``kill``, a CI timeout) raises SystemExit in the main thread while inside,
+    so the namespace is still removed; SIGKILL cannot be caught (the next run's namespace
+    has another name, and ``ip netns list`` shows the stale one)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 @contextlib.contextmanager
 def shaped_link(rate: str) -> Iterator[list[str]]:
-    """Yield a command prefix that runs a command inside a namespace shaped to ``rate``."""
+    """Yield a command prefix that runs a command inside a namespace shaped to ``rate``.
+
+    The namespace is removed on the way out, with anything still running in it, also when
+    the caller is stopped by an exception or SIGTERM."""
     if not _RATE.match(rate):
         raise ValueError(f"--link takes a tc rate such as 10gbit or 1gbit, got {rate!r}")
     if os.geteuid() != 0:
@@ -67,6 +101,7 @@ def shaped_link(rate: str) -> Iterator[list[str]]:
             "latency",
             "100ms",
         )
-        yield ["ip", "netns", "exec", name]
+        with _terminate_as_exit():
+            yield ["ip", "netns", "exec", name]
     finally:
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+        _remove(name)

@@ -160,7 +160,7 @@ def _setup(name: str, model: nn.Module, lr: float, freeze: int) -> tuple[Any, An
             fragments=spec["fragments"],
             delay=spec["delay"],
             compression=comp() if comp is not None else None,
-            alpha=spec["alpha"],
+            alpha=0.0 if spec["alpha"] is None else spec["alpha"],
         )
         return model, inner, d
 
@@ -310,8 +310,9 @@ def time_to_loss(row: dict[str, Any], target: float) -> float | None:
     return None
 
 
-def plot_lm(rows: list[dict[str, Any]], out: str) -> str:
-    """Training-loss curves (20-step moving average) of ``rows`` to a PNG."""
+def plot_lm(rows: list[dict[str, Any]], out: str, x: str = "step") -> str:
+    """Training-loss curves (20-step moving average) of ``rows`` to a PNG, against the step
+    (``x="step"``) or the wall time (``x="time"``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,13 +323,17 @@ def plot_lm(rows: list[dict[str, Any]], out: str) -> str:
         xs = r["train_loss"]
         smooth = smoothed(xs)
         ax.plot(
-            range(1, len(xs) + 1),
+            range(1, len(xs) + 1) if x == "step" else r["clock_s"],
             smooth,
             label=f"{r['variant']} (held-out {r['held_out_loss']:.3f})",
         )
     f = rows[0]["freeze_step"]
-    ax.axvline(f, color="grey", linestyle=":", label=f"freeze_step {f}")
-    ax.set_xlabel("step")
+    if x == "step" and any("onebit" in r["variant"] for r in rows):
+        ax.axvline(f, color="grey", linestyle=":", label=f"freeze_step {f}")
+    ddp = next((r for r in rows if r["variant"] == "ddp-adamw"), None)
+    if x == "time" and ddp is not None:
+        ax.axhline(ddp["final_train_loss"], color="grey", linestyle=":", label="DDP's final loss")
+    ax.set_xlabel("step" if x == "step" else "wall time (s)")
     ax.set_ylabel("training loss (20-step mean, nats/byte)")
     ax.set_title(
         f"TinyGPT {rows[0]['params'] / 1e6:.1f}M params, {rows[0]['world']} ranks, "

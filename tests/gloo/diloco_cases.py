@@ -115,13 +115,18 @@ def _close(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None
 
 
 def matches_reference(
-    hs: list[int], frags: int = 1, delay: int = 0, mode: str = "blocking", steps: int = 20
+    hs: list[int],
+    frags: int = 1,
+    delay: int = 0,
+    mode: str = "blocking",
+    steps: int = 20,
+    alpha: float = 0.0,
 ) -> list[Any]:
     """Run DiLoCo against the reference for each H; return the schedule events it ran."""
     w, r = comm.get_world_size(), comm.get_rank()
     out: list[Any] = []
     for h in hs:
-        model, inner, d = _build(h, frags, delay)
+        model, inner, d = _build(h, frags, delay, alpha=alpha)
         ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
         try:
             for t in range(1, steps + 1):

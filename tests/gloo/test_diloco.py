@@ -23,14 +23,14 @@ def test_diloco_equals_the_math_for_several_h(
 
 
 @pytest.mark.parametrize(
-    ("hs", "frags", "delay", "mode", "want"),
+    ("hs", "frags", "delay", "mode", "alpha", "want"),
     [
         # H=4, 2 fragments: [0,1,2] syncs at 2, 6, ..., [3,4] at 4, 8, ...; 10 syncs in 20
-        ([4], 2, 1, "blocking", [[[[0, 1, 2], [3, 4]], [2, 0], 10]]),
-        # H=6: offsets 3 and 0
-        ([6], 2, 0, "blocking", [[[[0, 1, 2], [3, 4]], [3, 0], 6]]),
-        # H=8, 3 fragments, 2 steps of delay, awaited in an event loop
-        ([8], 3, 2, "async", [[[[0, 1, 2], [3], [4]], [2, 5, 0], 7]]),
+        ([4], 2, 1, "blocking", 0.0, [[[[0, 1, 2], [3, 4]], [2, 0], 10]]),
+        # H=6: offsets 3 and 0; the merge keeps half of the local weights
+        ([6], 2, 0, "blocking", 0.5, [[[[0, 1, 2], [3, 4]], [3, 0], 6]]),
+        # H=8, 3 fragments, 2 steps of delay, the paper's merge, awaited in an event loop
+        ([8], 3, 2, "async", 0.5, [[[[0, 1, 2], [3], [4]], [2, 5, 0], 7]]),
     ],
 )
 def test_streaming_schedule_and_merge_equal_the_math(
@@ -39,9 +39,11 @@ def test_streaming_schedule_and_merge_equal_the_math(
     frags: int,
     delay: int,
     mode: str,
+    alpha: float,
     want: list[object],
 ) -> None:
-    assert pools(2).run(dc.matches_reference, hs, frags, delay, mode, timeout=120) == [want] * 2
+    out = pools(2).run(dc.matches_reference, hs, frags, delay, mode, 20, alpha, timeout=120)
+    assert out == [want] * 2
 
 
 def test_astep_returns_while_the_reduction_is_in_flight(pools: Callable[[int], RankPool]) -> None:

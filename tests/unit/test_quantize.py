@@ -1,0 +1,61 @@
+"""The Int8/FP8 quantizers' codes and Int8's numba kernels, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overlap import FP8, Int8
+from overlap.compression.quantize import _BlockQuantized
+
+
+@pytest.mark.parametrize("cls", [Int8, FP8])
+def test_codes_round_trip_within_the_resolution(cls: type[Int8]) -> None:
+    q = cls(block=16)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    x[16:32] = 0.0  # an all-zero block: scale 0, codes 0
+    codes, scales = q._quantize(x)
+    assert codes.dtype == torch.uint8 and codes.numel() == 64 and scales.numel() == 4
+    back = q._dequantize(codes, scales)
+    assert torch.equal(back[16:32], torch.zeros(16))
+    rel = 0.5 / 127 if cls is Int8 else 1 / 16  # half a step; e4m3 has 3 mantissa bits
+    for b in range(4):
+        blk = slice(16 * b, 16 * (b + 1))
+        assert (back[blk] - x[blk]).abs().max() <= rel * x[blk].abs().max() + 1e-7
+
+
+def test_quantizer_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        Int8(block=0)
+    st = Int8(block=8).state_dict()
+    with pytest.raises(ValueError, match="block=8"):
+        Int8(block=16).load_state_dict(st)
+
+
+def test_int8_kernels_agree_with_the_torch_stages() -> None:
+    q = Int8(block=64)
+    if q._k is None:
+        pytest.skip("numba is not importable: Int8 runs on torch ops only")
+    n = 64 * 40 + 17  # a tail block past n
+    g = torch.Generator().manual_seed(1)
+    x, err = torch.randn(n, generator=g), torch.randn(64 * 41, generator=g) * 0.01
+    p = 64 * 42
+    err = torch.cat([err, torch.zeros(p - err.numel())])
+    c1, s1, e1 = q._worker(x, err, p)
+    c2, s2, e2 = _BlockQuantized._worker(q, x, err, p)
+    assert torch.equal(s1, s2)
+    assert (c1 != c2).sum() <= 2  # a tie rounded the other way, at most
+    assert torch.allclose(e1, e2, atol=float(s1.max()))
+    assert torch.allclose(e1[c1 == c2], e2[c1 == c2], atol=1e-6)
+    codes, scales = torch.cat([c1, c1]), torch.cat([s1, s1])
+    a1 = q._server(codes, scales, 2, None)
+    a2 = _BlockQuantized._server(q, codes, scales, 2, None)
+    assert torch.equal(a1[1], a2[1]) and (a1[0] != a2[0]).sum() <= 2
+    out1, out2 = torch.empty(n), torch.empty(n)
+    q._decode_into(c1, s1, out1)
+    _BlockQuantized._decode_into(q, c1, s1, out2)
+    assert torch.equal(out1, out2)
+    bad = x.clone()
+    bad[70] = float("inf")
+    _, s3, _ = q._worker(bad, None, p)
+    assert torch.isnan(s3[1]) and torch.isfinite(torch.cat([s3[:1], s3[2:]])).all()
