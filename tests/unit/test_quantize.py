@@ -55,6 +55,14 @@ def test_int8_kernels_agree_with_the_torch_stages() -> None:
     q._decode_into(c1, s1, out1)
     _BlockQuantized._decode_into(q, c1, s1, out2)
     assert torch.equal(out1, out2)
+    tiny = torch.zeros(p)
+    tiny[64:128] = torch.linspace(-1e-41, 1e-41, 64)  # subnormal: 127 / absmax overflows
+    tiny[100] = 0.0
+    c4, s4, e4 = q._worker(tiny, None, p)
+    d4 = torch.empty(p)
+    q._decode_into(c4, s4, d4)
+    assert torch.isfinite(s4).all() and torch.isfinite(e4).all()
+    assert torch.equal(d4 + e4, tiny)  # what was not sent is kept, exactly
     bad = x.clone()
     bad[70] = float("inf")
     _, s3, _ = q._worker(bad, None, p)
