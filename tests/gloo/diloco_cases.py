@@ -144,6 +144,28 @@ def matches_reference(
     return out
 
 
+def on_a_subgroup() -> Any:
+    """3 ranks; ranks 0 and 1 run DiLoCo on their own group (a data-parallel group), with a
+    delay, while rank 2 stays out: it equals the 2-rank reference."""
+    g = comm.new_group([0, 1])  # every rank makes it
+    if comm.get_rank() == 2:
+        return None
+    r = comm.get_rank()
+    model, inner, d = _build(4, 2, 1, group=g)
+    ref = Reference(2, 4, d.frags, 1, 0.0, d.offsets)
+    try:
+        for t in range(1, 13):
+            _inner_step(model, inner, t)
+            d.step()
+            ref.step()
+            _close(list(model.ps), [p.detach() for p in ref.local[r]], f"step {t} local")
+            _close(d.globals, ref.glob, f"step {t} global")
+        return d.statistics()["syncs"]
+    finally:
+        d.remove()
+        comm.destroy_process_group(g)
+
+
 def astep_returns_while_in_flight() -> list[Any]:
     """With a delay, astep() returns with the reduction still in flight; it lands later."""
     model, inner, d = _build(4, 2, 1)

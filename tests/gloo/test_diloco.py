@@ -46,6 +46,10 @@ def test_streaming_schedule_and_merge_equal_the_math(
     assert out == [want] * 2
 
 
+def test_on_a_subgroup_equals_the_math(pools: Callable[[int], RankPool]) -> None:
+    assert pools(3).run(dc.on_a_subgroup, timeout=120) == [6, 6, None]
+
+
 def test_astep_returns_while_the_reduction_is_in_flight(pools: Callable[[int], RankPool]) -> None:
     seen = pools(2).run(dc.astep_returns_while_in_flight, timeout=120)
     assert seen == [[[], [0], [], [1], [], [0], [], [1]]] * 2
