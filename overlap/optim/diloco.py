@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 
 from overlap import comm
+from overlap.agreement import differing_ranks, param_signature
 from overlap.comm import driver
 from overlap.compression.base import Compressor, NoCompression
 from overlap.errors import NonFiniteError
@@ -221,13 +221,10 @@ class DiLoCo:
     def _start(self) -> None:
         """Check every rank has the same parameters, then take rank 0's weights."""
         g = self.group
-        sig = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode())
+        sig = param_signature(self.params)
         conf = [len(self.params), sig, self.sync_every, self.fragments, self.delay]
-        mine = torch.tensor(conf, dtype=torch.int64, device=self._ctrl())
-        everyone = comm.all_gather(mine, group=g)
-        differ = [i for i, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
-        if differ:
-            ranks = [comm.get_global_rank(g, i) for i in differ]
+        ranks = differing_ranks(conf, g, self._ctrl())
+        if ranks:
             raise ValueError(
                 f"DiLoCo differs across ranks: ranks {ranks} have other parameter shapes or "
                 f"dtypes, or another sync_every/fragments/delay, than rank "

@@ -26,13 +26,13 @@ import contextlib
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from overlap import comm
+from overlap.agreement import differing_ranks, param_signature
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
@@ -287,12 +287,10 @@ class BucketScheduler:
         return reduction
 
     def _check_same_model(self) -> None:
-        sig = zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in self.params]).encode())
-        mine = torch.tensor([len(self.params), sig], dtype=torch.int64, device=self._ctrl_device)
-        everyone = comm.all_gather(mine, group=self.ctrl)
-        differ = [i for i, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
-        if differ:
-            ranks = [comm.get_global_rank(self.ctrl, i) for i in differ]
+        ranks = differing_ranks(
+            [len(self.params), param_signature(self.params)], self.ctrl, self._ctrl_device
+        )
+        if ranks:
             raise ValueError(
                 f"the parameters differ across ranks: ranks {ranks} have other shapes or "
                 f"dtypes than rank {comm.get_global_rank(self.ctrl, 0)}; every rank must build "

@@ -121,12 +121,15 @@ def matches_reference(
     mode: str = "blocking",
     steps: int = 20,
     alpha: float = 0.0,
+    group: Any = None,
 ) -> list[Any]:
-    """Run DiLoCo against the reference for each H; return the schedule events it ran."""
-    w, r = comm.get_world_size(), comm.get_rank()
+    """Run DiLoCo against the reference for each H (``group``'s ranks are the simulated
+    ranks 0..W-1, so it must hold the lowest global ranks); return, per H, the fragments,
+    their offsets and the syncs issued."""
+    w, r = comm.get_world_size(group), comm.get_rank()
     out: list[Any] = []
     for h in hs:
-        model, inner, d = _build(h, frags, delay, alpha=alpha)
+        model, inner, d = _build(h, frags, delay, alpha=alpha, group=group)
         ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
         try:
             for t in range(1, steps + 1):
@@ -150,19 +153,9 @@ def on_a_subgroup() -> Any:
     g = comm.new_group([0, 1])  # every rank makes it
     if comm.get_rank() == 2:
         return None
-    r = comm.get_rank()
-    model, inner, d = _build(4, 2, 1, group=g)
-    ref = Reference(2, 4, d.frags, 1, 0.0, d.offsets)
     try:
-        for t in range(1, 13):
-            _inner_step(model, inner, t)
-            d.step()
-            ref.step()
-            _close(list(model.ps), [p.detach() for p in ref.local[r]], f"step {t} local")
-            _close(d.globals, ref.glob, f"step {t} global")
-        return d.statistics()["syncs"]
+        return matches_reference([4], 2, 1, steps=12, group=g)
     finally:
-        d.remove()
         comm.destroy_process_group(g)
 
 
