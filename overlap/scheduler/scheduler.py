@@ -393,8 +393,12 @@ class BucketScheduler:
                 dev_events = (ev(enable_timing=True), ev(enable_timing=True))
                 dev_events[0].record()
             try:
-                steps = comp.reduce_steps(
-                    b.index, b.flat, group=group, shapes=shapes, outputs=outputs
+                # ``outputs`` only to a compressor that takes it (the base contract): a
+                # user's compressor written to the original signature keeps working.
+                steps = (
+                    comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes, outputs=outputs)
+                    if outputs
+                    else comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes)
                 )
                 yield from (steps if tracer is None else _traced(steps, tracer, b.index))
                 if not average:

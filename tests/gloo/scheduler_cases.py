@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import overlap
 from overlap import BucketScheduler, comm
 from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
+from overlap.compression.base import Compressor, Steps
 from tests.gloo.catching import catcher
 
 
@@ -90,6 +92,50 @@ def equals_ddp(mode: str, as_view: bool = False, steps: int = 3) -> int:
     assert stats["rebuilt"] and stats["launches"] == stats["buckets"] >= 2
     sched.remove()
     return steps
+
+
+class UserAverage(Compressor):
+    """A user's compressor written to the original ``reduce_steps`` signature (no
+    ``outputs``): the scheduler must call it without the keyword it does not take."""
+
+    name = "user-average"
+    summable = True
+
+    def reduce_steps(  # type: ignore[override]
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> Steps:
+        yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
+        return flat
+
+
+def user_compressor_equals_ddp() -> int:
+    """A user's compressor of the original signature, through the scheduler: DDP's gradients."""
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    theirs = copy.deepcopy(ours)
+    ddp = DDP(theirs)
+    sched = BucketScheduler(
+        ours, compression=UserAverage(), bucket_cap_mb=0.0004, first_bucket_mb=0.0002
+    )
+    gen = torch.Generator().manual_seed(20 + r)
+    try:
+        for _ in range(2):
+            x = torch.randn(4, 8, generator=gen)
+            ours.zero_grad()
+            theirs.zero_grad()
+            ours(x).pow(2).mean().backward()
+            sched.synchronize()
+            ddp(x).pow(2).mean().backward()
+            _close(_grads(ours), _grads(theirs))
+        return int(sched.statistics()["buckets"])
+    finally:
+        sched.remove()
 
 
 def no_sync_equals_ddp() -> bool:

@@ -20,6 +20,14 @@ def test_gradient_as_bucket_view_equals_ddp(pools: Callable[[int], RankPool]) ->
     assert pools(2).run(sc.equals_ddp, "blocking", True, timeout=120) == [3, 3]
 
 
+def test_a_user_compressor_of_the_original_signature_still_works(
+    pools: Callable[[int], RankPool],
+) -> None:
+    # the scheduler passed ``outputs=`` to every compressor, failing one written before it
+    # (found on a GPU run: TypeError from tests/gpu's own compressor)
+    assert min(pools(2).run(sc.user_compressor_equals_ddp, timeout=60)) >= 2
+
+
 def test_no_sync_accumulation_equals_ddp(pools: Callable[[int], RankPool]) -> None:
     assert pools(2).run(sc.no_sync_equals_ddp, timeout=60) == [True, True]
 

@@ -153,6 +153,76 @@ def codec_cuda_equals_cpu() -> dict[str, Any]:
     return out
 
 
+def quantized_scheduler_cuda_equals_cpu(name: str) -> float:
+    """Int8 / FP8 through the scheduler: the CUDA model's gradients (torch ops) against the
+    CPU model's (Int8: the numba kernels), 3 steps with error feedback. Worst difference
+    relative to the largest gradient: CUDA's gradients differ from CPU's by float rounding,
+    which can move a value across a code boundary (one step is 1/127 of a block's maximum for
+    Int8, up to 1/14 for FP8 e4m3 near the top of its range)."""
+    rank = comm.get_rank()
+    models = {d: _model(d) for d in ("cpu", "cuda")}
+    make = {"int8": overlap.Int8, "fp8": overlap.FP8}[name]
+    scheds = {
+        d: BucketScheduler(m, compression=make(block=64), bucket_cap_mb=0.01, first_bucket_mb=0.005)
+        for d, m in models.items()
+    }
+    worst = 0.0
+    try:
+        for step in range(3):
+            for d, m in models.items():
+                m.zero_grad()
+                m(_batch(rank, step, d)).pow(2).mean().backward()
+                scheds[d].synchronize()
+            for p, q in zip(models["cuda"].parameters(), models["cpu"].parameters(), strict=True):
+                diff = (p.grad.cpu() - q.grad).abs()  # type: ignore[union-attr,operator]
+                scale = q.grad.abs().max().item() or 1.0  # type: ignore[union-attr]
+                worst = max(worst, diff.max().item() / scale)
+    finally:
+        for s in scheds.values():
+            s.remove()
+    return worst
+
+
+def diloco_cuda_equals_cpu(compression: str) -> dict[str, float]:
+    """Streaming DiLoCo (2 fragments, delay 1, H=4) on a CUDA model against the same run on a
+    CPU model: the parameters after 10 inner steps (two syncs per fragment, one landing while
+    the next inner steps run), worst difference relative to the largest parameter, and how far
+    apart the ranks' CUDA global parameters are after a flush (the outer step is the same on
+    every rank, so 0; a fragment's local parameters differ by design until it syncs)."""
+    rank = comm.get_rank()
+    comp = {"none": lambda: None, "int8": lambda: overlap.Int8(block=64)}[compression]
+    models = {d: _model(d) for d in ("cpu", "cuda")}
+    runs = {}
+    for d, m in models.items():
+        inner = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        runs[d] = (
+            inner,
+            overlap.DiLoCo(m, inner, sync_every=4, fragments=2, delay=1, compression=comp()),
+        )
+    worst = 0.0
+    try:
+        for step in range(10):
+            for d, m in models.items():
+                inner, dl = runs[d]
+                m(_batch(rank, step, d)).pow(2).mean().backward()
+                inner.step()
+                inner.zero_grad()
+                dl.step()
+        for _, dl in runs.values():
+            dl.flush()
+        for p, q in zip(models["cuda"].parameters(), models["cpu"].parameters(), strict=True):
+            scale = q.detach().abs().max().item() or 1.0
+            worst = max(worst, (p.detach().cpu() - q.detach()).abs().max().item() / scale)
+        flat = torch.cat([g.reshape(-1) for g in runs["cuda"][1].globals])
+        ref = flat.clone()
+        comm.broadcast(ref, src=0)
+        same = float((flat - ref).abs().max().item())
+    finally:
+        for _, dl in runs.values():
+            dl.remove()
+    return {"vs_cpu": worst, "across_ranks": same}
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "none/blocking": lambda: scheduler_equals_reference("none", "blocking"),
     "none/uvloop": lambda: scheduler_equals_reference("none", "uvloop"),
@@ -161,6 +231,10 @@ CASES: dict[str, Callable[[], Any]] = {
     "no_sync": no_sync_equals_reference,
     "onebit_cuda_vs_cpu": onebit_scheduler_cuda_equals_cpu,
     "codec_cuda_vs_cpu": codec_cuda_equals_cpu,
+    "int8_cuda_vs_cpu": lambda: quantized_scheduler_cuda_equals_cpu("int8"),
+    "fp8_cuda_vs_cpu": lambda: quantized_scheduler_cuda_equals_cpu("fp8"),
+    "diloco_cuda_vs_cpu": lambda: diloco_cuda_equals_cpu("none"),
+    "diloco_int8_cuda_vs_cpu": lambda: diloco_cuda_equals_cpu("int8"),
 }
 
 

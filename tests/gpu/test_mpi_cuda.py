@@ -63,3 +63,21 @@ def test_codec_cuda_equals_cpu(n: int) -> None:
             # H100: 2.6e-5 at 2**18 floats); the signs themselves agree bit for bit
             assert r["first_rel"] < 1e-4, (size, r)
             assert r["later_mismatch_fraction"] < 1e-3, (size, r)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quantized_scheduler_cuda_equals_cpu(n: int, name: str) -> None:
+    # float rounding can move a value across a code boundary: one Int8 step is 1/127 of a
+    # block's maximum, an FP8 e4m3 step up to 32/448 near the top of its range (measured on
+    # an H100: FP8 0.026)
+    assert max(_values(n, f"{name}_cuda_vs_cpu")) < {"int8": 1e-2, "fp8": 0.08}[name]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_streaming_diloco_cuda_equals_cpu(n: int, compression: str) -> None:
+    key = "diloco_cuda_vs_cpu" if compression == "none" else "diloco_int8_cuda_vs_cpu"
+    for r in _values(n, key):
+        assert r["across_ranks"] == 0.0, r  # one outer step, the same on every rank
+        assert r["vs_cpu"] < (1e-4 if compression == "none" else 2e-2), r

@@ -114,6 +114,38 @@ def test_numba_stages_match_torch_and_the_math(
 
 
 @needs_numba
+@pytest.mark.parametrize(("n", "w", "me", "segments"), CASES)
+def test_two_level_sums_the_cuda_form_agree_with_the_kernels(
+    n: int, w: int, me: int, segments: list[int] | None
+) -> None:
+    """The CUDA codec's form (float32 squares per piece, float64 per segment), run on CPU:
+    elementwise stages bitwise equal to the kernels, scales within float32 rounding, and a
+    segment of this rank's chunk that holds no element gets scale 0."""
+    lay = Layout(n, w, me, segments)
+    gen = torch.Generator().manual_seed(7 * n + w)
+    x = torch.randn(n, generator=gen)
+    codecs = {"numba": codec_numba.NumbaCodec(), "two": TorchCodec(two_level=True)}
+    efs = {c: ErrorFeedback.zeros(lay, torch.device("cpu")) for c in codecs}
+    for ef in efs.values():
+        ef.wb.copy_(torch.randn(lay.P, generator=torch.Generator().manual_seed(1)) * 0.1)
+        ef.ws.fill_(0.05)
+        ef.sc.copy_(torch.randn(lay.chunk, generator=torch.Generator().manual_seed(2)) * 0.1)
+        ef.ss.fill_(0.02)
+    recv = torch.randint(0, 256, (w, lay.chunk // 8), dtype=torch.uint8, generator=gen)
+    q = torch.rand(w, lay.nseg, generator=gen)
+    got = {}
+    for name, codec in codecs.items():
+        packed, scale, b = codec.encode(x, lay, efs[name])
+        spacked, sscale = codec.server(recv, q, lay, efs[name])
+        got[name] = (packed, scale, b, spacked, sscale, efs[name].sc.clone())
+    (p1, s1, b1, sp1, ss1, c1), (p2, s2, b2, sp2, ss2, c2) = got["numba"], got["two"]
+    assert torch.equal(p1, p2) and torch.equal(b1, b2)
+    assert torch.equal(sp1, sp2) and torch.equal(c1, c2)
+    assert torch.allclose(s1, s2, rtol=2e-6, atol=0) and torch.allclose(ss1, ss2, rtol=2e-6, atol=0)
+    assert not ss2[torch.as_tensor(lay.local_len) == 0].any()
+
+
+@needs_numba
 def test_rebuild_straight_into_unaligned_tensors() -> None:
     n, w = 5000, 2
     lay = Layout(n, w, 0, [3, 1997, 3000])
