@@ -12,6 +12,10 @@ Every function delegates to the backend chosen by :func:`init_distributed`. Coll
 block by default and return a :class:`Handle` with ``async_op=True``; ``isend``/``irecv``
 always return a Handle. Ranks (``src``, ``dst``, ``peer``) are global ranks, and ``group``
 is ``None`` (the world) or a group from :func:`new_group`.
+
+The names, positional order, keywords and defaults are deepspeed.comm's (docs/api.md has the
+migration table and the few differences). ``prof``, ``log_name`` and ``debug`` feed the comms
+logger (:mod:`overlap.comm.comms_logger`); while it is off they cost one attribute read.
 """
 
 from __future__ import annotations
@@ -20,49 +24,122 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
+from overlap.comm import comms_logger as _logger
 from overlap.comm import debug as _debug
 from overlap.comm import state
+from overlap.comm.comms_logger import (
+    BYPASS,
+    configure,
+    get_comm_operation_count,
+    get_logged_comm_ops,
+    has_comm_data,
+    log_summary,
+    reset_log,
+    timed_op,
+)
+from overlap.comm.compat import (
+    Noop,
+    ProcessGroup,
+    all_gather_comm_off,
+    all_reduce_comm_off,
+    backward_comm_off,
+    broadcast_comm_off,
+    comm_off,
+    enable_symm_mem_for_group,
+    has_all_gather_into_tensor,
+    has_all_reduce_coalesced,
+    has_coalescing_manager,
+    has_reduce_scatter_tensor,
+    init_deepspeed_backend,
+    initialize_mesh_device,
+    is_available,
+    reduce_comm_off,
+    reduce_scatter_comm_off,
+    set_backend,
+    skipped,
+)
+from overlap.comm.constants import *  # noqa: F403  (deepspeed.comm's constants)
+from overlap.comm.constants import __all__ as _constants
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle, HandleState
-from overlap.comm.init import destroy_process_group, init_distributed
+from overlap.comm.init import destroy_process_group, init_distributed, mpi_discovery
 from overlap.comm.p2p import P2POp, check_tag
 from overlap.comm.reduce_op import ReduceOp, parse_op
 
 __all__ = [
+    "GradBucket",
     "Handle",
     "HandleState",
     "NonMemberGroup",
+    "Noop",
     "P2POp",
+    "ProcessGroup",
     "ReduceOp",
     "all_gather",
+    "all_gather_coalesced",
+    "all_gather_comm_off",
     "all_gather_into_tensor",
+    "all_gather_object",
     "all_reduce",
+    "all_reduce_coalesced",
+    "all_reduce_comm_off",
     "all_to_all",
     "all_to_all_single",
+    "allgather_fn",
+    "backward_comm_off",
     "barrier",
     "batch_isend_irecv",
     "broadcast",
+    "broadcast_comm_off",
+    "broadcast_object_list",
+    "configure",
     "destroy_process_group",
+    "enable_symm_mem_for_group",
     "gather",
+    "get_all_ranks_from_group",
     "get_backend",
+    "get_comm_operation_count",
     "get_global_rank",
     "get_local_rank",
+    "get_logged_comm_ops",
     "get_rank",
     "get_world_group",
     "get_world_size",
+    "has_all_gather_into_tensor",
+    "has_all_reduce_coalesced",
+    "has_coalescing_manager",
+    "has_comm_data",
+    "has_reduce_scatter_tensor",
+    "inference_all_reduce",
+    "init_deepspeed_backend",
     "init_distributed",
+    "initialize_mesh_device",
     "irecv",
+    "is_available",
     "is_initialized",
     "isend",
+    "log_summary",
+    "monitored_barrier",
+    "mpi_discovery",
     "new_group",
     "recv",
     "reduce",
+    "reduce_comm_off",
     "reduce_scatter",
+    "reduce_scatter_comm_off",
+    "reduce_scatter_fn",
     "reduce_scatter_tensor",
+    "reset_log",
     "scatter",
     "send",
+    "set_backend",
+    "timed_op",
+    *_constants,
 ]
+
+_LOG = _logger.LOGGER
 
 
 def _check(op: str, group: Any, tensors: list[Any]) -> None:
@@ -107,10 +184,15 @@ def get_local_rank() -> int:
     return state.local_rank()
 
 
-def get_global_rank(group: Any, group_rank: int) -> int:
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
     """The global rank of ``group``'s member number ``group_rank``."""
     r: int = state.active().get_global_rank(group, group_rank)
     return r
+
+
+def get_all_ranks_from_group(group: Any = None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return [get_global_rank(group, i) for i in range(get_world_size(group))]
 
 
 def get_world_group() -> Any:
@@ -144,9 +226,12 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
 # ---------------------------------------------------------------------------- collectives
 def all_reduce(
     tensor: torch.Tensor,
-    op: Any = "sum",
+    op: Any = ReduceOp.SUM,
     group: Any = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
+    debug: str | None = None,
     algorithm: str = "native",
 ) -> Any:
     """Reduce ``tensor`` across the group, in place, on every rank.
@@ -157,6 +242,14 @@ def all_reduce(
     isend/irecv (see overlap.comm.algorithms).
     Returns the tensor (or a Handle resolving to it with ``async_op=True``).
     """
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "all_reduce",
+            log_name,
+            debug,
+            lambda a: all_reduce(tensor, op, group, a, log_name=BYPASS, algorithm=algorithm),
+            async_op,
+        )
     backend = state.active()
     if _debug.enabled():
         _debug.check(f"all_reduce[{algorithm}] op={_opname(op)}", group, [tensor])
@@ -180,29 +273,163 @@ def all_reduce(
         nbytes=tensor.numel() * tensor.element_size(),
         backend=backend.name,
         device=tensor.device,
+        world=backend.get_world_size(group),
     )
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+def inference_all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
+    debug: str | None = None,
+) -> Any:
+    """:func:`all_reduce` (DeepSpeed's name for the allreduce of inference, which it may run
+    through a shared-memory kernel on one host; overlap runs the backend's own)."""
+    return all_reduce(tensor, op, group, async_op, prof, log_name, debug)
+
+
+def all_reduce_coalesced(
+    tensors: Sequence[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_reduce",
+    debug: str | None = None,
+) -> Any:
+    """All-reduce several tensors in place with one collective per dtype and device
+    (:mod:`overlap.comm.coalesced`). Returns the list (or a Handle resolving to it)."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "all_reduce_coalesced",
+            log_name,
+            debug,
+            lambda a: all_reduce_coalesced(tensors, op, group, a, log_name=BYPASS),
+            async_op,
+        )
+    from overlap.comm.coalesced import all_reduce_coalesced_steps, check_tensors
+    from overlap.comm.reduce_op import check_reducible
+
+    ts = check_tensors("tensors", tensors)
+    rop = parse_op(op)
+    for t in ts:
+        check_reducible(rop, t.dtype)
+    _check(f"all_reduce_coalesced op={_opname(op)}", group, [ts])
+    nbytes = sum(t.numel() * t.element_size() for t in ts)
+    return _steps_op(
+        "all_reduce_coalesced",
+        lambda g: all_reduce_coalesced_steps(ts, rop, g),
+        group,
+        async_op,
+        nbytes,
+        ts[0].device if ts else None,
+    )
+
+
+def _steps_op(name: str, make: Any, group: Any, async_op: bool, nbytes: int, device: Any) -> Any:
+    """Run a steps generator here (blocking) or on the group's driver (a Handle)."""
+    backend = state.active()
+    if not async_op:
+        from overlap.comm.steps import run
+
+        return run(make(group))
+    from overlap.comm import driver
+
+    return driver.submit(
+        name,
+        make,
+        group,
+        nbytes=nbytes,
+        backend=backend.name,
+        device=device,
+        world=backend.get_world_size(group),
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "broadcast",
+    debug: str | None = None,
+) -> Any:
     """Copy rank ``src``'s tensor into ``tensor`` on every rank of the group."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "broadcast",
+            log_name,
+            debug,
+            lambda a: broadcast(tensor, src, group, a, log_name=BYPASS),
+            async_op,
+        )
+    if comm_off and "broadcast" in comm_off:
+        return skipped("broadcast")
     _check(f"broadcast src={src}", group, [tensor])
     return state.active().broadcast(tensor, src, group, async_op)
 
 
+def broadcast_object_list(
+    object_list: list[Any], src: int, group: Any = None, device: Any = None
+) -> None:
+    """Replace ``object_list``'s elements with rank ``src``'s (picklable objects; every rank
+    passes a list of the same length). Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
+    from overlap.comm.objects import broadcast_object_list as impl
+
+    if _LOG.enabled and _LOG.wants(False, "broadcast_object_list"):
+        _LOG.timed_call(
+            "broadcast_object_list",
+            "broadcast_object_list",
+            None,
+            lambda: impl(object_list, src, group, device),
+            0,
+            get_world_size(group),
+        )
+        return
+    impl(object_list, src, group, device)
+
+
 def reduce(
-    tensor: torch.Tensor, dst: int, op: Any = "sum", group: Any = None, async_op: bool = False
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce",
+    debug: str | None = None,
 ) -> Any:
     """Reduce into ``tensor`` on rank ``dst``; other ranks' tensors are left unchanged.
 
     (gloo itself leaves partial results there; overlap restores them, as deepspeed.comm
     documents, at the cost of one copy of the tensor on non-destination ranks.)
     """
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "reduce",
+            log_name,
+            debug,
+            lambda a: reduce(tensor, dst, op, group, a, log_name=BYPASS),
+            async_op,
+        )
+    if comm_off and "reduce" in comm_off:
+        return skipped("reduce")
     _check(f"reduce dst={dst} op={_opname(op)}", group, [tensor])
     return state.active().reduce(tensor, dst, op, group, async_op)
 
 
 def all_gather(
-    tensor_list: Any, tensor: torch.Tensor | None = None, group: Any = None, async_op: bool = False
+    tensor_list: Any,
+    tensor: torch.Tensor | None = None,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_gather",
+    debug: str | None = None,
 ) -> Any:
     """Gather every rank's tensor.
 
@@ -210,60 +437,203 @@ def all_gather(
     ``all_gather(tensor)`` allocates and returns the list. Either returns the list (or a Handle
     resolving to it).
     """
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "all_gather",
+            log_name,
+            debug,
+            lambda a: all_gather(tensor_list, tensor, group, a, log_name=BYPASS),
+            async_op,
+        )
+    if comm_off and "all_gather" in comm_off:
+        return skipped("all_gather")
     _check("all_gather", group, [tensor_list, tensor])
     return state.active().all_gather(tensor_list, tensor, group, async_op)
 
 
+def all_gather_object(
+    object_list: list[Any],
+    obj: Any,
+    group: Any = None,
+    prof: bool = False,
+    log_name: str = "all_gather_object",
+    debug: str | None = None,
+) -> None:
+    """Fill ``object_list`` (``[None] * world_size``) with every rank's picklable ``obj``.
+    Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
+    from overlap.comm.objects import all_gather_object as impl
+
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        _LOG.timed_call(
+            "all_gather_object",
+            log_name,
+            debug,
+            lambda: impl(object_list, obj, group),
+            0,
+            get_world_size(group),
+        )
+        return
+    impl(object_list, obj, group)
+
+
 def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_gather_into_tensor",
+    debug: str | None = None,
+) -> Any:
+    """Concatenate every rank's ``tensor`` into ``output_tensor`` (world_size x tensor)."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "all_gather_into_tensor",
+            log_name,
+            debug,
+            lambda a: all_gather_into_tensor(output_tensor, tensor, group, a, log_name=BYPASS),
+            async_op,
+        )
+    _check("all_gather_into_tensor", group, [output_tensor, tensor])
+    return state.active().all_gather_into_tensor(output_tensor, tensor, group, async_op)
+
+
+def allgather_fn(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,
     group: Any = None,
     async_op: bool = False,
+    debug: str | None = None,
 ) -> Any:
-    """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (world_size x input)."""
-    _check("all_gather_into_tensor", group, [output_tensor, input_tensor])
-    return state.active().all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+    """:func:`all_gather_into_tensor` (DeepSpeed's helper, which falls back to a list
+    all_gather on torch builds without it; every overlap backend has it)."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group, async_op, debug=debug)
 
 
-def reduce_scatter(
-    output: torch.Tensor, input: Any, op: Any = "sum", group: Any = None, async_op: bool = False
-) -> Any:
-    """Reduce, then give rank i the i-th chunk in ``output``.
-
-    ``input`` is a list of world_size tensors shaped like ``output``, or one flat tensor of
-    world_size x output elements.
-    """
-    _check(f"reduce_scatter op={_opname(op)}", group, [output, input])
-    return state.active().reduce_scatter(output, input, op, group, async_op)
-
-
-def reduce_scatter_tensor(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    op: Any = "sum",
+def all_gather_coalesced(
+    output_tensors: Sequence[torch.Tensor],
+    input_tensors: Sequence[torch.Tensor],
     group: Any = None,
     async_op: bool = False,
 ) -> Any:
+    """For each i, all-gather ``input_tensors[i]`` into ``output_tensors[i]`` (world_size x
+    its elements, contiguous), with one collective per dtype and device. Returns the outputs
+    (or a Handle resolving to them)."""
+    from overlap.comm.coalesced import all_gather_coalesced_steps, check_gather
+
+    w = get_world_size(group)
+    outs, ins = check_gather(output_tensors, input_tensors, w)
+
+    def issue(a: bool) -> Any:
+        _check("all_gather_coalesced", group, [outs, ins])
+        return _steps_op(
+            "all_gather_coalesced",
+            lambda g: all_gather_coalesced_steps(outs, ins, g),
+            group,
+            a,
+            sum(t.numel() * t.element_size() for t in ins),
+            ins[0].device if ins else None,
+        )
+
+    if _LOG.enabled and _LOG.wants(False, "all_gather_coalesced"):
+        return _LOG.timed("all_gather_coalesced", "all_gather_coalesced", None, issue, async_op)
+    return issue(async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: Any,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce_scatter",
+    debug: str | None = None,
+) -> Any:
+    """Reduce, then give rank i the i-th chunk in ``output``.
+
+    ``input_list`` is a list of world_size tensors shaped like ``output``, or one flat tensor
+    of world_size x output elements.
+    """
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "reduce_scatter",
+            log_name,
+            debug,
+            lambda a: reduce_scatter(output, input_list, op, group, a, log_name=BYPASS),
+            async_op,
+        )
+    if comm_off and "reduce_scatter" in comm_off:
+        return skipped("reduce_scatter")
+    _check(f"reduce_scatter op={_opname(op)}", group, [output, input_list])
+    return state.active().reduce_scatter(output, input_list, op, group, async_op)
+
+
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "reduce_scatter_tensor",
+    debug: str | None = None,
+) -> Any:
     """reduce_scatter with one flat input tensor (torch's name for that form)."""
-    if not isinstance(input, torch.Tensor):
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "reduce_scatter_tensor",
+            log_name,
+            debug,
+            lambda a: reduce_scatter_tensor(output_tensor, tensor, op, group, a, log_name=BYPASS),
+            async_op,
+        )
+    if not isinstance(tensor, torch.Tensor):
         raise TypeError(
             "reduce_scatter_tensor takes one input tensor; use reduce_scatter for a list"
         )
-    return state.active().reduce_scatter(output, input, op, group, async_op)
+    return state.active().reduce_scatter(output_tensor, tensor, op, group, async_op)
+
+
+def reduce_scatter_fn(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    prof: bool = False,
+    debug: str | None = None,
+) -> Any:
+    """:func:`reduce_scatter_tensor` (DeepSpeed's helper, which falls back to a list
+    reduce_scatter on torch builds without it; every overlap backend has it)."""
+    return reduce_scatter_tensor(output_tensor, tensor, op, group, async_op, prof, debug=debug)
 
 
 def all_to_all_single(
     output: torch.Tensor,
-    input: torch.Tensor,
+    tensor: torch.Tensor,
     output_split_sizes: Sequence[int] | None = None,
     input_split_sizes: Sequence[int] | None = None,
     group: Any = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "all_to_all_single",
+    debug: str | None = None,
 ) -> Any:
-    """Split ``input`` along dim 0, send chunk i to rank i, gather the received chunks."""
-    _check("all_to_all_single", group, [output, input])
+    """Split ``tensor`` along dim 0, send chunk i to rank i, gather the received chunks."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "all_to_all_single",
+            log_name,
+            debug,
+            lambda a: all_to_all_single(
+                output, tensor, output_split_sizes, input_split_sizes, group, a, log_name=BYPASS
+            ),
+            async_op,
+        )
+    _check("all_to_all_single", group, [output, tensor])
     return state.active().all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, group, async_op
+        output, tensor, output_split_sizes, input_split_sizes, group, async_op
     )
 
 
@@ -271,8 +641,20 @@ def all_to_all(
     output_tensor_list: Any, input_tensor_list: Any, group: Any = None, async_op: bool = False
 ) -> Any:
     """Send ``input_tensor_list[i]`` to rank i; receive rank i's into ``output_tensor_list[i]``."""
-    _check("all_to_all", group, [output_tensor_list, input_tensor_list])
-    return state.active().all_to_all(output_tensor_list, input_tensor_list, group, async_op)
+    if _LOG.enabled and _LOG.wants(False, "all_to_all"):
+        return _LOG.timed(
+            "all_to_all",
+            "all_to_all",
+            None,
+            lambda a: _all_to_all(output_tensor_list, input_tensor_list, group, a),
+            async_op,
+        )
+    return _all_to_all(output_tensor_list, input_tensor_list, group, async_op)
+
+
+def _all_to_all(outs: Any, ins: Any, group: Any, async_op: bool) -> Any:
+    _check("all_to_all", group, [outs, ins])
+    return state.active().all_to_all(outs, ins, group, async_op)
 
 
 def gather(
@@ -281,8 +663,19 @@ def gather(
     dst: int = 0,
     group: Any = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "gather",
+    debug: str | None = None,
 ) -> Any:
     """Collect every rank's tensor into ``gather_list`` on ``dst`` (returns it there, else None)."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "gather",
+            log_name,
+            debug,
+            lambda a: gather(tensor, gather_list, dst, group, a, log_name=BYPASS),
+            async_op,
+        )
     _check(f"gather dst={dst}", group, [tensor])
     return state.active().gather(tensor, gather_list, dst, group, async_op)
 
@@ -293,45 +686,149 @@ def scatter(
     src: int = 0,
     group: Any = None,
     async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "scatter",
+    debug: str | None = None,
 ) -> Any:
     """Give rank i ``scatter_list[i]`` from ``src``, received into ``tensor``."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "scatter",
+            log_name,
+            debug,
+            lambda a: scatter(tensor, scatter_list, src, group, a, log_name=BYPASS),
+            async_op,
+        )
     _check(f"scatter src={src}", group, [tensor])
     return state.active().scatter(tensor, scatter_list, src, group, async_op)
 
 
-def barrier(group: Any = None, async_op: bool = False) -> Any:
-    """Wait until every rank of the group reaches the barrier."""
+def barrier(
+    group: Any = None,
+    async_op: bool = False,
+    device_ids: Any = None,
+    prof: bool = False,
+    log_name: str = "barrier",
+    debug: str | None = None,
+) -> Any:
+    """Wait until every rank of the group reaches the barrier. ``device_ids`` is accepted for
+    DeepSpeed's and torch's signature; overlap's barrier needs no device."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "barrier", log_name, debug, lambda a: barrier(group, a, log_name=BYPASS), async_op
+        )
     _check("barrier", group, [])
     return state.active().barrier(group, async_op)
 
 
+def monitored_barrier(
+    group: Any = None,
+    timeout: Any = None,
+    wait_all_ranks: bool = False,
+    prof: bool = False,
+    log_name: str = "monitored_barrier",
+    debug: str | None = None,
+) -> None:
+    """A barrier that raises CommError naming the rank(s) that did not arrive within
+    ``timeout`` (seconds or timedelta; the job timeout by default), on every backend
+    (:mod:`overlap.comm.monitored`)."""
+    from overlap.comm.monitored import monitored_barrier as impl
+
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        _LOG.timed_call(
+            "monitored_barrier",
+            log_name,
+            debug,
+            lambda: impl(group, timeout, wait_all_ranks),
+            0,
+            get_world_size(group),
+        )
+        return
+    impl(group, timeout, wait_all_ranks)
+
+
 # -------------------------------------------------------------------------- point to point
-def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+def send(
+    tensor: torch.Tensor,
+    dst: int,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "send",
+    debug: str | None = None,
+) -> None:
     """Send ``tensor`` to rank ``dst`` and wait until it is handed over."""
     if tag:
         check_tag(tag)
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        _LOG.timed_call(
+            "send",
+            log_name,
+            debug,
+            lambda: state.active().send(tensor, dst, group, tag),
+            tensor.numel() * tensor.element_size(),
+            2,
+        )
+        return
     state.active().send(tensor, dst, group, tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+def recv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "recv",
+    debug: str | None = None,
+) -> int:
     """Receive into ``tensor`` from ``src`` (any rank if None); returns the sender's rank."""
     if tag:
         check_tag(tag)
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        r0: int = _LOG.timed_call(
+            "recv",
+            log_name,
+            debug,
+            lambda: state.active().recv(tensor, src, group, tag),
+            tensor.numel() * tensor.element_size(),
+            2,
+        )
+        return r0
     r: int = state.active().recv(tensor, src, group, tag)
     return r
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
+def isend(
+    tensor: torch.Tensor,
+    dst: int,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "isend",
+    debug: str | None = None,
+) -> Handle:
     """Start sending ``tensor`` to ``dst``; the Handle resolves to ``tensor``.
 
-    Tags 20000-29999 are reserved (overlap's ring and naive allreduce use them)."""
+    Tags 20000-29999 are reserved (overlap's ring and naive allreduce, and
+    monitored_barrier, use them)."""
     if tag:
         check_tag(tag)
     h: Handle = state.active().isend(tensor, dst, group, tag)
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        _LOG.time_handle("isend", _LOG.record_name(log_name, debug, depth=2), h)
     return h
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Handle:
+def irecv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: Any = None,
+    tag: int = 0,
+    prof: bool = False,
+    log_name: str = "irecv",
+    debug: str | None = None,
+) -> Handle:
     """Start receiving into ``tensor``; the Handle resolves to ``tensor``.
 
     To give up waiting, time out the *await* (``asyncio.wait_for``) or pass a timeout to
@@ -340,6 +837,8 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
     if tag:
         check_tag(tag)
     h: Handle = state.active().irecv(tensor, src, group, tag)
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        _LOG.time_handle("irecv", _LOG.record_name(log_name, debug, depth=2), h)
     return h
 
 

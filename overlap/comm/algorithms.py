@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from overlap.comm.p2p import RESERVED_TAGS
+from overlap.comm.p2p import ALGORITHM_TAGS
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
 from overlap.comm.steps import Steps
 
 __all__ = ["ALGORITHMS", "check_algorithm_args", "naive_steps", "ring_steps"]
 
-_TAG_BASE = RESERVED_TAGS.start
-_TAG_SPAN = len(RESERVED_TAGS)  # stays below MPI's guaranteed tag bound (32767)
+_TAG_BASE = ALGORITHM_TAGS.start
+_TAG_SPAN = len(ALGORITHM_TAGS)  # stays below MPI's guaranteed tag bound (32767)
 _counters: dict[tuple[int, ...], itertools.count[int]] = {}
 
 _REDUCE: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], Any]] = {

@@ -156,12 +156,13 @@ def submit(
     nbytes: int = 0,
     backend: str = "",
     device: Any = None,
+    world: int = 1,
 ) -> Handle:
     """Run ``make(twin_group)`` (a steps generator) to the end on ``group``'s driver; the
     returned Handle completes with its result or error. ``device``: a CUDA device makes the
     job run on the caller's current stream of that device."""
     d = _twin(group)
-    handle = Handle(op, result=None, nbytes=nbytes, backend=backend)
+    handle = Handle(op, result=None, nbytes=nbytes, backend=backend, world=world)
     d.submit(make, handle, _context(device))
     return handle
 

@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from overlap.comm import debug as _debug
 from overlap.comm import driver, state
+from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from overlap.comm.torch_backend import TorchBackend
 from overlap.comm.waiters import fail_in_flight, reset_pool
+from overlap.errors import NotInitializedError
 
 __all__ = ["destroy_process_group", "init_distributed", "in_mpi_env", "mpi_discovery"]
 
@@ -47,8 +49,12 @@ def _free_port() -> int:
         return port
 
 
-def mpi_discovery(distributed_port: int = 29500) -> tuple[int, int, int]:
-    """Rank, world size and local rank from MPI; sets RANK, WORLD_SIZE, MASTER_ADDR/PORT.
+def mpi_discovery(
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, verbose: bool = True
+) -> tuple[int, int, int]:
+    """Rank, world size and local rank from MPI; sets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT (deepspeed.comm's ``mpi_discovery``, which returns None; this
+    one also returns the three numbers).
 
     Raises ImportError naming ``pip install overlap[mpi]`` when mpi4py is missing.
     """
@@ -75,6 +81,15 @@ def mpi_discovery(distributed_port: int = 29500) -> tuple[int, int, int]:
         LOCAL_RANK=str(local_rank),
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
+    )
+    (log.info if verbose else log.debug)(
+        "Discovered MPI settings of world_rank=%d, local_rank=%d, world_size=%d, "
+        "master_addr=%s, master_port=%d",
+        rank,
+        local_rank,
+        size,
+        addr,
+        port,
     )
     return rank, size, local_rank
 
@@ -109,24 +124,46 @@ def _pick_backend(dist_backend: str | None) -> str:
 
 def init_distributed(
     dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: float | datetime.timedelta | None = default_pg_timeout,
     init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
     rank: int = -1,
     world_size: int = -1,
-    timeout: float | datetime.timedelta | None = None,
     *,
-    auto_mpi_discovery: bool = True,
-    distributed_port: int = 29500,
     debug: bool | None = None,
 ) -> None:
     """Initialise overlap's communication (and torch.distributed) for this process.
 
-    ``dist_backend`` is ``"gloo"``, ``"nccl"`` or ``None`` (nccl when CUDA is usable, gloo
-    otherwise). ``timeout`` (seconds or timedelta) bounds every collective in the backend.
+    deepspeed.comm's signature, positional order included. ``dist_backend`` is ``"gloo"``,
+    ``"nccl"``, ``"mpi"`` or ``None`` (nccl when CUDA is usable, gloo otherwise).
+    ``timeout`` (seconds or timedelta; DeepSpeed's default, 30 minutes or DEEPSPEED_TIMEOUT
+    minutes) bounds every collective of the job, on every group; on MPI the default means no
+    deadline, as MPI has none of its own, and a value given sets one. ``config``: a ds_config
+    (dict or DeepSpeed config object) whose ``comms_logger`` section configures the comms
+    logger. ``dist_init_required=False`` refuses to initialise: it raises unless the job
+    already is. ``verbose=False`` logs the set-up at debug level instead of info.
+
     Calling it again is harmless; asking for a different backend while one is active raises
     ValueError (call ``destroy_process_group()`` first). ``debug=True`` (or ``OVERLAP_DEBUG=1``)
     checks every collective's op, shapes and dtypes across ranks before issuing it
     (overlap.comm.debug).
     """
+    if config is not None:
+        from overlap.comm.comms_logger import configure
+
+        configure(deepspeed_config=config)
+    if dist_init_required is False and not (state.is_active() or dist.is_initialized()):
+        raise NotInitializedError(
+            "init_distributed(dist_init_required=False) but nothing is initialized: pass "
+            "dist_init_required=True (or leave it None), or initialize torch.distributed first"
+        )
+    info = log.info if verbose else log.debug
+    if timeout is default_pg_timeout and str(dist_backend).lower() == "mpi":
+        timeout = None  # MPI: no deadline unless one is asked for (module docstring)
     if debug is not None:
         from overlap.comm import debug as _debug
 
@@ -143,7 +180,7 @@ def init_distributed(
 
     if dist.is_initialized():
         name = str(dist.get_backend())
-        log.info("init_distributed: adopting the existing torch.distributed group (%s)", name)
+        info("init_distributed: adopting the existing torch.distributed group (%s)", name)
         state.set_active(TorchBackend(name), int(os.environ.get("LOCAL_RANK", 0)))
         return
 
@@ -159,7 +196,7 @@ def init_distributed(
     elif rank >= 0 and world_size > 0:
         pass
     elif auto_mpi_discovery and in_mpi_env():
-        rank, world_size, local_rank = mpi_discovery(distributed_port)
+        rank, world_size, local_rank = mpi_discovery(distributed_port, verbose)
     else:
         if rank >= 0 or world_size > 0:
             raise ValueError(
@@ -167,7 +204,7 @@ def init_distributed(
                 "or neither"
             )
         rank, world_size = 0, 1
-        log.info("init_distributed: no launcher environment found; running as a single rank")
+        info("init_distributed: no launcher environment found; running as a single rank")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     if init_method is None:
@@ -190,7 +227,7 @@ def init_distributed(
         kwargs["timeout"] = td
     dist.init_process_group(**kwargs)
     state.set_active(TorchBackend(backend, td), local_rank)
-    log.info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
+    info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
 
 
 def _finalize_mpi() -> None:

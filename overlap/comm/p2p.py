@@ -10,16 +10,19 @@ import torch
 __all__ = ["P2POp"]
 
 
-# Tags of overlap's own point-to-point traffic (the ring and naive allreduce): the public
-# send/recv refuse them, so a user's receive can never take one of those messages.
+# Tags of overlap's own point-to-point traffic (the ring and naive allreduce, and
+# monitored_barrier's two): the public send/recv refuse them, so a user's receive can never
+# take one of those messages.
 RESERVED_TAGS = range(20_000, 30_000)
+ALGORITHM_TAGS = range(20_000, 29_900)  # the ring and naive allreduce cycle through these
+MONITORED_BARRIER_TAGS = (29_998, 29_999)  # arrive, release
 
 
 def check_tag(tag: int) -> None:
     if tag in RESERVED_TAGS:
         raise ValueError(
             f"tag={tag} is reserved: tags {RESERVED_TAGS.start}-{RESERVED_TAGS.stop - 1} carry "
-            "overlap's ring and naive allreduce messages (all_reduce(algorithm=...)); use a tag "
+            "overlap's own messages (all_reduce(algorithm=...), monitored_barrier); use a tag "
             "outside that range"
         )
 

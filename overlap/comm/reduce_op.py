@@ -26,15 +26,16 @@ class ReduceOp(str, enum.Enum):
     BAND = "band"
     BOR = "bor"
     BXOR = "bxor"
+    UNUSED = "unused"  # deepspeed.comm's placeholder member; no op accepts it
 
 
 _ALIASES = {"prod": ReduceOp.PRODUCT, "mean": ReduceOp.AVG, "average": ReduceOp.AVG}
-_VALID = ", ".join(repr(o.value) for o in ReduceOp)
+_VALID = ", ".join(repr(o.value) for o in ReduceOp if o.value != "unused")
 
 
 def parse_op(op: Any) -> ReduceOp:
     """Normalise any accepted spelling of a reduction to :class:`ReduceOp`."""
-    if isinstance(op, ReduceOp):
+    if isinstance(op, ReduceOp) and op is not ReduceOp.UNUSED:
         return op
     name: str | None = None
     if isinstance(op, str):
@@ -51,10 +52,11 @@ def parse_op(op: Any) -> ReduceOp:
             raise ValueError("op='premul_sum' is not supported; scale the tensor, then use 'sum'")
         if key in _ALIASES:
             return _ALIASES[key]
-        try:
-            return ReduceOp(key)
-        except ValueError:
-            pass
+        if key != "unused":
+            try:
+                return ReduceOp(key)
+            except ValueError:
+                pass
     raise ValueError(f"unknown reduction op {op!r}; valid ops are {_VALID}")
 
 

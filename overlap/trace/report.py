@@ -24,7 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from overlap.comm.bandwidth import busbw_factor, op_size
+
 __all__ = ["OverlapReport", "busbw_factor", "intersect", "union_length"]
+
+# re-exported: the factor lives with the comm layer (overlap.comm.bandwidth)
 
 Interval = tuple[int, int]
 
@@ -56,24 +60,6 @@ def intersect(xs: Sequence[Interval], ys: Sequence[Interval]) -> list[Interval]:
         else:
             j += 1
     return out
-
-
-def busbw_factor(op: str, world: int) -> float:
-    n = max(world, 1)
-    base = op.split("[")[0]
-    if base == "all_reduce":
-        return 2 * (n - 1) / n
-    if base in (
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter",
-        "all_to_all",
-        "all_to_all_single",
-    ):
-        return (n - 1) / n
-    if base in ("barrier",):
-        return 0.0
-    return 1.0
 
 
 @dataclass
@@ -311,7 +297,7 @@ def _ops(spans: Sequence[Any], world: int) -> list[dict[str, Any]]:
         a = s[5]
         op = str(a.get("op", s[0]))
         w = int(a.get("world", world))
-        size = int(a.get("bytes", 0)) * (w if op.startswith("all_gather") else 1)
+        size = op_size(op, int(a.get("bytes", 0)), w)
         acc[(op, size)].append((s[3] - s[2]) / 1e9)
         worlds[(op, size)] = w
     out = []

@@ -96,3 +96,25 @@ def test_checkpoint_resume_example(tmp_path: Path) -> None:
     out = _torchrun("examples/checkpoint_resume.py", "--dir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("bit-identical: True") == 2
+
+
+def test_deepspeed_style_script_runs_with_only_the_import_changed() -> None:
+    text = (ROOT / "examples/deepspeed_comm.py").read_text()
+    assert "import overlap.comm as dist  # was: import deepspeed.comm as dist" in text
+    body = text.split("import overlap.comm as dist", 1)[1].splitlines()[1:]
+    code = [line.split("#", 1)[0] for line in body]
+    assert not [c for c in code if "overlap" in c]  # nothing else of overlap's: DeepSpeed code
+    out = _torchrun("examples/deepspeed_comm.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gloo: ok on 2 ranks; config from rank 0" in out.stdout
+    assert "Comm. Op" in out.stdout and "grads" in out.stdout and "all_reduce" in out.stdout
+
+
+def test_deepspeed_style_script_under_mpiexec() -> None:
+    from tests.mpi.conftest import MPIEXEC, mpiexec
+
+    if MPIEXEC is None:
+        pytest.skip("needs mpiexec")
+    out = mpiexec(2, "examples/deepspeed_comm.py", "--backend", "mpi")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "mpi: ok on 2 ranks" in out.stdout and "Comm. Op" in out.stdout

@@ -18,6 +18,7 @@ from overlap import comm
 from tests.gloo import bad_input_cases, cases
 from tests.gloo import contract_cases as cc
 from tests.gloo import diloco_cases as dl
+from tests.gloo import ds_comm_cases as ds
 from tests.gloo import hardening_cases as hc
 from tests.gloo import onebit_adam_cases as oc
 from tests.gloo import reliability_cases as rc
@@ -47,6 +48,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["diloco/streaming"] = lambda: dl.matches_reference([4], 2, 1, "async", steps=10)
     out["diloco/resume_int8"] = lambda: _true(dl.resume_is_bit_identical("int8"))
     out["int8_reduce"] = lambda: _int8_bounded(dl.quantized_reduce("int8", 1000, 64))
+    out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
     return out
 
 

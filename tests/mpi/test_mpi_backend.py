@@ -45,6 +45,9 @@ def test_every_op_and_contract_on_mpi(n: int) -> None:
     assert not failures, "\n".join(f"rank {r} {k}:\n{v}" for (r, k), v in failures.items())
     names = [k for k, v in results[0].items() if v == "ok"]
     assert len(names) >= 60  # 14 op cases x 4 modes, plus contract and MPI-specific checks
+    from tests.gloo import ds_comm_cases
+
+    assert {f"ds_comm/{k}" for k in ds_comm_cases.CHECKS} <= set(names)  # deepspeed.comm's
     assert all(d["backend"] == "mpi" and d["world"] == n for d in results)
 
 
