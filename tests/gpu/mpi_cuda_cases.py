@@ -223,6 +223,20 @@ def diloco_cuda_equals_cpu(compression: str) -> dict[str, float]:
     return {"vs_cpu": worst, "across_ranks": same}
 
 
+def coalesced_on_cuda() -> bool:
+    """all_reduce_coalesced and all_gather_coalesced with CUDA tensors of two dtypes over MPI."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    ts = [torch.full((5,), float(rank), device="cuda"),
+          torch.full((3,), rank + 1, dtype=torch.int64, device="cuda")]  # fmt: skip
+    comm.all_reduce_coalesced(ts)
+    ok = ts[0].tolist() == [world * (world - 1) / 2] * 5
+    ok = ok and ts[1].tolist() == [world * (world + 1) // 2] * 3
+    ins = [torch.full((2,), float(rank), device="cuda")]
+    outs = [torch.empty(2 * world, device="cuda")]
+    comm.all_gather_coalesced(outs, ins, async_op=True).wait(60)
+    return ok and outs[0].tolist() == [float(k) for k in range(world) for _ in range(2)]
+
+
 CASES: dict[str, Callable[[], Any]] = {
     "none/blocking": lambda: scheduler_equals_reference("none", "blocking"),
     "none/uvloop": lambda: scheduler_equals_reference("none", "uvloop"),
@@ -235,6 +249,7 @@ CASES: dict[str, Callable[[], Any]] = {
     "fp8_cuda_vs_cpu": lambda: quantized_scheduler_cuda_equals_cpu("fp8"),
     "diloco_cuda_vs_cpu": lambda: diloco_cuda_equals_cpu("none"),
     "diloco_int8_cuda_vs_cpu": lambda: diloco_cuda_equals_cpu("int8"),
+    "coalesced_on_cuda": coalesced_on_cuda,
 }
 
 

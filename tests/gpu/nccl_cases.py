@@ -8,6 +8,7 @@ MPI with CUDA tensors instead (tests/gpu/mpi_cuda_cases.py).
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -365,3 +366,44 @@ def traced_scheduler_report() -> dict[str, Any]:
     finally:
         sched.remove()
         tracer.detach()
+
+
+def ds_comm_on_cuda() -> dict[str, Any]:
+    """deepspeed.comm's added ops with CUDA tensors on NCCL (one rank): coalesced ops, object
+    collectives (bytes through CUDA tensors), monitored_barrier, the comms logger timing an
+    awaited op, and a device mesh."""
+    from overlap.comm import comms_logger
+
+    dev = torch.device("cuda")
+    ts = [torch.full((5,), 2.0, device=dev), torch.full((3,), 7, dtype=torch.int64, device=dev)]
+    comm.all_reduce_coalesced(ts)
+    h = comm.all_reduce_coalesced(ts, op="max", async_op=True)
+    h.wait(60)
+    outs = [torch.empty(5, device=dev), torch.empty(3, dtype=torch.int64, device=dev)]
+    comm.all_gather_coalesced(outs, ts)
+    got: list[Any] = [None]
+    comm.all_gather_object(got, {"gpu": True})
+    objs: list[Any] = [None, None]
+    if comm.get_rank() == 0:
+        objs = ["a", {"b": 1}]
+    comm.broadcast_object_list(objs, 0)
+    comm.monitored_barrier(timeout=30)
+    lg = comms_logger.LOGGER
+    saved = (lg.enabled, lg.prof_all)
+    comm.reset_log()
+    try:
+        comm.configure(enabled=True, prof_all=False)
+        comm.all_reduce(torch.ones(256, device=dev), async_op=True, prof=True).wait(60)
+        time.sleep(0.05)
+        summary = comm.log_summary(return_dict=True, file=io.StringIO())
+    finally:
+        lg.enabled, lg.prof_all = saved
+        comm.reset_log()
+    mesh = comm.initialize_mesh_device((1,), ("dp",))
+    return {
+        "coalesced": ts[0].tolist() == [2.0] * 5 and ts[1].tolist() == [7] * 3,
+        "gathered": torch.equal(outs[0], ts[0]) and torch.equal(outs[1], ts[1]),
+        "objects": got == [{"gpu": True}] and objs == ["a", {"b": 1}],
+        "logged": summary is not None and summary["summary"]["all_reduce"][1024]["count"] == 1,
+        "mesh": mesh is not None and mesh.device_type == "cuda",
+    }

@@ -81,3 +81,8 @@ def test_streaming_diloco_cuda_equals_cpu(n: int, compression: str) -> None:
     for r in _values(n, key):
         assert r["across_ranks"] == 0.0, r  # one outer step, the same on every rank
         assert r["vs_cpu"] < (1e-4 if compression == "none" else 2e-2), r
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_deepspeed_coalesced_ops_on_cuda_tensors(n: int) -> None:
+    assert all(_values(n, "coalesced_on_cuda"))

@@ -29,3 +29,8 @@ def test_traced_scheduler_resolves_gpu_spans_for_the_report(nccl: RankPool) -> N
     assert r["device_spans"] >= 3, r  # at least one GPU-timed bucket span per step
     assert all(n.endswith("(GPU)") for n in r["device_names"]), r
     assert r["report"]["comm_ms"] > 0 and r["report_steps"] >= 3, r
+
+
+def test_deepspeed_comm_additions_on_nccl(nccl: RankPool) -> None:
+    (r,) = nccl.run(nc.ds_comm_on_cuda, timeout=120)
+    assert all(r.values()), r
