@@ -218,6 +218,48 @@ def bench_ops_rank(
     return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
 
 
+def bench_concurrent_rank(n: int, reps: int, loop: str = "uvloop") -> list[dict[str, Any]]:
+    """n small all_reduces in flight at once: overlap's, awaited with ``asyncio.gather``,
+    against the backend's own (mpi4py ``Iallreduce`` x n + ``Waitall``, or torch's
+    ``async_op=True`` works + ``wait``), interleaved ``reps`` times; medians in seconds."""
+    import overlap
+
+    r = comm.get_rank()
+    ts = [torch.full((4,), float(i + r)) for i in range(n)]
+
+    def theirs() -> None:
+        if _on_mpi():
+            MPI = _mpi()
+            bufs = [t.numpy() for t in ts]
+            reqs = [MPI.COMM_WORLD.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM) for b in bufs]
+            MPI.Request.Waitall(reqs)
+        else:
+            import torch.distributed as dist
+
+            for w in [dist.all_reduce(t, async_op=True) for t in ts]:
+                w.wait()
+
+    async def ours() -> None:
+        await asyncio.gather(*[comm.all_reduce(t, async_op=True) for t in ts])
+
+    async def main() -> list[dict[str, Any]]:
+        times: dict[str, list[float]] = {"ours": [], "raw": []}
+        for _ in range(reps):
+            comm.barrier()
+            t0 = time.perf_counter()
+            await ours()
+            times["ours"].append(time.perf_counter() - t0)
+            comm.barrier()
+            t0 = time.perf_counter()
+            theirs()
+            times["raw"].append(time.perf_counter() - t0)
+        o, t = median(times["ours"]), median(times["raw"])
+        return [{"op": "all_reduce", "in_flight": n, "reps": reps, "ours_s": o, "raw_s": t,
+                 "ours/raw": o / t}]  # fmt: skip
+
+    return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+
+
 def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") -> Table:
     """The rows as a table; ``reference`` names the raw-backend column (torch or MPI)."""
     cols = [
@@ -302,7 +344,8 @@ def bench_algorithms_rank(
 def main_mpi(argv: list[str] | None = None) -> None:
     """Entry point under mpiexec: ``python -m overlap.bench.ops OPS SIZES ITERS WARMUP LOOP``.
 
-    Rank 0 prints one line ``RESULT <json rows>``.
+    Rank 0 prints one line ``RESULT <json rows>``. OPS ``concurrent``: SIZES are numbers of
+    ops in flight and ITERS repetitions (:func:`bench_concurrent_rank`).
     """
     import json
     import sys
@@ -314,7 +357,10 @@ def main_mpi(argv: list[str] | None = None) -> None:
     iters, warmup, loop = int(args[2]), int(args[3]), args[4]
     torch.set_num_threads(1)
     overlap.init_distributed("mpi")
-    rows = bench_ops_rank(ops, sizes, iters, warmup, loop)
+    if ops == ["concurrent"]:  # sizes: the numbers of ops in flight; iters: repetitions
+        rows = [row for n in sizes for row in bench_concurrent_rank(n, iters, loop)]
+    else:
+        rows = bench_ops_rank(ops, sizes, iters, warmup, loop)
     if comm.get_rank() == 0:
         sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
         sys.stdout.flush()

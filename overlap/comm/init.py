@@ -235,8 +235,9 @@ def _finalize_mpi() -> None:
     pending, MPICH's MPI_Finalize blocks forever (measured), so a broken job skips it."""
     from mpi4py import MPI
 
-    from overlap.comm.progress import _graveyard
+    from overlap.comm.progress import _graveyard, stop_reaper
 
+    stop_reaper()
     if not _graveyard and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 from overlap.comm.handle import PENDING, Handle
 from overlap.errors import CommError, CommTimeoutError
 
-__all__ = ["MpiOp", "ProgressEngine"]
+__all__ = ["MpiOp", "ProgressEngine", "stop_reaper"]
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class MpiOp:
 
     def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
         engine = ProgressEngine.for_loop(loop)
-        if not engine._pending and SPIN_S > 0:
+        if not engine.has_pending() and SPIN_S > 0:
             # Nothing else to progress on this loop: test this request in a tight loop for
             # up to SPIN_S, as MPI_Wait would, so a small op completes without two loop
             # round trips. Bounded, so the loop is never held longer than a short callback.
@@ -201,23 +201,65 @@ def _wrap(exc: BaseException, handle: Handle, rank: int) -> BaseException:
     return err
 
 
+BATCH = 8  # requests tested per tick from the front, and again from a rotating window
+
+
 class _Poller:
-    """Shared bookkeeping: pending (op, handle) pairs and one Testsome over them."""
+    """Shared bookkeeping: pending (op, handle) pairs in issue order, and one ``Testsome`` per
+    poll over at most 2 x BATCH of them.
+
+    Testing every pending request on every tick made n requests in flight cost O(n^2):
+    10,000 awaited all_reduces took 37.6 s against 6.1 s for mpi4py's Waitall (issue
+    hardening, item 22). A poll now tests the BATCH oldest pending requests (collectives on
+    a communicator complete in issue order, so those are the ones about to finish) plus a
+    window of BATCH more that rotates over the rest, so a receive that completes out of order
+    is still seen within n / BATCH polls. Finished entries are skipped from the front and the
+    list is compacted once they are half of it, so a poll costs O(BATCH) amortised. Batch
+    sizes measured (2 ranks, ``overlap bench ops --backend mpi --concurrent 2000,10000``,
+    overlap/raw): 4: 3.3x / 1.50x, 8: 4.2x / 1.39x, 16: 5.2x / 1.82x, 32: 5.6x / 1.87x,
+    64: 9.8x / 2.6x (MPICH's Testsome cost grows with the requests it is given).
+    """
 
     def __init__(self) -> None:
         self._pending: list[tuple[MpiOp, Handle]] = []
+        self._head = 0  # entries before it are finished
+        self._cursor = 0  # the rotating window's start
         self._last_progress = time.monotonic()
         self._delay = 0.0
 
+    def has_pending(self) -> bool:
+        return self._head < len(self._pending)
+
+    def _window(self) -> list[int]:
+        """Indices to test this poll: the BATCH oldest pending, then the rotating window."""
+        p = self._pending
+        h, n = self._head, len(p)
+        while h < n and p[h][1]._state is not PENDING:
+            h += 1
+        self._head = h
+        if h >= 1024 and h * 2 >= n:  # compact: drop the finished entries in front
+            self._pending = p = [e for e in p[h:] if e[1]._state is PENDING]
+            self._head = h = 0
+            self._cursor = 0
+            n = len(p)
+        front_end = min(h + BATCH, n)
+        idx = list(range(h, front_end))
+        if front_end < n:
+            c = self._cursor if front_end <= self._cursor < n else front_end
+            end = min(c + BATCH, n)
+            idx.extend(range(c, end))
+            self._cursor = end if end < n else front_end
+        return idx
+
     def _poll(self) -> bool:
-        """Test every pending request once; return True if anything completed."""
-        pending = self._pending
-        if not pending:
+        """Test a window of pending requests once; return True if anything completed."""
+        if not self.has_pending():
             return False
+        pending = self._pending
         progressed = False
         held: list[tuple[MpiOp, Handle]] = []
-        keep: list[tuple[MpiOp, Handle]] = []
-        for op, h in pending:
+        for i in self._window():
+            op, h = pending[i]
             if h._state is not PENDING:
                 progressed = True
                 continue
@@ -227,8 +269,7 @@ class _Poller:
                     progressed = True
                     continue
                 held.append((op, h))
-            else:
-                keep.append((op, h))  # a thread is waiting on it right now
+            # else: a thread is waiting on it right now; it stays in the list
         if held:
             MPI = held[0][0].MPI
             reqs = [op.req for op, _ in held]
@@ -247,21 +288,16 @@ class _Poller:
                         op._fail(h, exc)
             if done:
                 progressed = True
-                done_set = set(done)
                 for k in done:
                     op, h = held[k]
                     op._complete(h, statuses[k])
-            else:
-                done_set = set()
-            for k, (op, h) in enumerate(held):
-                if k not in done_set and h._state is PENDING:
-                    if op.overdue():
-                        op.expire(h)
-                        progressed = True
-                    else:
-                        keep.append((op, h))
+            for op, h in held:
+                if h._state is PENDING and op.overdue():
+                    op.expire(h)
+                    progressed = True
                 op.lock.release()
-        self._pending = keep
+        if not self.has_pending():  # everything finished: release the list
+            self._pending, self._head, self._cursor = [], 0, 0
         now = time.monotonic()
         if progressed:
             self._last_progress = now
@@ -298,7 +334,8 @@ class ProgressEngine(_Poller):
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending)
+        """Requests still pending on this loop."""
+        return sum(1 for _, h in self._pending[self._head :] if h._state is PENDING)
 
     def add(self, op: MpiOp, handle: Handle) -> None:
         """Track ``handle`` (call on the loop's thread). Resets the back-off."""
@@ -312,7 +349,7 @@ class ProgressEngine(_Poller):
     def _tick(self) -> None:
         self._scheduled = False
         self._poll()
-        if self._pending and not self._loop.is_closed():
+        if self.has_pending() and not self._loop.is_closed():
             self._scheduled = True
             if self._delay:
                 self._loop.call_later(self._delay, self._tick)
@@ -327,8 +364,16 @@ class _Reaper(_Poller):
         super().__init__()
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stop = False
         self._thread = threading.Thread(target=self._run, name="overlap-mpi-reaper", daemon=True)
         self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop polling (before MPI_Finalize: no MPI call may race with it) and join."""
+        with self._lock:
+            self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
 
     def add(self, op: MpiOp, handle: Handle) -> None:
         with self._lock:
@@ -340,8 +385,10 @@ class _Reaper(_Poller):
     def _run(self) -> None:
         while True:
             with self._lock:
+                if self._stop:
+                    return
                 self._poll()
-                idle = not self._pending
+                idle = not self.has_pending()
                 delay = self._delay or 5e-5
             if idle:
                 self._wake.wait()
@@ -352,6 +399,14 @@ class _Reaper(_Poller):
 
 _reaper_obj: _Reaper | None = None
 _reaper_lock = threading.Lock()
+
+
+def stop_reaper() -> None:
+    """Stop the reaper thread if one runs: called before ``MPI_Finalize``. A reaper testing
+    requests while the main thread finalizes aborted the process at exit (seen in 1 of 5
+    3-rank runs of tests/mpi/run_cases.py)."""
+    if _reaper_obj is not None:
+        _reaper_obj.stop()
 
 
 def _reaper() -> _Reaper:

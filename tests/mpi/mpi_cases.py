@@ -123,6 +123,37 @@ def onebit_gather_pattern_matches_reference() -> None:
     cc.segmented_onebit_is_consistent()
 
 
+def out_of_order_receive_is_seen() -> None:
+    """The progress engine tests the oldest pending requests and a rotating window over the
+    rest (overlap.comm.progress): a receive posted behind 100 that never complete still
+    completes when its message comes, while the older ones stay pending."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    if w < 2 or r > 1:
+        comm.barrier()
+        return
+
+    async def main() -> None:
+        if r == 0:
+            bufs = [torch.zeros(1) for _ in range(101)]
+            hs = [comm.irecv(bufs[i], src=1, tag=100 + i) for i in range(101)]
+            comm.barrier()
+            t0 = time.monotonic()
+            got = await asyncio.wait_for(hs[-1], 20)  # the newest one's message came first
+            assert float(got[0]) == 100.0 and time.monotonic() - t0 < 10
+            assert not any(h.done() for h in hs[:-1])
+            comm.send(torch.ones(1), dst=1, tag=99)  # now the rest
+            outs = await asyncio.wait_for(asyncio.gather(*hs[:-1]), 20)
+            assert [float(o[0]) for o in outs] == [float(i) for i in range(100)]
+        else:
+            comm.barrier()
+            comm.send(torch.tensor([100.0]), dst=0, tag=200)
+            comm.recv(torch.zeros(1), src=0, tag=99)
+            for i in range(100):
+                comm.send(torch.tensor([float(i)]), dst=0, tag=100 + i)
+
+    overlap.run(main())
+
+
 CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/onebit_gather_pattern_matches_reference": onebit_gather_pattern_matches_reference,
     "mpi/loop_stays_responsive": loop_stays_responsive,
@@ -131,4 +162,5 @@ CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/dtype_reductions": dtype_reductions,
     "mpi/large_count_refused_without_support": large_count_refused_without_support,
     "mpi/wait_with_timeout_then_complete": wait_with_timeout_then_complete,
+    "mpi/out_of_order_receive_is_seen": out_of_order_receive_is_seen,
 }

@@ -39,6 +39,8 @@ def checks() -> dict[str, Callable[[], Any]]:
         out["timeout_at_awaiting_side"] = cc.timeout_at_awaiting_side
         out["handle_keeps_tensors"] = cc.handle_keeps_tensors
         out["dropped_handle_still_completes"] = cc.dropped_handle_still_completes
+        # correct at 10,000 in flight (their speed: overlap bench ops --concurrent)
+        out["many_in_flight/10000"] = lambda: cc.many_in_flight(10000, "uvloop")
     out.update(mpi_cases.CHECKS)
     out["multiphase_without_waiter"] = hc.multiphase_progress_without_waiter
     out["debug_mode"] = _debug_mode

@@ -147,3 +147,12 @@ def test_bench_tables_round_their_floats() -> None:
     t.add(**{"variant": "ddp", "step ms": 213.4898899998916, "ratio": 1.0512345})
     assert "| ddp | 213 | 1.05 |" in t.markdown()
     assert "213.48" not in t.render() and "1.05" in t.render()
+
+
+def test_bench_ops_concurrent_runs_and_refuses_bad_counts() -> None:
+    out = run("bench", "ops", "--concurrent", "50", "--iters", "1", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["in_flight"] == 50 and row["ours_s"] > 0 and row["raw_s"] > 0
+    bad = run("bench", "ops", "--concurrent", "lots")
+    assert bad.returncode == 2 and "--concurrent takes counts" in bad.stdout
