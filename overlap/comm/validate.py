@@ -107,7 +107,7 @@ def _no_scalar(op: str, **ts: torch.Tensor) -> None:
 
 
 def check_gathered_size(out: torch.Tensor, inp: torch.Tensor, size: int) -> None:
-    _no_scalar("all_gather_into_tensor", output_tensor=out, input_tensor=inp)
+    _no_scalar("all_gather_into_tensor", output_tensor=out, tensor=inp)
     if out.numel() != inp.numel() * size:
         raise ValueError(
             f"all_gather_into_tensor: output has {out.numel()} elements, expected "
@@ -118,7 +118,7 @@ def check_gathered_size(out: torch.Tensor, inp: torch.Tensor, size: int) -> None
 
 
 def check_reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, size: int) -> None:
-    _no_scalar("reduce_scatter", output=out, input=inp)
+    _no_scalar("reduce_scatter", output=out, input_list=inp)
     if inp.numel() != out.numel() * size:
         raise ValueError(
             f"reduce_scatter: input has {inp.numel()} elements, which is not "

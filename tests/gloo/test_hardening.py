@@ -78,7 +78,7 @@ def test_errors_name_the_call_and_the_group_stays_in_step(
         assert out["uint32_list"].startswith("TypeError: tensor is torch.uint32"), out
         assert out["float8"].startswith("TypeError: tensor is torch.float8_e4m3fn"), out
         assert out["scalar_gather"].startswith(
-            "ValueError: all_gather_into_tensor: input_tensor is a 0-dim tensor"
+            "ValueError: all_gather_into_tensor: tensor is a 0-dim tensor"
         ), out
         assert out["scalar_scatter"].startswith(
             "ValueError: reduce_scatter: output is a 0-dim tensor"
