@@ -501,7 +501,7 @@ class MpiBackend:
         async_op: bool = False,
     ) -> Any:
         out = self._t(output_tensor, "output_tensor")
-        inp = self._t(input_tensor, "input_tensor")
+        inp = self._t(input_tensor, "tensor")
         g = self._g(group)
         check_gathered_size(out, inp, g.size)
         hin, _ = self._host(inp)
@@ -529,11 +529,11 @@ class MpiBackend:
         rop, mop, mtype, stage = self._reduction(out, op)
         g = self._g(group)
         if isinstance(input, torch.Tensor):
-            inp = self._t(input, "input")
+            inp = self._t(input, "input_list")
             check_reduce_scatter_flat(out, inp, g.size)
             flat = inp
         else:
-            ins = self._ts(input, "input", g.size)
+            ins = self._ts(input, "input_list", g.size)
             check_reduce_scatter_list(out, ins)
             flat = torch.cat([x.reshape(-1) for x in ins])
         hin, _ = self._host(flat)
@@ -566,7 +566,7 @@ class MpiBackend:
         async_op: bool = False,
     ) -> Any:
         out = self._t(output, "output")
-        inp = self._t(input, "input")
+        inp = self._t(input, "tensor")
         g = self._g(group)
         in_rows = check_splits(inp, input_split_sizes, "input", g.size)
         out_rows = check_splits(out, output_split_sizes, "output", g.size)

@@ -376,7 +376,7 @@ class TorchBackend:
         async_op: bool = False,
     ) -> Any:
         out = self._t(output_tensor, "output_tensor")
-        inp = self._t(input_tensor, "input_tensor")
+        inp = self._t(input_tensor, "tensor")
         info = resolve_group(group)
         check_gathered_size(out, inp, info.size)
         return self._launch(
@@ -401,7 +401,7 @@ class TorchBackend:
         info = resolve_group(group)
         post: PostFn | None = (lambda: out.div_(info.size)) if divide else None
         if isinstance(input, torch.Tensor):
-            inp = self._t(input, "input")
+            inp = self._t(input, "input_list")
             check_reduce_scatter_flat(out, inp, info.size)
             flat = inp
             return self._launch(
@@ -415,7 +415,7 @@ class TorchBackend:
                 keep=inp,
                 future=False,
             )
-        ins = self._ts(input, "input", info.size)
+        ins = self._ts(input, "input_list", info.size)
         check_reduce_scatter_list(out, ins)
         return self._launch(
             "reduce_scatter",
@@ -439,7 +439,7 @@ class TorchBackend:
         async_op: bool = False,
     ) -> Any:
         out = self._t(output, "output")
-        inp = self._t(input, "input")
+        inp = self._t(input, "tensor")
         info = resolve_group(group)
         check_splits(inp, input_split_sizes, "input", info.size)
         check_splits(out, output_split_sizes, "output", info.size)
