@@ -349,6 +349,17 @@ def _steps_op(name: str, make: Any, group: Any, async_op: bool, nbytes: int, dev
     )
 
 
+def _maybe_timed(
+    name: str, prof: bool, log_name: str, debug: str | None, group: Any, call: Any
+) -> None:
+    """Run a blocking op that moves no tensor of the caller's (the object collectives,
+    monitored_barrier), timed by the comms logger when it wants this call."""
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        _LOG.timed_call(name, log_name, debug, call, 0, get_world_size(group), depth=4)
+    else:
+        call()
+
+
 def broadcast(
     tensor: torch.Tensor,
     src: int,
@@ -380,17 +391,10 @@ def broadcast_object_list(
     passes a list of the same length). Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
     from overlap.comm.objects import broadcast_object_list as impl
 
-    if _LOG.enabled and _LOG.wants(False, "broadcast_object_list"):
-        _LOG.timed_call(
-            "broadcast_object_list",
-            "broadcast_object_list",
-            None,
-            lambda: impl(object_list, src, group, device),
-            0,
-            get_world_size(group),
-        )
-        return
-    impl(object_list, src, group, device)
+    _maybe_timed(
+        "broadcast_object_list", False, "broadcast_object_list", None, group,
+        lambda: impl(object_list, src, group, device),
+    )  # fmt: skip
 
 
 def reduce(
@@ -463,17 +467,9 @@ def all_gather_object(
     Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
     from overlap.comm.objects import all_gather_object as impl
 
-    if _LOG.enabled and _LOG.wants(prof, log_name):
-        _LOG.timed_call(
-            "all_gather_object",
-            log_name,
-            debug,
-            lambda: impl(object_list, obj, group),
-            0,
-            get_world_size(group),
-        )
-        return
-    impl(object_list, obj, group)
+    _maybe_timed(
+        "all_gather_object", prof, log_name, debug, group, lambda: impl(object_list, obj, group)
+    )
 
 
 def all_gather_into_tensor(
@@ -734,17 +730,10 @@ def monitored_barrier(
     (:mod:`overlap.comm.monitored`)."""
     from overlap.comm.monitored import monitored_barrier as impl
 
-    if _LOG.enabled and _LOG.wants(prof, log_name):
-        _LOG.timed_call(
-            "monitored_barrier",
-            log_name,
-            debug,
-            lambda: impl(group, timeout, wait_all_ranks),
-            0,
-            get_world_size(group),
-        )
-        return
-    impl(group, timeout, wait_all_ranks)
+    _maybe_timed(
+        "monitored_barrier", prof, log_name, debug, group,
+        lambda: impl(group, timeout, wait_all_ranks),
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------- point to point

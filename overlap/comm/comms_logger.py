@@ -204,9 +204,11 @@ class CommsLogger:
         call: Callable[[], Any],
         nbytes: int,
         world: int,
+        depth: int = 3,
     ) -> Any:
-        """Time a blocking call (send, recv, monitored_barrier, the object collectives)."""
-        record = self.record_name(log_name, debug)
+        """Time a blocking call (send, recv, monitored_barrier, the object collectives);
+        ``depth``: frames from here to the user's call, for the debug caller name."""
+        record = self.record_name(log_name, debug, depth)
         t0 = time.perf_counter_ns()
         out = call()
         self.append(raw_name, record, (time.perf_counter_ns() - t0) / 1e6, nbytes, world)

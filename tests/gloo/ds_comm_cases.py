@@ -207,6 +207,7 @@ def comms_logger_end_to_end() -> None:
                 x.wait(30)
         comm.configure(debug=True)
         comm.all_reduce(torch.ones(2), prof=True)
+        comm.all_gather_object([None] * w, r, prof=True)
         comm.configure(debug=False)
         raw = lg.get_raw_data()
         assert raw["all_reduce"][1024][0] == 2, raw  # the blocking and the awaited one
@@ -216,8 +217,8 @@ def comms_logger_end_to_end() -> None:
             assert max(lats) >= 0.3 * 1e3, lats
         assert "custom_bcast" in raw and raw["custom_bcast"][32][0] == 1
         assert "broadcast" not in raw and "all_gather_object" in raw
-        assert any(k.startswith("all_reduce | [Caller Func: comms_logger_end_to_end]")
-                   for k in raw), list(raw)  # fmt: skip
+        for op in ("all_reduce", "all_gather_object"):  # the caller, named at call time
+            assert f"{op} | [Caller Func: comms_logger_end_to_end]" in raw, list(raw)
         if w > 1:
             assert raw["isend"][16][0] == 1 and raw["irecv"][16][0] == 1
         out = io.StringIO()

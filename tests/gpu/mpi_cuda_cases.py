@@ -96,20 +96,18 @@ def no_sync_equals_reference() -> float:
         sched.remove()
 
 
-def onebit_scheduler_cuda_equals_cpu() -> float:
-    """OneBit through the scheduler: the CUDA model's gradients equal the CPU model's (same
-    data, same error feedback), step after step."""
+def _scheduler_cuda_vs_cpu(make: Callable[[], Any], steps: int) -> float:
+    """The same compressor (one instance per device) through the scheduler on a CUDA and a
+    CPU model, same data: the worst gradient difference relative to the largest gradient."""
     rank = comm.get_rank()
     models = {d: _model(d) for d in ("cpu", "cuda")}
     scheds = {
-        d: BucketScheduler(
-            m, compression=OneBit(warmup_steps=1), bucket_cap_mb=0.01, first_bucket_mb=0.005
-        )
+        d: BucketScheduler(m, compression=make(), bucket_cap_mb=0.01, first_bucket_mb=0.005)
         for d, m in models.items()
     }
     worst = 0.0
     try:
-        for step in range(4):
+        for step in range(steps):
             for d, m in models.items():
                 m.zero_grad()
                 m(_batch(rank, step, d)).pow(2).mean().backward()
@@ -122,6 +120,12 @@ def onebit_scheduler_cuda_equals_cpu() -> float:
         for s in scheds.values():
             s.remove()
     return worst
+
+
+def onebit_scheduler_cuda_equals_cpu() -> float:
+    """OneBit through the scheduler: the CUDA model's gradients equal the CPU model's (same
+    data, same error feedback), step after step."""
+    return _scheduler_cuda_vs_cpu(lambda: OneBit(warmup_steps=1), 4)
 
 
 def codec_cuda_equals_cpu() -> dict[str, Any]:
@@ -159,28 +163,8 @@ def quantized_scheduler_cuda_equals_cpu(name: str) -> float:
     relative to the largest gradient: CUDA's gradients differ from CPU's by float rounding,
     which can move a value across a code boundary (one step is 1/127 of a block's maximum for
     Int8, up to 1/14 for FP8 e4m3 near the top of its range)."""
-    rank = comm.get_rank()
-    models = {d: _model(d) for d in ("cpu", "cuda")}
     make = {"int8": overlap.Int8, "fp8": overlap.FP8}[name]
-    scheds = {
-        d: BucketScheduler(m, compression=make(block=64), bucket_cap_mb=0.01, first_bucket_mb=0.005)
-        for d, m in models.items()
-    }
-    worst = 0.0
-    try:
-        for step in range(3):
-            for d, m in models.items():
-                m.zero_grad()
-                m(_batch(rank, step, d)).pow(2).mean().backward()
-                scheds[d].synchronize()
-            for p, q in zip(models["cuda"].parameters(), models["cpu"].parameters(), strict=True):
-                diff = (p.grad.cpu() - q.grad).abs()  # type: ignore[union-attr,operator]
-                scale = q.grad.abs().max().item() or 1.0  # type: ignore[union-attr]
-                worst = max(worst, diff.max().item() / scale)
-    finally:
-        for s in scheds.values():
-            s.remove()
-    return worst
+    return _scheduler_cuda_vs_cpu(lambda: make(block=64), 3)
 
 
 def diloco_cuda_equals_cpu(compression: str) -> dict[str, float]:
