@@ -143,6 +143,7 @@ class MpiBackend:
         # mpi4py 4 calls it MPI.buffer, 3.x MPI.memory: a buffer made from an address is
         # 4x cheaper than a NumPy view of the tensor (0.5 against 2.2 us, measured)
         self._fromaddress = (getattr(MPI, "buffer", None) or MPI.memory).fromaddress
+        self._bufs: dict[tuple[int, int], Any] = {}  # (address, bytes) -> buffer (see _mem)
 
     # ------------------------------------------------------------------ process & groups
     def _g(self, group: Any) -> MpiGroup:
@@ -269,10 +270,22 @@ class MpiBackend:
 
     def _mem(self, t: torch.Tensor) -> Any:
         """What MPI reads and writes: a CUDA tensor as is (CUDA-aware MPI reads its
-        __cuda_array_interface__), a CPU tensor as a zero-copy buffer over its memory."""
+        __cuda_array_interface__), a CPU tensor as a zero-copy buffer over its memory.
+
+        A buffer is only an address and a length, so one is kept per (address, length) and
+        reused (a training loop sends the same tensors every step): 0.5 us saved per op
+        (``MPI.buffer.fromaddress`` alone costs 0.51 us). The cache is bounded."""
         if t.is_cpu:
             n = t.nbytes
-            return self._fromaddress(t.data_ptr(), n) if n else _np(t)
+            if not n:
+                return _np(t)
+            key = (t.data_ptr(), n)
+            buf = self._bufs.get(key)
+            if buf is None:
+                if len(self._bufs) >= 4096:
+                    self._bufs.clear()
+                buf = self._bufs[key] = self._fromaddress(key[0], n)
+            return buf
         return t
 
     def _buf(self, t: torch.Tensor) -> Any:
