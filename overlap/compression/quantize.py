@@ -63,6 +63,35 @@ class _BlockQuantized(Compressor):
         self.block = block
         self.error_feedback = bool(error_feedback)
         self.state: dict[Hashable, dict[str, torch.Tensor]] = {}
+        # Per key, buffers kept for the next call with that key (codes, scales, received
+        # copies, the next error states): calls on one key run one after another, and a
+        # fresh few-MiB buffer costs its page faults on every call.
+        self._bufs: dict[Hashable, dict[str, torch.Tensor]] = {}
+
+    def _buf(
+        self, key: Hashable, name: str, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        bufs = self._bufs.setdefault(key, {})
+        t = bufs.get(name)
+        if t is None or t.numel() != numel or t.dtype != dtype or t.device != device:
+            t = bufs[name] = torch.empty(numel, dtype=dtype, device=device)
+        return t
+
+    def reset(self) -> None:
+        super().reset()
+        self._bufs.clear()
+
+    def _next_error(
+        self, key: Hashable, which: str, numel: int, device: torch.device
+    ) -> torch.Tensor:
+        """A buffer for the next ``which`` error state that is not the current one (the
+        current one stays intact until phase 2 shows every scale finite)."""
+        current = self.state.get(key, {}).get(which)
+        for name in (f"{which}_a", f"{which}_b"):
+            t = self._buf(key, name, numel, torch.float32, device)
+            if current is None or t.data_ptr() != current.data_ptr():
+                return t
+        raise AssertionError("unreachable: two distinct buffers")  # pragma: no cover
 
     # ------------------------------------------------------------------ the code
     def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -97,9 +126,10 @@ class _BlockQuantized(Compressor):
 
     # The three stages, on torch ops; Int8 runs them as numba kernels on CPU.
     def _worker(
-        self, flat: torch.Tensor, worker: torch.Tensor | None, p: int
+        self, flat: torch.Tensor, worker: torch.Tensor | None, p: int, key: Hashable
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, scales, new worker error) of ``flat`` (padded to ``p``) + ``worker``."""
+        """(codes, scales, new worker error) of ``flat`` (padded to ``p``) + ``worker``;
+        ``key``'s buffers may be reused (the numba path does)."""
         x = torch.zeros(p, dtype=torch.float32, device=flat.device)
         x[: flat.numel()].copy_(flat.reshape(-1))
         if worker is not None:
@@ -108,7 +138,12 @@ class _BlockQuantized(Compressor):
         return codes, scales, x.sub_(self._dequantize(codes, scales))
 
     def _server(
-        self, codes: torch.Tensor, scales: torch.Tensor, w: int, server: torch.Tensor | None
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        w: int,
+        server: torch.Tensor | None,
+        key: Hashable,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scales, new server error) of the average of the W received chunks."""
         avg = self._dequantize(codes, scales).view(w, -1).sum(0).div_(w)
@@ -142,22 +177,23 @@ class _BlockQuantized(Compressor):
                 f"{self.name}: bucket {key!r} had {worker.numel()} padded elements and now has "
                 f"{p}: call reset() when the buckets change"
             )
-        codes, scales, new_worker = self._worker(flat, worker, p)
+        codes, scales, new_worker = self._worker(flat, worker, p, key)
 
         # phase 1: chunk j of codes and scales to rank j
-        rcodes = torch.empty_like(codes)
-        rscales = torch.empty_like(scales)
+        dev = codes.device
+        rcodes = self._buf(key, "rcodes", codes.numel(), codes.dtype, dev)
+        rscales = self._buf(key, "rscales", scales.numel(), scales.dtype, dev)
         yield [
             comm.all_to_all_single(rcodes, codes, group=group, async_op=True),
             comm.all_to_all_single(rscales, scales, group=group, async_op=True),
         ]
 
         # server side: the average of this rank's chunk, quantized again
-        scodes, sscales, new_server = self._server(rcodes, rscales, w, st.get("server"))
+        scodes, sscales, new_server = self._server(rcodes, rscales, w, st.get("server"), key)
 
         # phase 2: every chunk to everyone
-        acodes = torch.empty_like(codes)
-        ascales = torch.empty_like(scales)
+        acodes = self._buf(key, "acodes", codes.numel(), codes.dtype, dev)
+        ascales = self._buf(key, "ascales", scales.numel(), scales.dtype, dev)
         yield [
             comm.all_gather_into_tensor(acodes, scodes, group=group, async_op=True),
             comm.all_gather_into_tensor(ascales, sscales, group=group, async_op=True),
@@ -214,13 +250,14 @@ class Int8(_BlockQuantized):
         return self._k is not None and t.device.type == "cpu"
 
     def _worker(
-        self, flat: torch.Tensor, worker: torch.Tensor | None, p: int
+        self, flat: torch.Tensor, worker: torch.Tensor | None, p: int, key: Hashable
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self._fast(flat) or flat.dtype != torch.float32:
-            return super()._worker(flat, worker, p)
-        codes = torch.empty(p, dtype=torch.int8)
-        scales = torch.empty(p // self.block, dtype=torch.float32)
-        err = torch.empty(p, dtype=torch.float32)
+            return super()._worker(flat, worker, p, key)
+        cpu = torch.device("cpu")
+        codes = self._buf(key, "codes", p, torch.int8, cpu)
+        scales = self._buf(key, "scales", p // self.block, torch.float32, cpu)
+        err = self._next_error(key, "worker", p, cpu)
         src = flat.reshape(-1).contiguous()
         has = worker is not None
         self._k.encode(
@@ -230,20 +267,26 @@ class Int8(_BlockQuantized):
         return codes.view(torch.uint8), scales, err
 
     def _server(
-        self, codes: torch.Tensor, scales: torch.Tensor, w: int, server: torch.Tensor | None
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        w: int,
+        server: torch.Tensor | None,
+        key: Hashable,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self._fast(codes):
-            return super()._server(codes, scales, w, server)
+            return super()._server(codes, scales, w, server, key)
         chunk = codes.numel() // w
-        avg = torch.empty(chunk, dtype=torch.float32)
+        cpu = torch.device("cpu")
+        avg = self._buf(key, "avg", chunk, torch.float32, cpu)
         has = server is not None
         self._k.average(
             codes.view(torch.int8).numpy(), scales.numpy(), w, self.block,
             (server if server is not None else avg).numpy(), has, avg.numpy(),
         )  # fmt: skip
-        scodes = torch.empty(chunk, dtype=torch.int8)
-        sscales = torch.empty(chunk // self.block, dtype=torch.float32)
-        err = torch.empty(chunk, dtype=torch.float32)
+        scodes = self._buf(key, "scodes", chunk, torch.int8, cpu)
+        sscales = self._buf(key, "sscales", chunk // self.block, torch.float32, cpu)
+        err = self._next_error(key, "server", chunk, cpu)
         self._k.encode(
             avg.numpy(), chunk, avg.numpy(), False, self.block, err.numpy(), scodes.numpy(),
             sscales.numpy(),

@@ -41,15 +41,15 @@ def test_int8_kernels_agree_with_the_torch_stages() -> None:
     x, err = torch.randn(n, generator=g), torch.randn(64 * 41, generator=g) * 0.01
     p = 64 * 42
     err = torch.cat([err, torch.zeros(p - err.numel())])
-    c1, s1, e1 = q._worker(x, err, p)
-    c2, s2, e2 = _BlockQuantized._worker(q, x, err, p)
+    c1, s1, e1 = q._worker(x, err, p, "k")
+    c2, s2, e2 = _BlockQuantized._worker(q, x, err, p, "k")
     assert torch.equal(s1, s2)
     assert (c1 != c2).sum() <= 2  # a tie rounded the other way, at most
     assert torch.allclose(e1, e2, atol=float(s1.max()))
     assert torch.allclose(e1[c1 == c2], e2[c1 == c2], atol=1e-6)
     codes, scales = torch.cat([c1, c1]), torch.cat([s1, s1])
-    a1 = q._server(codes, scales, 2, None)
-    a2 = _BlockQuantized._server(q, codes, scales, 2, None)
+    a1 = q._server(codes, scales, 2, None, "k")
+    a2 = _BlockQuantized._server(q, codes, scales, 2, None, "k")
     assert torch.equal(a1[1], a2[1]) and (a1[0] != a2[0]).sum() <= 2
     out1, out2 = torch.empty(n), torch.empty(n)
     q._decode_into(c1, s1, out1)
@@ -58,12 +58,12 @@ def test_int8_kernels_agree_with_the_torch_stages() -> None:
     tiny = torch.zeros(p)
     tiny[64:128] = torch.linspace(-1e-41, 1e-41, 64)  # subnormal: 127 / absmax overflows
     tiny[100] = 0.0
-    c4, s4, e4 = q._worker(tiny, None, p)
+    c4, s4, e4 = q._worker(tiny, None, p, "t")
     d4 = torch.empty(p)
     q._decode_into(c4, s4, d4)
     assert torch.isfinite(s4).all() and torch.isfinite(e4).all()
     assert torch.equal(d4 + e4, tiny)  # what was not sent is kept, exactly
     bad = x.clone()
     bad[70] = float("inf")
-    _, s3, _ = q._worker(bad, None, p)
+    _, s3, _ = q._worker(bad, None, p, "b")
     assert torch.isnan(s3[1]) and torch.isfinite(torch.cat([s3[:1], s3[2:]])).all()
