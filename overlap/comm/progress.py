@@ -3,8 +3,10 @@
 MPI has no completion callbacks and makes progress only inside MPI calls (DESIGN.md §3.5).
 So each event loop that awaits MPI handles gets one :class:`ProgressEngine`:
 
-* while anything is in flight it tests **all** pending requests with one ``Testsome`` per
-  loop tick (a ``call_soon`` chain: other tasks and I/O run between two ticks);
+* while anything is in flight it tests pending requests with one ``Testsome`` per loop
+  tick (a ``call_soon`` chain: other tasks and I/O run between two ticks): the oldest few
+  and a window rotating over the rest (:class:`_Poller`), so a tick costs the same with 10
+  or 10,000 in flight;
 * after ``busy_s`` seconds without any completion (a receive waiting for a slow peer, not
   an op waiting for progress) it backs off, doubling the delay up to 1 ms, and returns to
   every-tick polling as soon as anything completes or a new op is awaited;
