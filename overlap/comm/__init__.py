@@ -103,7 +103,9 @@ __all__ = [
     "get_comm_operation_count",
     "get_global_rank",
     "get_local_rank",
+    "get_local_world_size",
     "get_logged_comm_ops",
+    "get_node_rank",
     "get_rank",
     "get_world_group",
     "get_world_size",
@@ -182,6 +184,18 @@ def get_world_size(group: Any = None) -> int:
 def get_local_rank() -> int:
     """This process's rank on its host (LOCAL_RANK from torchrun, or discovered under MPI)."""
     return state.local_rank()
+
+
+def get_local_world_size() -> int:
+    """How many processes of the job run on this host: LOCAL_WORLD_SIZE from torchrun, the
+    processor names under MPI, else the world size (one host assumed)."""
+    return state.local_world_size()
+
+
+def get_node_rank() -> int:
+    """This host's index in the job (0 for the host of rank 0): GROUP_RANK (or NODE_RANK)
+    from torchrun, the processor names under MPI, else 0."""
+    return state.node_rank()
 
 
 def get_global_rank(group: Any = None, group_rank: int = 0) -> int:

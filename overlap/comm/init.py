@@ -53,8 +53,9 @@ def mpi_discovery(
     distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, verbose: bool = True
 ) -> tuple[int, int, int]:
     """Rank, world size and local rank from MPI; sets RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR and MASTER_PORT (deepspeed.comm's ``mpi_discovery``, which returns None; this
-    one also returns the three numbers).
+    LOCAL_WORLD_SIZE, GROUP_RANK (the host's index, as torchrun names it), MASTER_ADDR and
+    MASTER_PORT (deepspeed.comm's ``mpi_discovery``, which returns None; this one also
+    returns the first three numbers).
 
     Raises ImportError naming ``pip install overlap[mpi]`` when mpi4py is missing.
     """
@@ -69,7 +70,7 @@ def mpi_discovery(
     rank, size = comm.Get_rank(), comm.Get_size()
     proc = MPI.Get_processor_name()
     procs = comm.allgather(proc)
-    local_rank = sum(1 for p in procs[:rank] if p == proc)
+    local_rank, local_size, node = _host_placement(procs, rank)
     if len(set(procs)) == 1:
         addr = "127.0.0.1"
     else:  # pragma: no cover - multi-host
@@ -79,6 +80,8 @@ def mpi_discovery(
         RANK=str(rank),
         WORLD_SIZE=str(size),
         LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_size),
+        GROUP_RANK=str(node),
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
     )
@@ -92,6 +95,23 @@ def mpi_discovery(
         port,
     )
     return rank, size, local_rank
+
+
+def _env_placement() -> tuple[int | None, int]:
+    """(processes on this host, this host's index) from torchrun's LOCAL_WORLD_SIZE and
+    GROUP_RANK (or NODE_RANK); (None, 0) when the launcher set neither: one host."""
+    env = os.environ
+    size = env.get("LOCAL_WORLD_SIZE")
+    node = env.get("GROUP_RANK", env.get("NODE_RANK", "0"))
+    return (int(size) if size else None), int(node)
+
+
+def _host_placement(procs: list[str], rank: int) -> tuple[int, int, int]:
+    """(local rank, processes on this host, host index) from every rank's processor name, in
+    rank order; hosts are numbered by their lowest rank."""
+    me = procs[rank]
+    hosts = list(dict.fromkeys(procs))
+    return sum(1 for p in procs[:rank] if p == me), procs.count(me), hosts.index(me)
 
 
 def _timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
@@ -181,7 +201,9 @@ def init_distributed(
     if dist.is_initialized():
         name = str(dist.get_backend())
         info("init_distributed: adopting the existing torch.distributed group (%s)", name)
-        state.set_active(TorchBackend(name), int(os.environ.get("LOCAL_RANK", 0)))
+        state.set_active(
+            TorchBackend(name), int(os.environ.get("LOCAL_RANK", 0)), *_env_placement()
+        )
         return
 
     backend = _pick_backend(dist_backend)
@@ -226,7 +248,7 @@ def init_distributed(
     if td is not None:
         kwargs["timeout"] = td
     dist.init_process_group(**kwargs)
-    state.set_active(TorchBackend(backend, td), local_rank)
+    state.set_active(TorchBackend(backend, td), local_rank, *_env_placement())
     info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
 
 
@@ -265,8 +287,8 @@ def _init_mpi(timeout: float | None = None) -> None:
     comm = MPI.COMM_WORLD
     proc = MPI.Get_processor_name()
     procs = comm.allgather(proc)
-    local_rank = sum(1 for p in procs[: comm.Get_rank()] if p == proc)
-    state.set_active(MpiBackend(timeout), local_rank)
+    local_rank, local_size, node = _host_placement(procs, comm.Get_rank())
+    state.set_active(MpiBackend(timeout), local_rank, local_size, node)
     if comm.Get_size() == 1 and not in_mpi_env():
         log.info("init_distributed(mpi): not under mpiexec; running as a single rank")
     log.info(

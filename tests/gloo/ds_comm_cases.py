@@ -123,6 +123,9 @@ def objects() -> None:
 def groups_and_queries() -> None:
     r, w = _ranks()
     assert comm.get_all_ranks_from_group() == list(range(w))
+    # one host here: every rank local, host 0 (RankPool sets no LOCAL_WORLD_SIZE; MPI's
+    # processor names all match)
+    assert comm.get_local_world_size() == w and comm.get_node_rank() == 0
     assert comm.get_global_rank() == 0
     members = list(range(0, w, 2))
     g = comm.new_group(members)

@@ -28,9 +28,21 @@ SCRIPT = textwrap.dedent(
     out = overlap.run(main())
     want = torch.arange(5.) * w + w * (w - 1) / 2
     assert torch.equal(out, want), (out, want)
-    sys.stdout.write(f"rank {r}/{w} local {comm.get_local_rank()} {comm.get_backend()} ok\\n")
+    local = f"{comm.get_local_rank()}/{comm.get_local_world_size()} node {comm.get_node_rank()}"
+    sys.stdout.write(f"rank {r}/{w} local {local} {comm.get_backend()} ok\\n")
     comm.destroy_process_group()
     """
+)
+
+
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 
 
@@ -39,11 +51,7 @@ SCRIPT = textwrap.dedent(
 def test_init_distributed_discovers_rank_and_size_from_mpi(tmp_path: Path, n: int) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     from overlap.comm.init import _free_port
 
     env["MASTER_PORT"] = str(_free_port())
@@ -56,7 +64,7 @@ def test_init_distributed_discovers_rank_and_size_from_mpi(tmp_path: Path, n: in
     )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank "))
-    assert lines == [f"rank {r}/{n} local {r} gloo ok" for r in range(n)]
+    assert lines == [f"rank {r}/{n} local {r}/{n} node 0 gloo ok" for r in range(n)]
 
 
 def test_mpi_env_without_mpi4py_names_the_extra(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ SINGLE_RANK = textwrap.dedent(
         assert "already initialized" in str(e), e
     assert comm.get_backend() == "gloo" and comm.get_rank() == 0
     assert comm.get_world_size() == 1 and comm.get_local_rank() == 0
+    assert comm.get_local_world_size() == 1 and comm.get_node_rank() == 0
     t = torch.arange(4.)
     assert comm.all_reduce(t, op="avg").tolist() == [0, 1, 2, 3]
     async def main():
@@ -91,3 +92,20 @@ def test_single_rank_without_a_launcher() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("OK")
+
+
+def test_host_placement_from_processor_names_and_torchrun_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from overlap.comm.init import _env_placement, _host_placement
+
+    procs = ["b", "a", "b", "a", "a"]  # hosts numbered by their lowest rank: b=0, a=1
+    assert [_host_placement(procs, r) for r in range(5)] == [
+        (0, 2, 0), (0, 3, 1), (1, 2, 0), (1, 3, 1), (2, 3, 1)
+    ]  # fmt: skip
+    for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert _env_placement() == (None, 0)  # nothing said: one host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("GROUP_RANK", "2")
+    assert _env_placement() == (4, 2)
