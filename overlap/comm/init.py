@@ -68,9 +68,7 @@ def mpi_discovery(
         ) from exc
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    proc = MPI.Get_processor_name()
-    procs = comm.allgather(proc)
-    local_rank, local_size, node = _host_placement(procs, rank)
+    procs, (local_rank, local_size, node) = _mpi_placement(MPI)
     if len(set(procs)) == 1:
         addr = "127.0.0.1"
     else:  # pragma: no cover - multi-host
@@ -104,6 +102,14 @@ def _env_placement() -> tuple[int | None, int]:
     size = env.get("LOCAL_WORLD_SIZE")
     node = env.get("GROUP_RANK", env.get("NODE_RANK", "0"))
     return (int(size) if size else None), int(node)
+
+
+def _mpi_placement(MPI: Any) -> tuple[list[str], tuple[int, int, int]]:
+    """Every rank's processor name (one allgather on COMM_WORLD; every rank calls it) and
+    this rank's :func:`_host_placement`."""
+    comm = MPI.COMM_WORLD
+    procs: list[str] = comm.allgather(MPI.Get_processor_name())
+    return procs, _host_placement(procs, comm.Get_rank())
 
 
 def _host_placement(procs: list[str], rank: int) -> tuple[int, int, int]:
@@ -285,9 +291,7 @@ def _init_mpi(timeout: float | None = None) -> None:
     from overlap.comm.mpi_backend import MpiBackend
 
     comm = MPI.COMM_WORLD
-    proc = MPI.Get_processor_name()
-    procs = comm.allgather(proc)
-    local_rank, local_size, node = _host_placement(procs, comm.Get_rank())
+    _, (local_rank, local_size, node) = _mpi_placement(MPI)
     state.set_active(MpiBackend(timeout), local_rank, local_size, node)
     if comm.Get_size() == 1 and not in_mpi_env():
         log.info("init_distributed(mpi): not under mpiexec; running as a single rank")

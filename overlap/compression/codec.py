@@ -33,7 +33,7 @@ import torch
 
 from overlap.compression.layout import Layout
 
-__all__ = ["Codec", "ErrorFeedback", "codec_for"]
+__all__ = ["Codec", "ErrorFeedback", "codec_for", "kept_buffer"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,22 @@ def lazy_error(
     return out
 
 
+def kept_buffer(
+    store: dict[str, torch.Tensor],
+    name: str,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """``store[name]`` if it has this size, dtype and device, else a new empty one kept there:
+    a fresh allocation of a few MiB costs its page faults on every call. The caller owns the
+    contents (nothing is zeroed) and must not use one buffer from two calls at once."""
+    t = store.get(name)
+    if t is None or t.numel() != numel or t.dtype != dtype or t.device != device:
+        t = store[name] = torch.empty(numel, dtype=dtype, device=device)
+    return t
+
+
 class ErrorFeedback:
     """One buffer's 1-bit error-feedback state, in lazy form (see the module docstring).
 
@@ -88,13 +104,9 @@ class ErrorFeedback:
         self._scratch: dict[str, torch.Tensor] = {}
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A buffer kept for the next call on this state (sign chunks, scales): a fresh
-        allocation of a few MiB costs its page faults on every step. Calls on one state run
-        one after the other (the error feedback requires it), so reuse is safe."""
-        t = self._scratch.get(name)
-        if t is None or t.numel() != numel or t.dtype != dtype:
-            t = self._scratch[name] = torch.empty(numel, dtype=dtype, device=self.wb.device)
-        return t
+        """A buffer kept for the next call on this state (sign chunks, scales). Calls on one
+        state run one after the other (the error feedback requires it), so reuse is safe."""
+        return kept_buffer(self._scratch, name, numel, dtype, self.wb.device)
 
     @classmethod
     def zeros(cls, lay: Layout, device: torch.device) -> ErrorFeedback:

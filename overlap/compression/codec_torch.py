@@ -61,10 +61,13 @@ def _per_seg(seg: np.ndarray, lay: Layout) -> np.ndarray:
     return _offsets(np.cumsum(np.bincount(seg, minlength=lay.nseg)))
 
 
-def _error(v: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _error(
+    v: torch.Tensor, s: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor | None = None
+) -> torch.Tensor:
     """out = v - copysign(s, v): the kernels' form of v - s * sign(v) (equal, as no stored
-    value is -0.0; see :mod:`overlap.compression.numba_kernels`)."""
-    return torch.sub(v, torch.copysign(s, v), out=out)
+    value is -0.0; see :mod:`overlap.compression.numba_kernels`). ``tmp`` (v's size) holds
+    the copysign, instead of a fresh allocation."""
+    return torch.sub(v, torch.copysign(s, v, out=tmp), out=out)
 
 
 def _seg_rms(
@@ -117,7 +120,7 @@ class TorchCodec(Codec):
         b = ef.take_spare()
         ws = ef.ws if lay.nseg == 1 else torch.index_select(ef.ws, 0, ix.seg_id)
         tmp = ef.scratch("torch-codec", lay.P, torch.float32)
-        torch.sub(ef.wb, torch.copysign(ws, ef.wb, out=tmp), out=b)  # the lazy worker error
+        _error(ef.wb, ws, b, tmp)  # the worker error, applied lazily
         torch.add(x.reshape(-1), b[: lay.n], out=b[: lay.n])
         # No -0.0 is stored, as in the kernels: a difference of floats is -0.0 only as
         # (-0.0) - (+0.0), and copysign gives the minuend's own sign, so the error is never

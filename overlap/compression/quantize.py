@@ -35,6 +35,7 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
+from overlap.compression.codec import kept_buffer
 from overlap.errors import NonFiniteError
 
 __all__ = ["FP8", "Int8"]
@@ -66,16 +67,12 @@ class _BlockQuantized(Compressor):
         # Per key, buffers kept for the next call with that key (codes, scales, received
         # copies, the next error states): calls on one key run one after another, and a
         # fresh few-MiB buffer costs its page faults on every call.
-        self._bufs: dict[Hashable, dict[str, torch.Tensor]] = {}
+        self._bufs: dict[Hashable, dict[str, torch.Tensor]] = {}  # see kept_buffer
 
     def _buf(
         self, key: Hashable, name: str, numel: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        bufs = self._bufs.setdefault(key, {})
-        t = bufs.get(name)
-        if t is None or t.numel() != numel or t.dtype != dtype or t.device != device:
-            t = bufs[name] = torch.empty(numel, dtype=dtype, device=device)
-        return t
+        return kept_buffer(self._bufs.setdefault(key, {}), name, numel, dtype, device)
 
     def reset(self) -> None:
         super().reset()
