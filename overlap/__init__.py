@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from overlap import comm, compression
 from overlap.comm import Handle, ReduceOp, destroy_process_group, init_distributed
-from overlap.compression import BF16, FP8, FP16, Int8, NoCompression, OneBit, PowerSGD
+from overlap.compression import (
+    BF16,
+    FP8,
+    FP16,
+    Auto,
+    Int8,
+    NoCompression,
+    OneBit,
+    PowerSGD,
+)
 from overlap.errors import (
     CommError,
     CommTimeoutError,
@@ -25,6 +34,7 @@ from overlap.trace import OverlapReport, Tracer
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "BF16",
     "BucketScheduler",
     "FP16",

@@ -19,6 +19,12 @@ def _out(text: str = "") -> None:
     sys.stdout.flush()
 
 
+def _err(text: str) -> None:
+    """An error for the user: to stderr (the caller exits non-zero)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _run_json(
     cmd: list[str], link: str | None, what: str, env: dict[str, str] | None = None
 ) -> tuple[Any, int]:
@@ -36,69 +42,143 @@ def _run_json(
         else:
             out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: live
     except LinkError as exc:
-        _out(f"error: {exc}")
+        _err(f"error: {exc}")
         return None, 2
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
-        _out(f"{what} failed (exit {out.returncode}):\n{out.stdout[-2000:]}")
+        _err(f"{what} failed (exit {out.returncode}):\n{out.stdout[-2000:]}")
         return None, 1
     return json.loads(line[7:]), 0
 
 
+def demo_link(asked: str | None) -> tuple[str | None, str]:
+    """The demo's link and the reason, in words: ``auto`` is a 1 Gbit/s shaped namespace
+    when this process can make one (root, iproute2), else plain loopback."""
+    import os
+    import shutil
+
+    if asked in (None, "auto"):
+        if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc"):
+            return "1gbit", (
+                "1 Gbit/s, a typical link between machines (root is available, so the ranks "
+                "run in a network namespace whose loopback tc shapes to that rate; --link "
+                "none for plain loopback)"
+            )
+        return None, (
+            "plain loopback, faster than any network, so compression cannot pay here (a 1 "
+            "Gbit/s link needs root to make a shaped namespace; run as root, or pass --link "
+            "RATE as root)"
+        )
+    if asked in ("none", "loopback"):
+        return None, "plain loopback, as asked (--link none)"
+    return asked, f"loopback shaped to {asked}, as asked (--link {asked})"
+
+
+def _verdict(rows: dict[str, Any], choice: str, link: str) -> str:
+    """One sentence, computed from the table."""
+    auto, ddp, fp16 = (rows[n]["step_ms"] for n in ("overlap-auto", "ddp", "ddp-fp16"))
+    floor = rows["compute"]["step_ms"]
+    speed, speed16 = ddp / auto, fp16 / auto
+    where = f"On this link ({link})"
+    tail = f"; its step is {auto / floor:.2f}x the compute-only step."
+    if speed >= 1.03 and speed16 >= 1.03:
+        return (
+            f"{where} overlap-auto (it chose {choice}) is {speed:.2f}x faster than DDP and "
+            f"{speed16:.2f}x faster than DDP with its fp16 hook" + tail
+        )
+    if speed >= 1.03:
+        return (
+            f"{where} overlap-auto (it chose {choice}) is {speed:.2f}x faster than DDP and on "
+            f"a par with DDP's fp16 hook ({speed16:.2f}x)" + tail
+        )
+    if speed >= 0.95:
+        return (
+            f"{where} overlap-auto (it chose {choice}) is on a par with DDP ({speed:.2f}x; "
+            "differences under 5% are within this machine's step-to-step noise): "
+            "communication is cheap here, so compression cannot pay; on a slow link it would."
+        )
+    return f"{where} overlap-auto (it chose {choice}) is slower than DDP ({speed:.2f}x)."
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import json
+    import os
 
     from overlap.bench.harness import Table, human_bytes
 
+    try:  # before the run, not after a minute of it
+        os.makedirs(args.out_dir, exist_ok=True)
+        if not os.access(args.out_dir, os.W_OK):
+            raise PermissionError(f"{args.out_dir} is not writable")
+    except OSError as exc:
+        _err(f"error: --out-dir {args.out_dir!r}: {exc}; choose a writable directory")
+        return 2
+    link, why = demo_link(args.link)
+    args.link = link  # what _rerun_in_link shapes (None: stay on loopback)
     code = _rerun_in_link(args)
     if code is not None:
         return code
     from overlap.demo import run_demo
 
+    label = link or "loopback"
     _out(
         f"overlap demo: {args.world_size} local ranks (torch's elastic launcher), a "
-        f"{args.model_size} transformer, {args.steps} steps each of DDP and overlap "
-        f"(none, fp16, onebit), link: {args.link or 'loopback'}"
+        f"{args.model_size} transformer, {args.steps} steps of each variant.\n"
+        f"link: {why}.\n"
+        f"reproduce: overlap demo --link {link or 'none'} --steps {args.steps} --model-size "
+        f"{args.model_size}"
     )
-    results = run_demo(args.world_size, args.steps, args.model_size, args.out_dir)
+    results = run_demo(args.world_size, args.steps, args.model_size, args.out_dir, label)
     r0 = results[0]
     if args.json:
         _out(json.dumps(r0, indent=2, default=str))
         return 0
     rows = r0["table"]
-    base = rows["ddp"]["step_ms"]
+    choice = r0["auto"]["choice"]
+    base, base16 = rows["ddp"]["step_ms"], rows["ddp-fp16"]["step_ms"]
     t = Table(
         [
             "variant",
             "step ms",
             "vs DDP",
+            "vs DDP-fp16",
             "exposed comm ms",
             "overlap ratio",
             "bytes/rank/step",
             "final loss",
         ],
-        title=f"\n{r0['params'] / 1e6:.2f}M parameters, {r0['world']} ranks (median step, rank 0)",
+        title=f"\n{r0['params'] / 1e6:.2f}M parameters, {r0['world']} ranks, link {label} "
+        "(median step, rank 0)",
     )
     for name, r in rows.items():
         t.add(
             **{
-                "variant": name,
-                "step ms": r["step_ms"],
+                "variant": f"{name} ({choice})" if name == "overlap-auto" else name,
+                "step ms": f"{r['step_ms']:.1f}",
                 "vs DDP": f"{base / r['step_ms']:.2f}x",
-                "exposed comm ms": "" if r["exposed_ms"] is None else r["exposed_ms"],
-                "overlap ratio": "" if r["overlap"] is None else round(r["overlap"], 2),
+                "vs DDP-fp16": f"{base16 / r['step_ms']:.2f}x",
+                "exposed comm ms": "" if r["exposed_ms"] is None else f"{r['exposed_ms']:.1f}",
+                "overlap ratio": "" if r["overlap"] is None else f"{r['overlap']:.2f}",
                 "bytes/rank/step": human_bytes(r["bytes"]),
-                "final loss": round(r["loss"], 4) if r["loss"] is not None else "",
+                # auto's measuring steps trained it further: its loss is not comparable
+                "final loss": ""
+                if r["loss"] is None or name == "overlap-auto"
+                else f"{r['loss']:.3f}",
             }
         )
     _out(t.render())
+    costs = ", ".join(f"{n} {ms:.0f}" for n, ms in r0["auto"]["costs_ms"].items())
+    _out(f"\nauto measured (median step ms, slowest rank): {costs}; chose {choice}.")
+    _out(_verdict(rows, choice, label))
     if r0["trace"]:
         _out(
-            f"\ntrace of the OneBit run: {r0['trace']} (open it in https://ui.perfetto.dev "
-            "or chrome://tracing; or run `overlap trace summarize` on it)"
+            f"\ntrace of overlap-auto's steps and one DDP step: {r0['trace']} (open it in "
+            "https://ui.perfetto.dev or chrome://tracing; or `overlap trace summarize` it)"
         )
-    if r0["png"]:
-        _out(f"timeline: {r0['png']}")
+    for png in r0["png"]:
+        _out(f"picture: {png}")
+    if r0["trace"] and not r0["png"]:
+        _out("no pictures: they need matplotlib (pip install overlap[plot])")
     return 0
 
 
@@ -118,7 +198,7 @@ def _rerun_in_link(args: argparse.Namespace) -> int | None:
                 [*prefix, sys.executable, "-m", "overlap.cli", *argv, "--_in-link"]
             ).returncode
     except LinkError as exc:
-        _out(f"error: {exc}")
+        _err(f"error: {exc}")
         return 2
 
 
@@ -133,7 +213,7 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     ops = args.op or list(OPS)
     unknown = [o for o in ops if o not in OPS]
     if unknown:
-        _out(f"unknown op(s) {unknown}; choose from {list(OPS)}")
+        _err(f"unknown op(s) {unknown}; choose from {list(OPS)}")
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.algorithm != "native":
@@ -177,10 +257,10 @@ def _bench_concurrent(args: argparse.Namespace) -> int:
     try:
         counts = [int(x) for x in args.concurrent.split(",")]
     except ValueError:
-        _out(f"--concurrent takes counts like 2000,10000, got {args.concurrent!r}")
+        _err(f"--concurrent takes counts like 2000,10000, got {args.concurrent!r}")
         return 2
     if any(n < 1 for n in counts):
-        _out(f"--concurrent counts must be at least 1, got {counts}")
+        _err(f"--concurrent counts must be at least 1, got {counts}")
         return 2
     reps = args.iters if args.iters != 200 else 3  # --iters' default is for the op table
     if args.backend == "mpi":
@@ -279,7 +359,7 @@ def _bench_ops_under_mpiexec(
         "mpiexec"
     )
     if mpiexec is None:
-        _out("--backend mpi needs mpiexec: pip install overlap[mpi]")
+        _err("--backend mpi needs mpiexec: pip install overlap[mpi]")
         return None
     env = {
         k: v
@@ -397,30 +477,30 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     variants = args.variant or (CUDA_VARIANTS if args.device == "cuda" else VARIANTS)
     bad = [v for v in variants if v not in ALL_VARIANTS]
     if bad:
-        _out(f"unknown variant(s) {bad}; choose from {ALL_VARIANTS}")
+        _err(f"unknown variant(s) {bad}; choose from {ALL_VARIANTS}")
         return 2
     if args.device not in ("cpu", "cuda"):
-        _out(f"--device {args.device!r}: choose cpu or cuda")
+        _err(f"--device {args.device!r}: choose cpu or cuda")
         return 2
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            _out(
+            _err(
                 "--device cuda: no CUDA device is visible here (torch "
                 f"{torch.__version__}); run on a GPU machine, or use --device cpu"
             )
             return 2
         world = args.world_size or 1
         if world > torch.cuda.device_count():
-            _out(
+            _err(
                 f"--device cuda --world-size {world}: NCCL needs one GPU per rank and this "
                 f"machine has {torch.cuda.device_count()}; use --world-size "
                 f"{torch.cuda.device_count()}"
             )
             return 2
         if args.link:
-            _out("--link shapes loopback between CPU ranks; it does not apply to --device cuda")
+            _err("--link shapes loopback between CPU ranks; it does not apply to --device cuda")
             return 2
     else:
         world = args.world_size or 2
@@ -480,7 +560,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     for r in rows:
         t.add(
             **{
-                "variant": r["variant"],
+                "variant": r["variant"] + (f" ({r['choice']})" if r.get("choice") else ""),
                 "step ms": ms(r["step_ms"]),
                 "slowest ms": ms(r.get("max_step_ms")),
                 "vs DDP": vs_ddp(r),
@@ -507,14 +587,14 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
     variants = args.variant or LM_VARIANTS
     bad = [v for v in variants if not known_variant(v)]
     if bad:
-        _out(
+        _err(
             f"unknown variant(s) {bad}; choose from {LM_VARIANTS} or a DiLoCo spelling "
             "diloco[-stream][-int8|-bf16|-fp8][-hH][-fF][-dD][-olrX][-omY][-aA]"
         )
         return 2
     freeze = args.freeze_step if args.freeze_step is not None else max(1, args.steps * 15 // 100)
     if not 1 <= freeze < args.steps:
-        _out(f"--freeze-step {freeze}: choose 1 <= freeze-step < --steps ({args.steps})")
+        _err(f"--freeze-step {freeze}: choose 1 <= freeze-step < --steps ({args.steps})")
         return 2
     cmd = [
         sys.executable,
@@ -594,7 +674,7 @@ def cmd_trace_summarize(args: argparse.Namespace) -> int:
     try:
         spans, world = load_spans(args.trace)
     except TraceFormatError as exc:
-        _out(f"error: {exc}")
+        _err(f"error: {exc}")
         return 2
     report = OverlapReport.from_spans(spans, world=world)
     _out(report.to_json() if args.json else report.render())
@@ -603,13 +683,14 @@ def cmd_trace_summarize(args: argparse.Namespace) -> int:
 
 def cmd_trace_plot(args: argparse.Namespace) -> int:
     from overlap.trace import TraceFormatError, load_spans
-    from overlap.trace.plot import plot_timeline
+    from overlap.trace.plot import parse_steps, plot_timeline
 
     try:
+        steps = parse_steps(args.steps)
         spans, _ = load_spans(args.trace)
-        plot_timeline(spans, args.output, title=args.trace)
+        plot_timeline(spans, args.output, title=f"{args.trace}, steps {args.steps}", steps=steps)
     except (TraceFormatError, ValueError, ImportError) as exc:
-        _out(f"error: {exc}")
+        _err(f"error: {exc}")
         return 2
     _out(f"wrote {args.output}")
     return 0
@@ -655,12 +736,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run the local demo: DDP vs overlap on local ranks")
     d.add_argument("--world-size", type=int, default=2)
-    d.add_argument("--steps", type=int, default=40, help="steps per variant (about 30 s)")
-    d.add_argument("--model-size", choices=["small", "medium", "large"], default="small")
+    d.add_argument("--steps", type=int, default=15, help="timed steps per variant")
+    d.add_argument("--model-size", choices=["small", "medium", "large"], default="medium")
     d.add_argument(
         "--link",
-        default=None,
-        help="run the ranks on a loopback shaped to this rate, e.g. 1gbit (root)",
+        default="auto",
+        help="auto (the default: 1gbit when root, else plain loopback), none, or a rate "
+        "such as 1gbit or 100mbit (root)",
     )
     d.add_argument("--out-dir", default=".", help="where to write the trace and the timeline")
     d.add_argument("--json", action="store_true")
@@ -788,6 +870,12 @@ def build_parser() -> argparse.ArgumentParser:
     tp = trs.add_parser("plot", help="draw a per-rank timeline PNG (needs matplotlib)")
     tp.add_argument("trace")
     tp.add_argument("-o", "--output", default="overlap-timeline.png")
+    tp.add_argument(
+        "--steps",
+        default="-2:",
+        help="steps to draw, slice syntax over the complete steps: 10:12, 5, -2: (the "
+        "default: the last two, leaving warm-up and compile steps out), : for all",
+    )
     tp.set_defaults(func=cmd_trace_plot)
 
     e = sub.add_parser("env", help="report torch, backends, MPI, CUDA and uvloop")

@@ -1,15 +1,22 @@
 """``overlap demo``: watch overlap hide (compressed) gradient reduction behind backward.
 
 The ranks are started by torch.distributed's own launcher API (``elastic_launch``, the
-engine behind torchrun). Each rank trains the same small transformer-like model on
-synthetic data, four ways in turn, step by step so the machine's noise hits all alike:
+engine behind torchrun); the command line runs them inside a network namespace shaped to
+1 Gbit/s when it can (root), else on plain loopback, and says which. Each rank trains the
+same small transformer on synthetic tokens, every variant in turn step by step so the
+machine's noise hits all alike:
 
-* DDP (torch's DistributedDataParallel, the baseline);
-* overlap's BucketScheduler with no compression, with fp16, and with 1-bit (OneBit);
+* compute only (no communication: the floor), DDP and DDP with its fp16 hook (the
+  baselines);
+* overlap's BucketScheduler with no compression, fp16, 1-bit (OneBit), and ``"auto"``,
+  which measures those and PowerSGD first (on its own, before the timed steps) and keeps
+  the fastest.
 
-and reports each one's step time, exposed communication, overlap ratio and bytes per rank.
-Rank 0 also traces the OneBit run and writes ``overlap-trace.json`` (open it in
-https://ui.perfetto.dev or chrome://tracing) and ``overlap-timeline.png``.
+It reports each variant's median step time, exposed communication, overlap ratio and bytes
+per rank. Rank 0 writes the trace of overlap-auto's steps and of one DDP step
+(``overlap-trace.json``: https://ui.perfetto.dev or chrome://tracing), a timeline of one
+steady-state step of each on one time scale (``overlap-timeline.png``), and the step times
+as bars over the compute-only floor (``overlap-steps.png``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,17 @@ from torch import nn
 __all__ = ["TinyTransformer", "demo_rank", "run_demo"]
 
 log = logging.getLogger(__name__)
-VARIANTS = ["ddp", "overlap-none", "overlap-fp16", "overlap-onebit"]
+VARIANTS = [
+    "compute",
+    "ddp",
+    "ddp-fp16",
+    "overlap-none",
+    "overlap-fp16",
+    "overlap-onebit",
+    "overlap-auto",
+]
+BATCH = (8, 32)  # sequences x tokens: a small batch, so the wire matters next to compute
+TRACED = "overlap-auto"  # the variant whose steps are traced (and drawn against DDP)
 
 
 class TinyTransformer(nn.Module):
@@ -60,109 +77,154 @@ def _size(model_size: str) -> dict[str, int]:
     }[model_size]
 
 
-def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
-    """One rank of the demo (module level so the launcher can pickle it)."""
+def _ddp_trace_hook(state: dict[str, Any], bucket: Any) -> Any:
+    """DDP's allreduce-and-average, recording each bucket's collective (for the picture
+    only: the timed DDP variants use DDP's built-in C++ allreduce)."""
+    import torch.distributed as dist
+
+    t = time.perf_counter_ns()
+    state["last_hook"] = t
+    idx, tracer = bucket.index(), state["tracer"]
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+    def done(f: Any) -> torch.Tensor:
+        tracer.record(f"allreduce bucket {idx}", "comm", t, time.perf_counter_ns(), bucket=idx)
+        out: torch.Tensor = f.value()[0].div_(state["world"])
+        return out
+
+    return fut.then(done)
+
+
+def _build(name: str, cfg: dict[str, int], tracer: Any) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from overlap import Auto, BucketScheduler, comm
+    from overlap.compression import FP16, NoCompression, OneBit
+
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=cfg["dim"], layers=cfg["layers"])
+    v: dict[str, Any] = {"name": name, "model": model, "sched": None, "fwd": model, "hook": None}
+    v.update(times=[], exposed=[], hidden=[], comm=[])
+    if name.startswith("ddp"):
+        v["fwd"] = DDP(model)
+        if name == "ddp-fp16":
+            v["fwd"].register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif name == "ddp-traced":
+            v["hook"] = {"tracer": tracer, "world": comm.get_world_size(), "last_hook": 0}
+            # a lambda: DDP checks a hook's annotations, and ours are strings here
+            v["fwd"].register_comm_hook(
+                v["hook"], lambda state, bucket: _ddp_trace_hook(state, bucket)
+            )
+    elif name.startswith("overlap"):
+        comp = {
+            "overlap-none": NoCompression(),
+            "overlap-fp16": FP16(),
+            "overlap-onebit": OneBit(warmup_steps=3),
+            "overlap-auto": Auto(),
+        }[name]
+        v["sched"] = BucketScheduler(
+            model,
+            compression=comp,
+            tracer=tracer if name == TRACED else None,
+        )
+    v["opt"] = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    return v
+
+
+def _one_step(
+    v: dict[str, Any], tokens: torch.Tensor, target: torch.Tensor, tracer: Any, trace: bool
+) -> None:
+    from overlap import comm
+
+    comm.barrier()
+    if trace:
+        tracer.attach()
+    t0 = time.perf_counter_ns()
+    v["opt"].zero_grad()
+    logits = v["fwd"](tokens)
+    t_fwd = time.perf_counter_ns()
+    loss = nn.functional.cross_entropy(logits.reshape(-1, 512), target.reshape(-1))
+    loss.backward()  # type: ignore[no-untyped-call]
+    t_bwd = time.perf_counter_ns()
+    if v["sched"] is not None:
+        v["sched"].synchronize()
+    t_sync = time.perf_counter_ns()
+    v["opt"].step()
+    t1 = time.perf_counter_ns()
+    if trace:
+        tracer.record("forward", "compute", t0, t_fwd)
+        if v["hook"] is not None:  # DDP: backward until its last bucket, then the wait
+            last = max(v["hook"]["last_hook"], t_fwd)
+            tracer.record("backward", "compute", t_fwd, last)
+            tracer.record("DDP's wait in backward", "wait", last, t_bwd)
+        tracer.record("optimizer", "compute", t_sync, t1)
+        tracer.record("demo step", "user", t0, t1, variant=v["name"])
+        tracer.detach()
+    v["times"].append((t1 - t0) / 1e9)
+    v["loss"] = loss.item()
+    if v["sched"] is not None:
+        from overlap.bench.train import comm_overlap
+
+        c, h = comm_overlap(v["sched"].statistics()["timeline"], t0 / 1e9, t_bwd / 1e9)
+        v["comm"].append(c)
+        v["hidden"].append(h)
+        v["exposed"].append((t_sync - t_bwd) / 1e9)
+
+
+def demo_rank(steps: int, model_size: str, out_dir: str, link: str) -> dict[str, Any]:
+    """One rank of the demo (module level so the launcher can pickle it)."""
     import overlap
-    from overlap import BucketScheduler, comm
-    from overlap.compression import FP16, NoCompression, OneBit, compressed_bytes
+    from overlap import comm
+    from overlap.compression import compressed_bytes
 
     torch.set_num_threads(1)
     overlap.init_distributed()
     rank, world = comm.get_rank(), comm.get_world_size()
     cfg = _size(model_size)
     tracer = overlap.Tracer()
-    runs: dict[str, dict[str, Any]] = {}
-    for name in VARIANTS:
-        torch.manual_seed(0)
-        model = TinyTransformer(dim=cfg["dim"], layers=cfg["layers"])
-        v: dict[str, Any] = {
-            "model": model,
-            "sched": None,
-            "times": [],
-            "exposed": [],
-            "hidden": [],
-            "comm": [],
-        }
-        if name == "ddp":
-            v["fwd"] = DDP(model)
-        else:
-            comp = {
-                "overlap-none": NoCompression(),
-                "overlap-fp16": FP16(),
-                "overlap-onebit": OneBit(warmup_steps=3),
-            }[name]
-            v["fwd"] = model
-            v["sched"] = BucketScheduler(
-                model,
-                compression=comp,
-                bucket_cap_mb=2,
-                tracer=tracer if name == "overlap-onebit" else None,
-            )
-        v["opt"] = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        runs[name] = v
-    tracer.detach()  # the scheduler attached it; attach only around the OneBit steps
+    runs = {n: _build(n, cfg, tracer) for n in [*VARIANTS, "ddp-traced"]}
+    tracer.detach()  # the scheduler attached it; attach only around the traced steps
     nparams = sum(p.numel() for p in runs["ddp"]["model"].parameters())
     gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, 512, BATCH, generator=gen) for _ in range(4)]
+    auto = runs["overlap-auto"]["sched"].compression
+    trial = 0
+    while auto.choice is None:  # Auto's measuring round, on its own, before the timed steps
+        tokens = batches[trial % len(batches)]
+        _one_step(runs["overlap-auto"], tokens, torch.roll(tokens, -1, dims=1), tracer, False)
+        trial += 1
+    runs["overlap-auto"]["times"].clear()
     progress = _Progress(steps * len(VARIANTS)) if rank == 0 else None
     for step in range(steps + 1):
-        tokens = torch.randint(0, 512, (16, 64), generator=gen)
+        tokens = batches[step % len(batches)]
         target = torch.roll(tokens, -1, dims=1)
         for name, v in runs.items():
-            comm.barrier()
-            traced = name == "overlap-onebit"
-            if traced:
-                tracer.attach()  # record only this variant's ops
-            t0 = time.perf_counter()
-            v["opt"].zero_grad()
-            logits = v["fwd"](tokens)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, 512), target.reshape(-1))
-            loss.backward()  # type: ignore[no-untyped-call]
-            t_bwd = time.perf_counter()
-            if v["sched"] is not None:
-                v["sched"].synchronize()
-            v["opt"].step()
-            t1 = time.perf_counter()
-            if traced:
-                tracer.detach()
+            if name == "ddp-traced" and step < steps - 1:
+                continue  # only for the picture: a warm-up step, then the traced one
+            _one_step(v, tokens, target, tracer, step == steps and name in ("ddp-traced", TRACED))
             if step == 0:
-                continue  # warm-up
-            v["times"].append(t1 - t0)
-            v["loss"] = loss.item()
-            if v["sched"] is not None:
-                from overlap.bench.train import comm_overlap
-
-                c, h = comm_overlap(v["sched"].statistics()["timeline"], t0, t_bwd)
-                v["comm"].append(c)
-                v["hidden"].append(h)
-                v["exposed"].append(t1 - t_bwd)
-            if progress is not None:
+                v["times"].clear()  # warm-up
+                v["comm"].clear()
+                v["hidden"].clear()
+                v["exposed"].clear()
+            elif progress is not None and name != "ddp-traced":
                 progress.advance(f"{name} step {step}/{steps}")
     if progress is not None:
         progress.close()
     trace_path = os.path.join(out_dir, "overlap-trace.json")
     written = tracer.export_chrome(trace_path)  # every rank calls; rank 0 writes
-    png = None
-    if written:
-        try:
-            from overlap.trace.plot import plot_timeline
-
-            png = plot_timeline(
-                list(tracer.spans) if world == 1 else _load(written),
-                os.path.join(out_dir, "overlap-timeline.png"),
-                title="overlap demo: OneBit, bucket scheduler",
-            )
-        except ImportError:
-            png = None
+    med = _median
     fp32 = 2 * (world - 1) / world * nparams * 4
     sent = {
+        "compute": 0.0,
         "ddp": fp32,
+        "ddp-fp16": fp32 / 2,
         "overlap-none": fp32,
         "overlap-fp16": fp32 / 2,
         "overlap-onebit": compressed_bytes(nparams, world),
     }
-    med = _median
+    sent["overlap-auto"] = sent.get(f"overlap-{auto.choice}", fp32)
     table = {
         n: {
             "step_ms": med(v["times"]) * 1e3,
@@ -175,7 +237,11 @@ def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
             else None,
         }
         for n, v in runs.items()
+        if n != "ddp-traced"
     }
+    pngs: list[str] = []
+    if written:
+        pngs = _pictures(written, table, out_dir, auto.choice, link, f"{nparams / 1e6:.2f}M params")
     for v in runs.values():
         if v["sched"] is not None:
             v["sched"].remove()
@@ -186,9 +252,51 @@ def demo_rank(steps: int, model_size: str, out_dir: str) -> dict[str, Any]:
         "world": world,
         "params": nparams,
         "table": table,
+        "auto": auto.statistics(),
+        "link": link,
         "trace": written,
-        "png": png,
+        "png": pngs,
     }
+
+
+def _pictures(
+    trace: str, table: dict[str, Any], out_dir: str, choice: str, link: str, what: str
+) -> list[str]:
+    """The timeline (one DDP step over one overlap-auto step, one time scale) and the step
+    time bars; [] without matplotlib."""
+    try:
+        from overlap.trace.plot import plot_compare, plot_step_bars
+    except ImportError:  # pragma: no cover - plot is a default dependency
+        return []
+    spans = _load(trace)
+    panels = []
+    for variant, label in (("ddp-traced", "DDP"), (TRACED, f"overlap auto ({choice})")):
+        sel: list[Any] = []
+        for r in sorted({int(s[5].get("rank", 0)) for s in spans}):
+            mine = [s for s in spans if int(s[5].get("rank", 0)) == r]
+            wins = [s for s in mine if s[0] == "demo step" and s[5].get("variant") == variant]
+            if wins:
+                lo, hi = wins[-1][2], wins[-1][3]
+                sel += [s for s in mine if lo <= s[2] < hi and s[0] != "demo step"]
+        panels.append((label, sel))
+    try:
+        out = [
+            plot_compare(
+                panels,
+                os.path.join(out_dir, "overlap-timeline.png"),
+                title=f"one steady-state step each, {what}, link {link}",
+            ),
+            plot_step_bars(
+                [(n, r["step_ms"]) for n, r in table.items() if n != "compute"],
+                os.path.join(out_dir, "overlap-steps.png"),
+                floor_ms=table["compute"]["step_ms"],
+                title=f"median step time, {what}, link {link}",
+            ),
+        ]
+    except (ImportError, ValueError) as exc:
+        log.warning("no pictures: %s", exc)
+        return []
+    return out
 
 
 def _load(path: str) -> list[Any]:
@@ -232,7 +340,11 @@ def _free_port() -> int:
 
 
 def run_demo(
-    world_size: int = 2, steps: int = 40, model_size: str = "small", out_dir: str = "."
+    world_size: int = 2,
+    steps: int = 15,
+    model_size: str = "medium",
+    out_dir: str = ".",
+    link: str = "loopback",
 ) -> dict[int, dict[str, Any]]:
     """Launch ``world_size`` local ranks with torch's elastic launcher; return their results."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -250,6 +362,6 @@ def run_demo(
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[int, dict[str, Any]] = elastic_launch(config, demo_rank)(
-        steps, model_size, os.path.abspath(out_dir)
+        steps, model_size, os.path.abspath(out_dir), link
     )
     return results

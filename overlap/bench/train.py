@@ -36,6 +36,7 @@ VARIANTS = [
     "overlap-fp16",
     "overlap-onebit",
     "overlap-powersgd",
+    "overlap-auto",
 ]
 # Adam variants (run only when named): DDP with AdamW, 1-bit Adam overlapped by the
 # scheduler, and 1-bit Adam standalone (DeepSpeed's serial form: backward, then step()
@@ -90,7 +91,7 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from overlap import BucketScheduler, OneBitAdam
-    from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
+    from overlap.compression import FP16, Auto, NoCompression, OneBit, PowerSGD
 
     model = _model(million, device)
     v: dict[str, Any] = {"name": name, "model": model, "sched": None, "diloco": None}
@@ -138,6 +139,7 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
                 "overlap-fp16": FP16(),
                 "overlap-onebit": OneBit(warmup_steps=COMPRESS_FROM),
                 "overlap-powersgd": PowerSGD(rank=1, start_iter=COMPRESS_FROM),
+                "overlap-auto": Auto(),
             }[name]
             v["sched"] = BucketScheduler(model, compression=comp)
     if name == "ddp-adamw":
@@ -209,6 +211,13 @@ def bench_train_rank(
     def solo(v: dict[str, Any]) -> bool:
         return v["diloco"] is not None or (solo_run and v["name"] == "compute")
 
+    # Auto's measuring round runs first, on its own (it is warm-up: not recorded), so the
+    # interleaved steps below compare its choice with the others.
+    for v in vs:
+        comp = v["sched"].compression if v["sched"] is not None else None
+        while comp is not None and comp.name == "auto" and comp.choice is None:
+            one_step(v, 0)
+            rec[v["name"]]["all"].clear()
     for i in range(warmup + steps):
         for v in vs:
             if not solo(v):
@@ -257,6 +266,10 @@ def bench_train_rank(
             row["first_compressed_ms"] = r["all"][first] * 1e3
         if "onebitadam" in n and len(r["all"]) > COMPRESS_FROM:  # frozen from this step
             row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
+        if v["sched"] is not None and v["sched"].compression.name == "auto":
+            row["choice"] = v["sched"].compression.choice
+            row["bytes_per_rank"] = sent.get(f"overlap-{row['choice']}")
+            row["auto_costs_ms"] = v["sched"].compression.statistics()["costs_ms"]
         if r["comm"]:
             total, hidden = median(r["comm"]), median(r["hidden"])
             row.update(

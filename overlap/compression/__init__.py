@@ -9,6 +9,7 @@ scheduler.
 from __future__ import annotations
 
 from overlap.comm.steps import run, run_async, steps_handle
+from overlap.compression.auto import Auto
 from overlap.compression.base import BF16, FP16, Compressor, NoCompression
 from overlap.compression.onebit import (
     OneBit,
@@ -21,6 +22,7 @@ from overlap.compression.powersgd import PowerSGD
 from overlap.compression.quantize import FP8, Int8
 
 __all__ = [
+    "Auto",
     "BF16",
     "FP16",
     "Compressor",

@@ -89,6 +89,19 @@ class Compressor(ABC):
         calls it in ``synchronize()``, before the copy-back)."""
         return None
 
+    def current(self) -> Compressor:
+        """The compressor that reduces this step: itself, or the one an :class:`Auto`
+        chose (the scheduler asks it, e.g. to take DDP's inline path when it is
+        NoCompression)."""
+        return self
+
+    def step_end_steps(self, group: Any, device: torch.device) -> Steps | None:
+        """Called by the BucketScheduler at the end of each finished step, on its control
+        ``group`` (tensors on ``device``): steps (collectives) to run there, or None (the
+        default: nothing). :class:`Auto` measures the step and, at a decision, agrees on
+        its choice across ranks here."""
+        return None
+
     def fill(self, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> bool:
         """Copy ``param``'s gradient into its place in the bucket your own way, in the
         gradient hook (on the autograd thread); return False (the default) to let the

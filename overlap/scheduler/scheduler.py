@@ -103,7 +103,10 @@ class BucketScheduler:
             (``requires_grad=False``) are skipped; tied parameters are reduced once.
         bucket_cap_mb: bucket size cap; ``first_bucket_mb``: cap of the first bucket, small so
             the first collective starts early.
-        compression: a Compressor (default NoCompression: a plain averaging allreduce).
+        compression: a Compressor (default NoCompression: a plain averaging allreduce), or
+            ``"auto"``: an :class:`overlap.Auto` that measures NoCompression, FP16, OneBit
+            and PowerSGD on the first steps and keeps the fastest (its choice and costs in
+            ``statistics()["compression"]``).
         group: the ranks to reduce over (default: the world).
         average: average (default) or sum the gradients.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (saves one copy and
@@ -127,7 +130,7 @@ class BucketScheduler:
         *,
         bucket_cap_mb: float = 25,
         first_bucket_mb: float = 1,
-        compression: Compressor | None = None,
+        compression: Compressor | str | None = None,
         group: Any = None,
         average: bool = True,
         gradient_as_bucket_view: bool = False,
@@ -178,6 +181,15 @@ class BucketScheduler:
                 "not removed: call remove() on it before building a BucketScheduler (both "
                 "would average every gradient)"
             )
+        if isinstance(compression, str):
+            if compression != "auto":
+                raise ValueError(
+                    f"compression={compression!r}: the one name taken is 'auto'; otherwise "
+                    "pass a Compressor, e.g. overlap.OneBit() or overlap.FP16()"
+                )
+            from overlap.compression.auto import Auto
+
+            compression = Auto()
         if compression is not None and (held := holder_of(compression)) is not None:
             raise ValueError(
                 f"this {type(compression).__name__} is already used by a "
@@ -232,8 +244,9 @@ class BucketScheduler:
         # it copies it in (one pass, as DDP's mul_out), and the bucket's allreduce (a sum) is
         # issued right there on the autograd thread. No worker hop, and no division pass
         # after the allreduce. Measured: see docs/benchmarks.md (overlap-none vs DDP).
-        self._inline = type(self.compression) is NoCompression and self.device.type == "cpu"
-        self._prescale = 1.0 / self.world if self._inline and average else None
+        # Decided per step (_new_step): an Auto may choose NoCompression after its trial.
+        self._inline = False
+        self._prescale: float | None = None
         self._launcher = Launcher(self.device)
         self._lock = threading.Lock()
         self._no_sync = False
@@ -311,6 +324,10 @@ class BucketScheduler:
                     p.grad = view
 
     def _new_step(self) -> None:
+        self._inline = (
+            type(self.compression.current()) is NoCompression and self.device.type == "cpu"
+        )
+        self._prescale = 1.0 / self.world if self._inline and self.average else None
         for b in self.buckets:
             b.reset()
         self._next = 0
@@ -440,7 +457,7 @@ class BucketScheduler:
         if targets is not None:
             b.direct.update(range(len(b.params)))
             return [(b.offsets[pos], t) for pos, t in enumerate(targets)]
-        if not (self.compression.writes_outputs and self.average) or self.grad_as_view:
+        if not (self.compression.current().writes_outputs and self.average) or self.grad_as_view:
             return []
         if b.flat.dtype != torch.float32:
             return []
@@ -576,6 +593,9 @@ class BucketScheduler:
                 )
             ]
             self._rebuild([self.params[i] for i in order.cpu().tolist()])
+        at_end = self.compression.step_end_steps(self.ctrl, self._ctrl_device)
+        if at_end is not None:  # e.g. Auto agreeing on its choice: before the next step
+            yield from at_end
         self._new_step()
         return None
 
@@ -628,6 +648,8 @@ class BucketScheduler:
         out["bucket_bytes"] = [b.nbytes for b in self.buckets]
         out["rebuilt"] = self._rebuilt
         out["steps"] = self._step
+        stats = getattr(self.compression, "statistics", None)
+        out["compression"] = stats() if callable(stats) else {"name": self.compression.name}
         return out
 
     def state_dict(self) -> dict[str, Any]:

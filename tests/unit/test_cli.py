@@ -42,7 +42,7 @@ def test_demo_link_without_root_says_so() -> None:
 
         pytest.skip("running as root: the link can be made")
     out = run("demo", "--link", "1gbit")
-    assert out.returncode == 2 and "needs root" in out.stdout
+    assert out.returncode == 2 and "needs root" in out.stderr and not out.stdout
 
 
 def test_bench_ops_json() -> None:
@@ -75,7 +75,7 @@ def test_bench_ops_json() -> None:
 
 def test_bench_ops_rejects_unknown_op() -> None:
     out = run("bench", "ops", "--op", "allreduce")
-    assert out.returncode == 2 and "choose from" in out.stdout
+    assert out.returncode == 2 and "choose from" in out.stderr and not out.stdout
 
 
 def test_torchrun_example() -> None:
@@ -137,7 +137,7 @@ def test_bench_lm_trains_and_counts_bytes(tmp_path: Path) -> None:
 
 def test_bench_lm_rejects_a_freeze_past_the_end() -> None:
     out = run("bench", "lm", "--steps", "10", "--freeze-step", "10")
-    assert out.returncode == 2 and "--freeze-step 10" in out.stdout
+    assert out.returncode == 2 and "--freeze-step 10" in out.stderr
 
 
 def test_bench_tables_round_their_floats() -> None:
@@ -155,4 +155,4 @@ def test_bench_ops_concurrent_runs_and_refuses_bad_counts() -> None:
     (row,) = json.loads(out.stdout)
     assert row["in_flight"] == 50 and row["ours_s"] > 0 and row["raw_s"] > 0
     bad = run("bench", "ops", "--concurrent", "lots")
-    assert bad.returncode == 2 and "--concurrent takes counts" in bad.stdout
+    assert bad.returncode == 2 and "--concurrent takes counts" in bad.stderr

@@ -162,7 +162,7 @@ def test_cli_summarize_and_plot(tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2 and "not valid JSON" in out.stdout
+    assert out.returncode == 2 and "not valid JSON" in out.stderr
     png = tmp_path / "timeline.png"
     out = subprocess.run(
         [sys.executable, "-m", "overlap.cli", "trace", "plot", str(path), "-o", str(png)],
@@ -172,6 +172,13 @@ def test_cli_summarize_and_plot(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = subprocess.run(
+        [sys.executable, "-m", "overlap.cli", "trace", "plot", str(path), "--steps", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "slice syntax" in out.stderr and not out.stdout
 
 
 def test_tracer_keeps_at_most_max_spans() -> None:
@@ -184,3 +191,54 @@ def test_tracer_keeps_at_most_max_spans() -> None:
     assert t.dropped == 0
     with pytest.raises(ValueError, match="max_spans"):
         Tracer(max_spans=0)
+
+
+def _stepped_spans() -> list[tuple[str, str, int, int, int, dict[str, int]]]:
+    """Two ranks, four steps each: a compute span and a comm span per step, then a mark."""
+    spans = []
+    for rank in (0, 1):
+        for k in range(4):
+            t = k * 1000
+            spans.append((f"bwd {k}", "compute", t + 10, t + 500, 1, {"rank": rank}))
+            spans.append((f"ar {k}", "comm", t + 400, t + 700, 1, {"rank": rank}))
+            spans.append(("step", "step", t + 900, t + 900, 1, {"rank": rank}))
+    return spans
+
+
+def test_steps_are_chosen_by_marks_in_slice_syntax() -> None:
+    from overlap.trace.plot import parse_steps, select_steps
+
+    assert parse_steps("10:12") == slice(10, 12)
+    assert parse_steps("5") == slice(5, 6)
+    assert parse_steps("-1") == slice(-1, None)
+    assert parse_steps("-2:") == slice(-2, None)
+    assert parse_steps(":") == slice(None, None)
+    with pytest.raises(ValueError, match="slice syntax"):
+        parse_steps("a:b")
+    spans = _stepped_spans()
+
+    def names(sl: slice | None) -> set[str]:
+        return {s[0] for s in select_steps(spans, sl)}
+
+    assert names(slice(-2, None)) == {"bwd 2", "ar 2", "bwd 3", "ar 3"}  # the default
+    assert names(slice(0, 1)) == {"bwd 0", "ar 0"}
+    assert names(slice(1, 3)) == {"bwd 1", "ar 1", "bwd 2", "ar 2"}
+    assert names(slice(7, 9)) == set()
+    assert len(select_steps(spans, slice(1, 2))) == 4  # both ranks
+    assert len(select_steps(spans, None)) == len(spans)
+
+
+def test_plots_write_pngs_and_refuse_empty_steps(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from overlap.trace.plot import plot_compare, plot_step_bars, plot_timeline
+
+    spans = _stepped_spans()
+    png = plot_timeline(spans, str(tmp_path / "t.png"), steps=slice(1, 3))
+    assert Path(png).read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no spans in steps 7:9"):
+        plot_timeline(spans, str(tmp_path / "none.png"), steps=slice(7, 9))
+    assert not (tmp_path / "none.png").exists()
+    both = plot_compare([("a", spans[:3]), ("b", spans[3:6])], str(tmp_path / "c.png"))
+    assert Path(both).read_bytes()[:4] == b"\x89PNG"
+    bars = plot_step_bars([("ddp", 300.0), ("overlap", 120.0)], str(tmp_path / "b.png"), 100.0)
+    assert Path(bars).read_bytes()[:4] == b"\x89PNG"
