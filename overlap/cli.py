@@ -736,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run the local demo: DDP vs overlap on local ranks")
     d.add_argument("--world-size", type=int, default=2)
-    d.add_argument("--steps", type=int, default=15, help="timed steps per variant")
+    d.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     d.add_argument("--model-size", choices=["small", "medium", "large"], default="medium")
     d.add_argument(
         "--link",

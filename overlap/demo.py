@@ -341,7 +341,7 @@ def _free_port() -> int:
 
 def run_demo(
     world_size: int = 2,
-    steps: int = 15,
+    steps: int = 10,
     model_size: str = "medium",
     out_dir: str = ".",
     link: str = "loopback",
