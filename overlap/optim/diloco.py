@@ -184,6 +184,17 @@ class DiLoCo:
                     "trainable parameters: it must step all of them (build it over "
                     "model.parameters())"
                 )
+        if compression is not None and not isinstance(compression, Compressor):
+            raise TypeError(
+                f"compression takes a Compressor such as overlap.Int8() or overlap.BF16(), "
+                f"got {compression!r}"
+            )
+        if getattr(compression, "name", None) == "auto":
+            raise ValueError(
+                "compression=Auto chooses by timing a BucketScheduler's steps, and DiLoCo's "
+                "rare syncs give it no steps to time: pick one, e.g. overlap.Int8() for a slow "
+                "link (docs/diloco.md, which method pays on which link)"
+            )
         if outer_optimizer is inner_optimizer:
             raise ValueError("outer_optimizer must be a separate optimizer from inner_optimizer")
         held = next((h for p in self.params if (h := holder_of(p)) is not None), None)

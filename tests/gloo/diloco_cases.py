@@ -325,6 +325,8 @@ def refusals() -> dict[str, str]:
     catch("outer_part", lambda: DiLoCo(model, inner, torch.optim.SGD(part, lr=0.1)))
     catch("inner_other", lambda: DiLoCo(model, torch.optim.SGD(stray, lr=0.1)))
     catch("alpha", lambda: DiLoCo(model, inner, sync_every=4, delay=1, alpha=1.0))
+    catch("auto", lambda: DiLoCo(model, inner, compression=overlap.Auto()))
+    catch("string", lambda: DiLoCo(model, inner, compression="int8"))  # type: ignore[arg-type]
     sched = BucketScheduler(model)
     catch("after_scheduler", lambda: DiLoCo(model, inner))
     sched.remove()

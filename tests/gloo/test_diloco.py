@@ -126,6 +126,8 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "outer_part": "ValueError: the outer_optimizer covers 2 of the model's 5",
         "inner_other": "ValueError: the inner_optimizer updates parameters that are not",
         "alpha": "ValueError: alpha must be in [0, 1), got 1.0",
+        "auto": "ValueError: compression=Auto chooses by timing a BucketScheduler's steps",
+        "string": "TypeError: compression takes a Compressor such as overlap.Int8()",
         "after_scheduler": "ValueError: this model's parameters are already averaged by a "
         "BucketScheduler",
         "scheduler_after": "ValueError: these parameters are already reduced by a DiLoCo",
