@@ -25,6 +25,7 @@ import torch.distributed as dist
 from overlap.comm import debug as _debug
 from overlap.comm import driver, state
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
+from overlap.comm.netif import set_socket_ifname
 from overlap.comm.torch_backend import TorchBackend
 from overlap.comm.waiters import fail_in_flight, reset_pool
 from overlap.errors import NotInitializedError
@@ -242,6 +243,13 @@ def init_distributed(
             env.setdefault("MASTER_ADDR", "127.0.0.1")
             env.setdefault("MASTER_PORT", str(distributed_port))
             init_method = "env://"
+    if world_size > 1:  # the interface that reaches the master, unless given (netif.py)
+        from urllib.parse import urlparse
+
+        master = env.get("MASTER_ADDR") if init_method == "env://" else None
+        if init_method.startswith("tcp://"):
+            master = urlparse(init_method).hostname
+        set_socket_ifname(master)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     kwargs: dict[str, Any] = {

@@ -1,0 +1,183 @@
+"""Several simulated hosts on one machine: network namespaces behind a shaped switch.
+
+``namespace_hosts(2, link="1gbit")`` makes, as root:
+
+* a hub namespace ``ovh<pid>-hub`` holding a bridge (the switch);
+* per host i a namespace ``ovh<pid>-<i>`` with its loopback up and an ``eth0`` (one end of a
+  veth pair whose other end is on the bridge), address ``10.77.0.<i+1>/24``;
+* with ``link``: ``tc tbf`` on each host's ``eth0`` egress, so every host sends at most
+  ``link`` to the others (a NIC's rate); traffic inside a host (its loopback) is unshaped,
+  as it is between processes of one machine.
+
+Only the addresses made here are used: nothing leaves the namespaces. Clean-up is
+guaranteed: the namespaces (and so the veths and the bridge) are deleted on the way out,
+with whatever still runs in them, also on an exception or SIGTERM; a run killed by SIGKILL
+leaves namespaces named after its pid, and the next ``namespace_hosts`` deletes every
+``ovh<pid>-*`` whose pid is no longer alive before it makes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from overlap.bench.link import _RATE, LinkError, _remove, _run, _terminate_as_exit
+
+__all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
+
+SUBNET = "10.77.0"
+_NAME = re.compile(r"^ovh(\d+)-")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One simulated host: its namespace, its address on the switch, and its index."""
+
+    index: int
+    netns: str
+    addr: str
+    ifname: str = "eth0"
+
+    def prefix(self) -> list[str]:
+        """The command prefix that runs a command on this host: in its network namespace,
+        and in a UTS namespace of its own whose host name is the network namespace's name
+        (so MPI's processor names, and anything else that asks, tell the hosts apart)."""
+        return [
+            *["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c"],
+            f'hostname {self.netns} && exec "$@"',
+            "sh",
+        ]
+
+    def popen(self, cmd: list[str], **kwargs: object) -> subprocess.Popen[str]:
+        """Start ``cmd`` on this host (text mode; other Popen keywords pass through)."""
+        return subprocess.Popen([*self.prefix(), *cmd], text=True, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+
+class Cluster(list[Host]):
+    """The hosts of :func:`namespace_hosts`, with the launcher arguments that start a job on
+    them (what a cluster's hostfile and ssh would give)."""
+
+    launcher: str = ""  # hydra's ssh launcher stand-in: runs the proxy on the named host
+
+    def torchrun_args(self, host: Host, procs_per_host: int, run_id: str) -> list[str]:
+        """torchrun's multi-node arguments for ``host`` (c10d rendezvous on host 0). Host
+        names here resolve to nothing, so each agent is told its address (--local-addr)
+        and host 0 that it serves the rendezvous (is_host)."""
+        return [
+            *["--nnodes", str(len(self)), "--nproc-per-node", str(procs_per_host)],
+            *["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self[0].addr}:29400"],
+            *["--rdzv-id", run_id, "--local-addr", host.addr, "--max-restarts", "0"],
+            *["--rdzv-conf", f"is_host={int(host.index == 0)}"],
+        ]
+
+    def mpiexec_args(self, procs_per_host: int) -> list[str]:
+        """mpiexec's arguments for ``procs_per_host`` ranks on every host (run mpiexec on host
+        0): hydra starts its proxies through :attr:`launcher`, as it would through ssh."""
+        return [
+            *["-launcher", "ssh", "-launcher-exec", self.launcher, "-localhost", self[0].addr],
+            *["-hosts", ",".join(h.addr for h in self), "-n", str(len(self) * procs_per_host)],
+            *["-ppn", str(procs_per_host)],
+        ]
+
+
+_LAUNCHER = r"""#!/bin/sh
+# hydra's ssh launcher calls: launcher -x HOST "COMMAND"; run COMMAND on HOST
+[ "$1" = "-x" ] && shift
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "no namespace host $host" >&2; exit 1;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && exec sh -c \"\$0\"" "$*"
+"""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete the ``ovh<pid>-*`` namespaces of processes that are gone; return their names."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    gone = []
+    for line in out.stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = _NAME.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            _remove(name)
+            gone.append(name)
+    return gone
+
+
+def _check_root() -> None:
+    if os.geteuid() != 0:
+        raise LinkError(
+            "namespace hosts need root (they create network namespaces, veth pairs and a "
+            "bridge); run as root"
+        )
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise LinkError(f"namespace hosts need `{tool}` (apt-get install iproute2)")
+
+
+@contextlib.contextmanager
+def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
+    """Yield ``n`` hosts (namespaces on one shaped switch); remove them all on the way out."""
+    if not 1 <= n <= 200:
+        raise ValueError(f"namespace_hosts makes 1 to 200 hosts, got {n}")
+    if link is not None and not _RATE.match(link):
+        raise ValueError(f"link takes a tc rate such as 10gbit or 1gbit, got {link!r}")
+    _check_root()
+    sweep_stale()
+    tag = f"ovh{os.getpid()}"
+    hub = f"{tag}-hub"
+    made: list[str] = []
+    tmp = tempfile.mkdtemp(prefix=f"{tag}-")
+    try:
+        with _terminate_as_exit():
+            _run("ip", "netns", "add", hub)
+            made.append(hub)
+            _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", hub, "link", "set", "br0", "up")
+            hosts = Cluster()
+            for i in range(n):
+                ns = f"{tag}-{i}"
+                _run("ip", "netns", "add", ns)
+                made.append(ns)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                # made in the host's namespace, the peer end moved to the hub
+                _run("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}")
+                _run("ip", "-n", ns, "link", "set", f"p{i}", "netns", hub)
+                _run("ip", "-n", hub, "link", "set", f"p{i}", "master", "br0")
+                _run("ip", "-n", hub, "link", "set", f"p{i}", "up")
+                addr = f"{SUBNET}.{i + 1}"
+                _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+                _run("ip", "-n", ns, "link", "set", "eth0", "up")
+                if link is not None:
+                    _run(
+                        *["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0"],
+                        *["root", "tbf", "rate", link, "burst", "512kb", "latency", "100ms"],
+                    )
+                hosts.append(Host(i, ns, addr))
+            hosts.launcher = os.path.join(tmp, "launcher")
+            cases = "\n".join(f"  {h.addr}) ns={h.netns};;" for h in hosts)
+            with open(hosts.launcher, "w") as f:
+                f.write(_LAUNCHER.format(cases=cases))
+            os.chmod(hosts.launcher, 0o755)
+            yield hosts
+    finally:
+        for ns in reversed(made):
+            _remove(ns)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,157 @@
+"""Two simulated hosts x 2 processes (network namespaces on a 1 Gbit/s switch; needs root):
+one unchanged script under torchrun multi-node and under mpiexec across the hosts, with
+GLOO_SOCKET_IFNAME unset; the hosts are always cleaned up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "examples" / "multi_host.py")
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="namespace hosts need root (network namespaces, veth, tc)"
+)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _result(outputs: list[str]) -> dict[str, object]:
+    lines = [x for out in outputs for x in out.splitlines() if x.startswith("RESULT ")]
+    assert len(lines) == 1, "\n".join(o[-3000:] for o in outputs)
+    out: dict[str, object] = json.loads(lines[0][7:])
+    return out
+
+
+def _ours() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [x.split()[0] for x in listed.splitlines() if x.startswith(f"ovh{os.getpid()}-")]
+
+
+WANT = {
+    "world": 4,
+    # global rank, local rank, local world size, node rank
+    "placement": [[0, 0, 2, 0], [1, 1, 2, 0], [2, 0, 2, 1], [3, 1, 2, 1]],
+    "mean_ok": True,
+    "same_weights": True,
+}
+
+
+def test_torchrun_multi_node_finds_the_interface_itself() -> None:
+    from overlap.bench.hosts import namespace_hosts
+
+    with namespace_hosts(2, link="1gbit") as hosts:
+        run_id = uuid.uuid4().hex[:8]
+        procs = [
+            h.popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *hosts.torchrun_args(h, 2, run_id),
+                    SCRIPT,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=_env(),
+                cwd=str(ROOT),
+            )
+            for h in hosts
+        ]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+        got = _result(outs)
+    assert {k: got[k] for k in WANT} == WANT
+    assert got["backend"] == "gloo"
+    assert _ours() == []
+
+
+def test_mpiexec_across_hosts_runs_the_same_script() -> None:
+    from overlap.bench.hosts import namespace_hosts
+
+    with namespace_hosts(2, link="1gbit") as hosts:
+        p = hosts[0].popen(
+            [str(MPIEXEC), *hosts.mpiexec_args(2), sys.executable, SCRIPT, "--backend", "mpi"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=str(ROOT),
+        )
+        try:
+            out = p.communicate(timeout=120)[0]
+        finally:
+            p.kill()
+        assert p.returncode == 0, out[-3000:]
+        got = _result([out])
+    assert {k: got[k] for k in WANT} == WANT
+    assert got["backend"] == "mpi"
+    assert _ours() == []
+
+
+def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
+    from overlap.bench.hosts import namespace_hosts, sweep_stale
+
+    code = (
+        "import sys, time\n"
+        "from overlap.bench.hosts import namespace_hosts\n"
+        "with namespace_hosts(2) as hs:\n"
+        "    print(hs[0].netns.split('-')[0], flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    tag = child.stdout.readline().strip()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{tag}-hub" in listed and f"{tag}-1" in listed
+    child.send_signal(signal.SIGKILL)  # no clean-up can run
+    child.wait(timeout=30)
+    time.sleep(0.2)
+    with namespace_hosts(1):  # sweeps what dead processes left, then makes its own
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert tag not in listed
+    assert sweep_stale() == []
+    assert _ours() == []
+
+
+def test_sigterm_removes_the_hosts() -> None:
+    code = (
+        "import time\n"
+        "from overlap.bench.hosts import namespace_hosts\n"
+        "with namespace_hosts(2) as hs:\n"
+        "    print(hs[0].netns.split('-')[0], flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    tag = child.stdout.readline().strip()
+    child.terminate()
+    child.wait(timeout=30)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert tag not in listed
+
+
+def test_bad_arguments_are_refused() -> None:
+    from overlap.bench.hosts import namespace_hosts
+
+    with pytest.raises(ValueError, match="1 to 200 hosts"), namespace_hosts(0):
+        pass
+    with pytest.raises(ValueError, match="tc rate"), namespace_hosts(2, link="fast"):
+        pass
