@@ -26,10 +26,11 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from overlap.bench.hosts import Cluster, Host, namespace_hosts
 from overlap.errors import RankError
 from overlap.runtime import LoopKind
 
-__all__ = ["RankPool", "RemoteTraceback", "spawn_ranks"]
+__all__ = ["Cluster", "Host", "RankPool", "RemoteTraceback", "namespace_hosts", "spawn_ranks"]
 
 log = logging.getLogger(__name__)
 

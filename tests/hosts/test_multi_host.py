@@ -155,3 +155,67 @@ def test_bad_arguments_are_refused() -> None:
         pass
     with pytest.raises(ValueError, match="tc rate"), namespace_hosts(2, link="fast"):
         pass
+
+
+def _fault(kind: str, tmp_path: Path, timeout: float = 10.0) -> dict[int, str]:
+    """Run fault_script on 2 hosts x 2 under torchrun; break host 1 (``kill`` its processes,
+    or take its ``link`` down) once every rank has reduced; return host 0's error records."""
+    from overlap.bench.hosts import namespace_hosts
+
+    script = str(ROOT / "tests" / "hosts" / "fault_script.py")
+    with namespace_hosts(2, link="1gbit") as hosts:
+        run_id = uuid.uuid4().hex[:8]
+        procs = [
+            h.popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *hosts.torchrun_args(h, 2, run_id),
+                    script,
+                    str(tmp_path),
+                    str(timeout),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=_env(),
+                cwd=str(ROOT),
+            )
+            for h in hosts
+        ]
+        try:
+            deadline = time.monotonic() + 90
+            while not all((tmp_path / f"ready.{r}").exists() for r in range(4)):
+                assert time.monotonic() < deadline, "the job did not start"
+                assert all(p.poll() is None for p in procs), "a launcher died early"
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            if kind == "kill":
+                pids = subprocess.run(
+                    ["ip", "netns", "pids", hosts[1].netns], capture_output=True, text=True
+                ).stdout.split()
+                for pid in pids:
+                    os.kill(int(pid), signal.SIGKILL)
+            else:
+                subprocess.run(["ip", "-n", hosts[1].netns, "link", "set", "eth0", "down"])
+            while not all((tmp_path / f"error.{r}").exists() for r in (0, 1)):
+                assert time.monotonic() - t0 < timeout + 20, "host 0's ranks still hang"
+                time.sleep(0.1)
+            procs[0].wait(timeout=30)  # and the job on host 0 ends
+            return {r: (tmp_path / f"error.{r}").read_text() for r in (0, 1)}
+        finally:
+            for p in procs:
+                p.kill()
+
+
+@pytest.mark.parametrize("kind", ["kill", "link"])
+def test_a_lost_host_fails_the_other_hosts_ranks_within_the_timeout(
+    kind: str, tmp_path: Path
+) -> None:
+    timeout = 10.0
+    errors = _fault(kind, tmp_path, timeout)
+    for rank, text in errors.items():
+        name, waited = text.split()[:2]
+        assert name in ("CommError", "CommTimeoutError"), (rank, text)
+        assert float(waited) <= timeout + 5, (rank, text)
+    assert _ours() == []

@@ -1,0 +1,41 @@
+"""A rank that all-reduces in a loop until the job breaks, then records how it broke.
+
+    fault_script.py OUT_DIR TIMEOUT_S
+
+Each rank writes OUT_DIR/ready.<rank> after its first all_reduce and, when one fails,
+OUT_DIR/error.<rank> with the error's type and the seconds since its last success.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+import overlap
+from overlap import comm
+
+
+def main() -> None:
+    out, timeout = sys.argv[1], float(sys.argv[2])
+    overlap.init_distributed(timeout=timeout)
+    rank = comm.get_rank()
+    x = torch.ones(1024)
+    last = time.monotonic()
+    try:
+        for i in range(1_000_000):
+            comm.all_reduce(x, op="avg")
+            last = time.monotonic()
+            if i == 0:
+                open(os.path.join(out, f"ready.{rank}"), "w").close()
+            time.sleep(0.01)
+    except Exception as e:  # what the user sees: the type and when
+        with open(os.path.join(out, f"error.{rank}"), "w") as f:
+            f.write(f"{type(e).__name__} {time.monotonic() - last:.2f} {str(e)[:300]}")
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    main()
