@@ -25,7 +25,7 @@ import torch.distributed as dist
 from overlap.comm import debug as _debug
 from overlap.comm import driver, state
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
-from overlap.comm.netif import set_socket_ifname
+from overlap.comm.netif import advertised_address, set_socket_ifname
 from overlap.comm.torch_backend import TorchBackend
 from overlap.comm.waiters import fail_in_flight, reset_pool
 from overlap.errors import NotInitializedError
@@ -72,8 +72,8 @@ def mpi_discovery(
     procs, (local_rank, local_size, node) = _mpi_placement(MPI)
     if len(set(procs)) == 1:
         addr = "127.0.0.1"
-    else:  # pragma: no cover - multi-host
-        addr = comm.bcast(socket.gethostbyname(socket.gethostname()) if rank == 0 else None)
+    else:  # several hosts: rank 0's address that the others reach (tests/hosts)
+        addr = comm.bcast(advertised_address() if rank == 0 else None)
     port = int(os.environ.get("MASTER_PORT", distributed_port))
     os.environ.update(
         RANK=str(rank),

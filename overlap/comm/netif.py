@@ -23,7 +23,7 @@ import socket
 import struct
 import sys
 
-__all__ = ["interface_for", "local_address_for", "set_socket_ifname"]
+__all__ = ["advertised_address", "interface_for", "local_address_for", "set_socket_ifname"]
 
 log = logging.getLogger(__name__)
 _SIOCGIFADDR = 0x8915
@@ -88,3 +88,18 @@ def set_socket_ifname(master: str | None, port: int = 29500) -> str | None:
     os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
     log.info("init_distributed: interface %s reaches the master %s", name, master)
     return name
+
+
+def advertised_address() -> str:
+    """An address of this host that other hosts can reach, for a master found without a
+    launcher (under mpiexec): the host name's address when it is not loopback (Debian
+    maps the host name to 127.0.1.1), else the first non-loopback IPv4 interface address,
+    else 127.0.0.1."""
+    with contextlib.suppress(OSError):
+        addr = socket.gethostbyname(socket.gethostname())
+        if not ipaddress.ip_address(addr).is_loopback:
+            return addr
+    for _, addr in sorted(_iface_addresses().items()):
+        if not ipaddress.ip_address(addr).is_loopback:
+            return addr
+    return "127.0.0.1"

@@ -84,12 +84,15 @@ def test_torchrun_multi_node_finds_the_interface_itself() -> None:
     assert _ours() == []
 
 
-def test_mpiexec_across_hosts_runs_the_same_script() -> None:
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_mpiexec_across_hosts_runs_the_same_script(backend: str) -> None:
+    """--backend mpi: MPI all the way; gloo: mpiexec starts the ranks, mpi_discovery finds
+    rank 0's reachable address and gloo finds the interface to it."""
     from overlap.bench.hosts import namespace_hosts
 
     with namespace_hosts(2, link="1gbit") as hosts:
         p = hosts[0].popen(
-            [str(MPIEXEC), *hosts.mpiexec_args(2), sys.executable, SCRIPT, "--backend", "mpi"],
+            [str(MPIEXEC), *hosts.mpiexec_args(2), sys.executable, SCRIPT, "--backend", backend],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=_env(),
@@ -102,7 +105,7 @@ def test_mpiexec_across_hosts_runs_the_same_script() -> None:
         assert p.returncode == 0, out[-3000:]
         got = _result([out])
     assert {k: got[k] for k in WANT} == WANT
-    assert got["backend"] == "mpi"
+    assert got["backend"] == backend
     assert _ours() == []
 
 
