@@ -182,6 +182,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_on_hosts(
+    args: argparse.Namespace, module: str, module_args: list[str], what: str
+) -> tuple[Any, int]:
+    """Run ``python -m module module_args`` as --procs-per-host ranks on each of --hosts
+    namespace hosts (torchrun multi-node; --link shapes each host's link); (rank 0's RESULT
+    json, 0) or (None, exit code) after saying what went wrong."""
+    import json
+    import subprocess
+    import uuid
+
+    from overlap.bench.hosts import namespace_hosts
+    from overlap.bench.link import LinkError
+
+    if args.procs_per_host < 1 or args.hosts < 1:
+        _err("--hosts and --procs-per-host must be at least 1")
+        return None, 2
+    try:
+        with namespace_hosts(args.hosts, link=args.link) as hosts:
+            run_id = uuid.uuid4().hex[:8]
+            procs = [
+                h.popen(
+                    [
+                        *[sys.executable, "-m", "torch.distributed.run"],
+                        *hosts.torchrun_args(h, args.procs_per_host, run_id),
+                        *["-m", module, *module_args],
+                    ],
+                    stdout=subprocess.PIPE,
+                )
+                for h in hosts
+            ]
+            outs = [p.communicate()[0] for p in procs]
+    except (LinkError, ValueError) as exc:
+        _err(f"error: {exc}")
+        return None, 2
+    line = next((x for o in outs for x in o.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        codes = [p.returncode for p in procs]
+        _err(f"{what} failed on the hosts (exit codes {codes}):\n{outs[0][-2000:]}")
+        return None, 1
+    return json.loads(line[7:]), 0
+
+
 def _rerun_in_link(args: argparse.Namespace) -> int | None:
     """If --link was given (and we are not inside it yet), run this same command inside a
     shaped network namespace and return its exit code; else None."""
@@ -504,20 +546,19 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             return 2
     else:
         world = args.world_size or 2
+    if args.hosts and args.device == "cuda":
+        _err("--hosts simulates CPU hosts with network namespaces; it does not apply to cuda")
+        return 2
     batch = args.batch or (1024 if args.device == "cuda" else 64)
-    cmd = [
-        sys.executable,
-        "-m",
-        "overlap.bench.train",
-        ",".join(variants),
-        str(args.steps),
-        str(args.warmup),
-        str(args.model_size),
-        str(world),
-        str(batch),
-        args.device,
-    ]
-    rows, code = _run_json(cmd, args.link, "the training benchmark")
+    tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
+    if args.hosts:
+        world = args.hosts * args.procs_per_host
+        rows, code = _run_on_hosts(
+            args, "overlap.bench.train", [*tail, "env", str(batch), "cpu"], "the training benchmark"
+        )
+    else:
+        cmd = [sys.executable, "-m", "overlap.bench.train", *tail, str(world), str(batch)]
+        rows, code = _run_json([*cmd, args.device], args.link, "the training benchmark")
     if rows is None:
         return code
     if args.plot:
@@ -553,14 +594,19 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             "1st compressed step ms",
         ],
         title=f"overlap bench train: {rows[0]['params'] / 1e6:.1f}M params, batch {batch}, "
-        f"{world} ranks on {rows[0]['device']}, link "
-        f"{'NCCL' if args.device == 'cuda' else args.link or 'loopback'} "
-        f"(median of {args.steps} steps, rank 0)",
+        f"{world} ranks on {rows[0]['device']}"
+        + (f" ({args.hosts} hosts x {args.procs_per_host})" if args.hosts else "")
+        + ", link "
+        + f"{'NCCL' if args.device == 'cuda' else args.link or 'loopback'}"
+        + (" between hosts" if args.hosts else "")
+        + f" (median of {args.steps} steps, rank 0)",
     )
     for r in rows:
         t.add(
             **{
-                "variant": r["variant"] + (f" ({r['choice']})" if r.get("choice") else ""),
+                "variant": r["variant"]
+                + (f" ({r['choice']})" if r.get("choice") else "")
+                + (" [node]" if r.get("hierarchical") else ""),
                 "step ms": ms(r["step_ms"]),
                 "slowest ms": ms(r.get("max_step_ms")),
                 "vs DDP": vs_ddp(r),
@@ -830,6 +876,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size", type=int, default=None, help="ranks (default 2 on cpu, 1 on cuda)"
     )
     bt.add_argument("--link", default=None, help="shaped loopback rate, e.g. 1gbit (root)")
+    bt.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run on this many simulated hosts (network namespaces, root); --link then "
+        "shapes each host's link to the others",
+    )
+    bt.add_argument("--procs-per-host", type=int, default=2, help="ranks per host (--hosts)")
     bt.add_argument(
         "--device",
         default="cpu",

@@ -38,6 +38,9 @@ VARIANTS = [
     "overlap-powersgd",
     "overlap-auto",
 ]
+# With several hosts (--hosts): the 1-bit scheduler without its hierarchical reduction
+# (overlap-onebit is hierarchical there: hierarchy="auto" picks node).
+HOST_VARIANTS = ["overlap-onebit-flat"]
 # Adam variants (run only when named): DDP with AdamW, 1-bit Adam overlapped by the
 # scheduler, and 1-bit Adam standalone (DeepSpeed's serial form: backward, then step()
 # communicates). Their "vs DDP" is against ddp-adamw when it runs too.
@@ -49,7 +52,7 @@ ADAM_VARIANTS = ["ddp-adamw", "overlap-onebitadam", "onebitadam-serial"]
 DILOCO_VARIANTS = ["diloco", "diloco-streaming"]
 DILOCO_H = 8
 DILOCO_DELAY = 4
-ALL_VARIANTS = VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
+ALL_VARIANTS = VARIANTS + HOST_VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
 WIDTH = 2048
@@ -140,8 +143,12 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
                 "overlap-onebit": OneBit(warmup_steps=COMPRESS_FROM),
                 "overlap-powersgd": PowerSGD(rank=1, start_iter=COMPRESS_FROM),
                 "overlap-auto": Auto(),
+                "overlap-onebit-flat": OneBit(warmup_steps=COMPRESS_FROM),
             }[name]
-            v["sched"] = BucketScheduler(model, compression=comp)
+            flat = name.endswith("-flat")
+            v["sched"] = BucketScheduler(
+                model, compression=comp, hierarchy="flat" if flat else "auto"
+            )
     if name == "ddp-adamw":
         v["opt"] = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     else:
@@ -240,6 +247,7 @@ def bench_train_rank(
         "overlap-none": fp32,
         "overlap-fp16": fp32 / 2,
         "overlap-onebit": compressed_bytes(nparams, w),
+        "overlap-onebit-flat": compressed_bytes(nparams, w),
         "compute": 0.0,
     }
     for v in vs:
@@ -266,6 +274,8 @@ def bench_train_rank(
             row["first_compressed_ms"] = r["all"][first] * 1e3
         if "onebitadam" in n and len(r["all"]) > COMPRESS_FROM:  # frozen from this step
             row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
+        if v["sched"] is not None:
+            row["hierarchical"] = v["sched"].hierarchical
         if v["sched"] is not None and v["sched"].compression.name == "auto":
             row["choice"] = v["sched"].compression.choice
             row["bytes_per_rank"] = sent.get(f"overlap-{row['choice']}")
@@ -320,6 +330,16 @@ def main_train(argv: list[str] | None = None) -> None:
     batch = int(a[5]) if len(a) > 5 else 64
     device = a[6] if len(a) > 6 else "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
+    if a[4] == "env":  # started by a launcher (torchrun across hosts): this process is a rank
+        from overlap import comm, init_distributed
+
+        init_distributed(backend, timeout=7200)
+        rows = bench_train_rank(a[0].split(","), int(a[1]), int(a[2]), float(a[3]), batch, device)
+        if comm.get_rank() == 0:
+            sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
+            sys.stdout.flush()
+        comm.destroy_process_group()
+        return
     with RankPool(int(a[4]), backend=backend, timeout=7200) as pool:
         rows = pool.run(
             bench_train_rank,

@@ -118,6 +118,11 @@ class BucketScheduler:
             compute (first to last gradient hook), each bucket's compress / collective /
             decompress with a flow arrow from the moment it was ready, the copy-back, the
             exposed wait in synchronize, and a step mark per step.
+        hierarchy: ``"node"`` reduces each bucket uncompressed inside each host, with the
+            compressor only between hosts, then shares the result inside the host
+            (:mod:`overlap.scheduler.hierarchy`); ``"flat"`` compresses across all ranks;
+            ``"auto"`` (default) is node when the job has several hosts with several
+            processes each (from the node ranks), else flat. Every rank passes the same.
         optimizer: a :class:`overlap.OneBitAdam` over the same parameters: its momentum is
             formed and 1-bit reduced bucket by bucket during backward once its warm-up is
             over (plain averaging before). It replaces ``compression=``; ``step()`` then only
@@ -138,6 +143,7 @@ class BucketScheduler:
         rebuild_buckets: bool = True,
         tracer: Any = None,
         optimizer: Any = None,
+        hierarchy: str = "auto",
     ) -> None:
         params = (
             list(model_or_params.parameters())
@@ -224,6 +230,7 @@ class BucketScheduler:
                 comm.destroy_process_group(g)
             raise
         self.compression = compression if compression is not None else NoCompression()
+        self.hierarchical = self._hierarchy(hierarchy, group, optimizer)
         self.average = average
         self.grad_as_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype
@@ -258,7 +265,7 @@ class BucketScheduler:
             p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
             for p in self.params
         ]
-        claim([*self.params, self.compression], self)
+        claim([*self.params, *self._compressors()], self)
 
     # ----------------------------------------------------------------------- structure
     def _optimizer_reduction(
@@ -298,6 +305,34 @@ class BucketScheduler:
                 )
         reduction: Compressor = optimizer._attach(self)
         return reduction
+
+    def _hierarchy(self, hierarchy: str, group: Any, optimizer: Any) -> bool:
+        """Wrap the compressor in a Hierarchical one when ``hierarchy`` resolves to node."""
+        from overlap.scheduler.hierarchy import Hierarchical, node_layout, resolve
+
+        if hierarchy not in ("auto", "flat", "node"):
+            resolve(hierarchy, None, False)  # raises, naming the choices
+        if hierarchy == "flat":
+            return False
+        if optimizer is not None:
+            if hierarchy == "node":
+                raise ValueError(
+                    "hierarchy='node' does not apply to optimizer=OneBitAdam (its reduction "
+                    "writes into the optimizer's momenta): use hierarchy='flat'"
+                )
+            return False
+        world = comm.get_world_size(group) == comm.get_world_size()
+        layout = node_layout(self.ctrl, self._ctrl_device) if world else None
+        if not resolve(hierarchy, layout, world):
+            return False
+        assert layout is not None
+        self.compression = Hierarchical(self.compression, *layout)
+        return True
+
+    def _compressors(self) -> list[Compressor]:
+        """The compressor, and the one a Hierarchical wraps: both held by this scheduler."""
+        inner = getattr(self.compression, "inner", None) if self.hierarchical else None
+        return [self.compression] + ([inner] if inner is not None else [])
 
     def _check_same_model(self) -> None:
         ranks = differing_ranks(
@@ -715,7 +750,10 @@ class BucketScheduler:
             h.remove()
         self._hooks = []
         self._launcher.close()
-        release([*self.params, self.compression], self)
+        release([*self.params, *self._compressors()], self)
+        if self.hierarchical and comm.is_initialized():
+            self.compression.destroy()  # type: ignore[attr-defined]
+            self.hierarchical = False
         if self.optimizer is not None:
             self.optimizer._detach(self)
         groups, self._groups_owned = self._groups_owned, []

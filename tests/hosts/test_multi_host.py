@@ -222,3 +222,38 @@ def test_a_lost_host_fails_the_other_hosts_ranks_within_the_timeout(
         assert name in ("CommError", "CommTimeoutError"), (rank, text)
         assert float(waited) <= timeout + 5, (rank, text)
     assert _ours() == []
+
+
+def test_hierarchical_reduction_is_the_flat_average_and_the_same_everywhere() -> None:
+    from overlap.bench.hosts import namespace_hosts
+
+    script = str(ROOT / "tests" / "hosts" / "hier_script.py")
+    with namespace_hosts(2, link="1gbit") as hosts:
+        run_id = uuid.uuid4().hex[:8]
+        procs = [
+            h.popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    *hosts.torchrun_args(h, 2, run_id),
+                    script,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=_env(),
+                cwd=str(ROOT),
+            )
+            for h in hosts
+        ]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+        got = _result(outs)
+    assert got["node_none_err"] < 1e-6 and got["node_none_same"], got
+    assert got["auto_wrapped"] is True and got["flat_wrapped"] is False, got
+    assert got["auto_stats"]["hierarchy"] == {"hosts": 2, "local": 2}, got
+    assert got["auto_onebit_same"], got
