@@ -276,6 +276,9 @@ def bench_train_rank(
             row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
         if v["sched"] is not None:
             row["hierarchical"] = v["sched"].hierarchical
+            if row["hierarchical"] and row["bytes_per_rank"]:  # what crosses between hosts
+                h = v["sched"].compression
+                row["bytes_per_rank"] = compressed_bytes(-(-nparams // h.local), h.hosts)
         if v["sched"] is not None and v["sched"].compression.name == "auto":
             row["choice"] = v["sched"].compression.choice
             row["bytes_per_rank"] = sent.get(f"overlap-{row['choice']}")

@@ -230,7 +230,13 @@ class BucketScheduler:
                 comm.destroy_process_group(g)
             raise
         self.compression = compression if compression is not None else NoCompression()
-        self.hierarchical = self._hierarchy(hierarchy, group, optimizer)
+        self.hierarchical = False
+        try:  # a refusal (the same on every rank) frees the groups just made
+            self.hierarchical = self._hierarchy(hierarchy, group, optimizer)
+        except BaseException:
+            for g in self._groups_owned:
+                comm.destroy_process_group(g)
+            raise
         self.average = average
         self.grad_as_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype

@@ -275,6 +275,11 @@ def bad_inputs() -> dict[str, str]:
     mixed = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]
     catch("several_devices", lambda: BucketScheduler(mixed))
     catch("nothing_to_reduce", lambda: BucketScheduler(nn.Linear(2, 2).requires_grad_(False)))
+    catch("hierarchy_one_host", lambda: BucketScheduler(nn.Linear(2, 2), hierarchy="node"))
+    catch("hierarchy_name", lambda: BucketScheduler(nn.Linear(2, 2), hierarchy="nodes"))
+    flat = BucketScheduler(nn.Linear(2, 2))  # "auto" on one host: flat
+    out["auto_on_one_host"] = str(flat.hierarchical)
+    flat.remove()
     return out
 
 

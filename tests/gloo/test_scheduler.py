@@ -70,6 +70,12 @@ def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
         ), out
         assert "several devices" in out["several_devices"], out
         assert "no parameter requires grad" in out["nothing_to_reduce"], out
+        assert out["hierarchy_one_host"].startswith(
+            "ValueError: hierarchy='node' needs several hosts with several processes each, "
+            "but the job is on one host"
+        ), out
+        assert "must be 'auto', 'flat' or 'node', got 'nodes'" in out["hierarchy_name"], out
+        assert out["auto_on_one_host"] == "False", out
 
 
 def test_restore_into_another_world_size_or_model_is_refused(

@@ -257,3 +257,5 @@ def test_hierarchical_reduction_is_the_flat_average_and_the_same_everywhere() ->
     assert got["auto_wrapped"] is True and got["flat_wrapped"] is False, got
     assert got["auto_stats"]["hierarchy"] == {"hosts": 2, "local": 2}, got
     assert got["auto_onebit_same"], got
+    # the shared-memory regions were unlinked once mapped: nothing is left behind
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("overlap-")]
