@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,9 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "multi_host.py")
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="namespace hosts need root (network namespaces, veth, tc)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="namespace hosts need root (network namespaces, veth, tc)"
+    ),
+    pytest.mark.skipif(
+        not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
+        reason="namespace hosts need iproute2 (ip, tc) and util-linux (unshare)",
+    ),
+]
 
 
 def _env() -> dict[str, str]:
