@@ -190,7 +190,6 @@ def _run_on_hosts(
     json, 0) or (None, exit code) after saying what went wrong."""
     import json
     import subprocess
-    import uuid
 
     from overlap.bench.hosts import namespace_hosts
     from overlap.bench.link import LinkError
@@ -200,18 +199,8 @@ def _run_on_hosts(
         return None, 2
     try:
         with namespace_hosts(args.hosts, link=args.link) as hosts:
-            run_id = uuid.uuid4().hex[:8]
-            procs = [
-                h.popen(
-                    [
-                        *[sys.executable, "-m", "torch.distributed.run"],
-                        *hosts.torchrun_args(h, args.procs_per_host, run_id),
-                        *["-m", module, *module_args],
-                    ],
-                    stdout=subprocess.PIPE,
-                )
-                for h in hosts
-            ]
+            argv = ["-m", module, *module_args]
+            procs = hosts.torchrun(argv, args.procs_per_host, stdout=subprocess.PIPE)
             outs = [p.communicate()[0] for p in procs]
     except (LinkError, ValueError) as exc:
         _err(f"error: {exc}")
@@ -229,6 +218,8 @@ def _rerun_in_link(args: argparse.Namespace) -> int | None:
     shaped network namespace and return its exit code; else None."""
     if not getattr(args, "link", None) or getattr(args, "_in_link", False):
         return None
+    if getattr(args, "hosts", 0):
+        return None  # --link shapes the links between the namespace hosts instead
     import subprocess
 
     from overlap.bench.link import LinkError, shaped_link
@@ -262,7 +253,18 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         return _bench_algorithm(sizes, args)
     if args.concurrent is not None:
         return _bench_concurrent(args)
-    if args.backend == "mpi":
+    if args.hosts:
+        if args.backend != "gloo":
+            _err("--hosts runs gloo ranks under torchrun; drop --backend mpi")
+            return 2
+        sized = ",".join(map(str, sizes))
+        module_args = [",".join(ops), sized, str(args.iters), str(args.warmup), args.loop, "gloo"]
+        got, code = _run_on_hosts(args, "overlap.bench.ops", module_args, "the ops benchmark")
+        if got is None:
+            return code
+        rows = got
+        args.world_size = args.hosts * args.procs_per_host
+    elif args.backend == "mpi":
         got = _bench_ops_under_mpiexec(ops, sizes, args)
         if got is None:
             return 1
@@ -278,8 +280,13 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         _out(json.dumps(rows, indent=2))
     else:
         ref = "MPI" if args.backend == "mpi" else "torch"
+        where = (
+            f" ({args.hosts} hosts x {args.procs_per_host}, link {args.link or 'unshaped'})"
+            if args.hosts
+            else ""
+        )
         title = (
-            f"overlap bench ops: {args.backend}, {args.world_size} ranks, {args.loop} "
+            f"overlap bench ops: {args.backend}, {args.world_size} ranks{where}, {args.loop} "
             "(median us, rank 0)"
         )
         table = ops_table(rows, title, reference=ref)
@@ -817,6 +824,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="gloo",
         help="gloo (ranks started here) or mpi (ranks started by mpiexec)",
     )
+    bo.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run on this many simulated hosts (network namespaces, root); --link then "
+        "shapes each host's link to the others",
+    )
+    bo.add_argument("--procs-per-host", type=int, default=1, help="ranks per host (--hosts)")
     bo.add_argument("--iters", type=int, default=200, help="iterations for small sizes")
     bo.add_argument("--warmup", type=int, default=5)
     bo.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")

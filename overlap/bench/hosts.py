@@ -23,11 +23,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from overlap.bench.link import _RATE, LinkError, _remove, _run, _terminate_as_exit
+from overlap.bench.link import _RATE, _remove, _run, _terminate_as_exit, require_root
 
 __all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
 
@@ -76,6 +79,24 @@ class Cluster(list[Host]):
             *["--rdzv-conf", f"is_host={int(host.index == 0)}"],
         ]
 
+    def torchrun(
+        self, argv: list[str], procs_per_host: int, **popen: Any
+    ) -> list[subprocess.Popen[str]]:
+        """Start ``torchrun ... argv`` (a script and its arguments, or ``-m module ...``) on
+        every host, one job; the Popen keywords (stdout, env, cwd, ...) apply to each."""
+        run_id = uuid.uuid4().hex[:8]
+        return [
+            h.popen(
+                [
+                    *[sys.executable, "-m", "torch.distributed.run"],
+                    *self.torchrun_args(h, procs_per_host, run_id),
+                    *argv,
+                ],
+                **popen,
+            )
+            for h in self
+        ]
+
     def mpiexec_args(self, procs_per_host: int) -> list[str]:
         """mpiexec's arguments for ``procs_per_host`` ranks on every host (run mpiexec on host
         0): hydra starts its proxies through :attr:`launcher`, as it would through ssh."""
@@ -121,17 +142,6 @@ def sweep_stale() -> list[str]:
     return gone
 
 
-def _check_root() -> None:
-    if os.geteuid() != 0:
-        raise LinkError(
-            "namespace hosts need root (they create network namespaces, veth pairs and a "
-            "bridge); run as root"
-        )
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise LinkError(f"namespace hosts need `{tool}` (apt-get install iproute2)")
-
-
 @contextlib.contextmanager
 def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
     """Yield ``n`` hosts (namespaces on one shaped switch); remove them all on the way out."""
@@ -139,7 +149,7 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
         raise ValueError(f"namespace_hosts makes 1 to 200 hosts, got {n}")
     if link is not None and not _RATE.match(link):
         raise ValueError(f"link takes a tc rate such as 10gbit or 1gbit, got {link!r}")
-    _check_root()
+    require_root("namespace hosts", "network namespaces, veth pairs and a bridge", "unshare")
     sweep_stale()
     tag = f"ovh{os.getpid()}"
     hub = f"{tag}-hub"

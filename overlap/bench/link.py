@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["LinkError", "shaped_link"]
+__all__ = ["LinkError", "require_root", "shaped_link"]
 
 
 class LinkError(RuntimeError):
@@ -62,6 +62,16 @@ def _terminate_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+def require_root(what: str, makes: str, *tools: str) -> None:
+    """LinkError unless this process is root and has ``ip``, ``tc`` and ``tools``."""
+    if os.geteuid() != 0:
+        raise LinkError(f"{what} needs root (it creates {makes}); run as root")
+    for tool in ("ip", "tc", *tools):
+        if shutil.which(tool) is None:
+            pkg = "util-linux" if tool == "unshare" else "iproute2"
+            raise LinkError(f"{what} needs `{tool}` (apt-get install {pkg})")
+
+
 @contextlib.contextmanager
 def shaped_link(rate: str) -> Iterator[list[str]]:
     """Yield a command prefix that runs a command inside a namespace shaped to ``rate``.
@@ -70,14 +80,7 @@ def shaped_link(rate: str) -> Iterator[list[str]]:
     the caller is stopped by an exception or SIGTERM."""
     if not _RATE.match(rate):
         raise ValueError(f"--link takes a tc rate such as 10gbit or 1gbit, got {rate!r}")
-    if os.geteuid() != 0:
-        raise LinkError(
-            "--link needs root (it creates a network namespace and shapes its "
-            "loopback with tc); run as root or drop --link"
-        )
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise LinkError(f"--link needs `{tool}` (apt-get install iproute2)")
+    require_root("--link", "a network namespace and shapes its loopback with tc")
     name = f"overlap-{os.getpid()}"
     _run("ip", "netns", "add", name)
     try:

@@ -342,7 +342,8 @@ def bench_algorithms_rank(
 
 
 def main_mpi(argv: list[str] | None = None) -> None:
-    """Entry point under mpiexec: ``python -m overlap.bench.ops OPS SIZES ITERS WARMUP LOOP``.
+    """Entry point under a launcher: ``python -m overlap.bench.ops OPS SIZES ITERS WARMUP LOOP
+    [BACKEND]`` (mpiexec: mpi, the default; torchrun across namespace hosts: gloo).
 
     Rank 0 prints one line ``RESULT <json rows>``. OPS ``concurrent``: SIZES are numbers of
     ops in flight and ITERS repetitions (:func:`bench_concurrent_rank`).
@@ -356,7 +357,7 @@ def main_mpi(argv: list[str] | None = None) -> None:
     ops, sizes = args[0].split(","), [int(x) for x in args[1].split(",")]
     iters, warmup, loop = int(args[2]), int(args[3]), args[4]
     torch.set_num_threads(1)
-    overlap.init_distributed("mpi")
+    overlap.init_distributed(args[5] if len(args) > 5 else "mpi")
     if ops == ["concurrent"]:  # sizes: the numbers of ops in flight; iters: repetitions
         rows = [row for n in sizes for row in bench_concurrent_rank(n, iters, loop)]
     else:

@@ -118,3 +118,15 @@ def test_deepspeed_style_script_under_mpiexec() -> None:
     out = mpiexec(2, "examples/deepspeed_comm.py", "--backend", "mpi")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "mpi: ok on 2 ranks" in out.stdout and "Comm. Op" in out.stdout
+
+
+def test_multi_host_example_runs_on_one_host_too() -> None:
+    # tests/hosts runs it on 2 namespace hosts x 2 (root); here: one host, 2 ranks
+    import json
+
+    out = _torchrun("examples/multi_host.py", "--steps", "2")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    got = json.loads(line[7:])
+    assert got["placement"] == [[0, 0, 2, 0], [1, 1, 2, 0]], got
+    assert got["mean_ok"] and got["same_weights"], got

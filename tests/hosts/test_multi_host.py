@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -62,23 +61,9 @@ def test_torchrun_multi_node_finds_the_interface_itself() -> None:
     from overlap.bench.hosts import namespace_hosts
 
     with namespace_hosts(2, link="1gbit") as hosts:
-        run_id = uuid.uuid4().hex[:8]
-        procs = [
-            h.popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    *hosts.torchrun_args(h, 2, run_id),
-                    SCRIPT,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=_env(),
-                cwd=str(ROOT),
-            )
-            for h in hosts
-        ]
+        procs = hosts.torchrun(
+            [SCRIPT], 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT)
+        )
         try:
             outs = [p.communicate(timeout=120)[0] for p in procs]
         finally:
@@ -174,25 +159,14 @@ def _fault(kind: str, tmp_path: Path, timeout: float = 10.0) -> dict[int, str]:
 
     script = str(ROOT / "tests" / "hosts" / "fault_script.py")
     with namespace_hosts(2, link="1gbit") as hosts:
-        run_id = uuid.uuid4().hex[:8]
-        procs = [
-            h.popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    *hosts.torchrun_args(h, 2, run_id),
-                    script,
-                    str(tmp_path),
-                    str(timeout),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=_env(),
-                cwd=str(ROOT),
-            )
-            for h in hosts
-        ]
+        procs = hosts.torchrun(
+            [script, str(tmp_path), str(timeout)],
+            2,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=_env(),
+            cwd=str(ROOT),
+        )
         try:
             deadline = time.monotonic() + 90
             while not all((tmp_path / f"ready.{r}").exists() for r in range(4)):
@@ -236,23 +210,9 @@ def test_hierarchical_reduction_is_the_flat_average_and_the_same_everywhere() ->
 
     script = str(ROOT / "tests" / "hosts" / "hier_script.py")
     with namespace_hosts(2, link="1gbit") as hosts:
-        run_id = uuid.uuid4().hex[:8]
-        procs = [
-            h.popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    *hosts.torchrun_args(h, 2, run_id),
-                    script,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=_env(),
-                cwd=str(ROOT),
-            )
-            for h in hosts
-        ]
+        procs = hosts.torchrun(
+            [script], 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT)
+        )
         try:
             outs = [p.communicate(timeout=120)[0] for p in procs]
         finally:
@@ -264,5 +224,51 @@ def test_hierarchical_reduction_is_the_flat_average_and_the_same_everywhere() ->
     assert got["auto_wrapped"] is True and got["flat_wrapped"] is False, got
     assert got["auto_stats"]["hierarchy"] == {"hosts": 2, "local": 2}, got
     assert got["auto_onebit_same"], got
-    # the shared-memory regions were unlinked once mapped: nothing is left behind
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("overlap-")]
+    # the shared-memory regions were unlinked once mapped: no file of the (ended) job is left
+    assert not [f for f in os.listdir("/dev/shm") if _dead_creator(f)]
+
+
+def _dead_creator(name: str) -> bool:
+    """A region file (``overlap-<pid>-<token>-<n>``) whose creating process has ended."""
+    parts = name.split("-")
+    if len(parts) != 4 or parts[0] != "overlap" or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "overlap.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+        env=_env(),
+    )
+
+
+def test_bench_ops_and_train_run_on_namespace_hosts() -> None:
+    ops = _cli(
+        *["bench", "ops", "--hosts", "2", "--procs-per-host", "1", "--link", "1gbit"],
+        *["--op", "all_reduce", "--sizes", "4,64KiB", "--iters", "5", "--warmup", "1", "--json"],
+    )
+    assert ops.returncode == 0, ops.stderr[-3000:]
+    rows = json.loads(ops.stdout)
+    assert [(r["op"], r["bytes"]) for r in rows] == [("all_reduce", 4), ("all_reduce", 65536)]
+    assert all(r["await_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    train = _cli(
+        *["bench", "train", "--hosts", "2", "--procs-per-host", "1", "--link", "1gbit"],
+        *["--model-size", "0.5", "--steps", "1", "--warmup", "1", "--variant", "ddp"],
+        *["--variant", "overlap-onebit-flat", "--json"],
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    got = {r["variant"]: r for r in json.loads(train.stdout)}
+    assert got["ddp"]["world"] == 2 and got["overlap-onebit-flat"]["step_ms"] > 0
+    assert got["overlap-onebit-flat"]["hierarchical"] is False
+    assert _ours() == []
