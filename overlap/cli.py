@@ -30,7 +30,6 @@ def _run_json(
 ) -> tuple[Any, int]:
     """Run a benchmark subprocess (in a shaped link if asked); (its RESULT json, 0) or
     (None, exit code) after saying what went wrong."""
-    import json
     import subprocess
 
     from overlap.bench.link import LinkError, shaped_link
@@ -44,11 +43,19 @@ def _run_json(
     except LinkError as exc:
         _err(f"error: {exc}")
         return None, 2
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
+    result = _result(out.stdout)
+    if result is None:
         _err(f"{what} failed (exit {out.returncode}):\n{out.stdout[-2000:]}")
         return None, 1
-    return json.loads(line[7:]), 0
+    return result, 0
+
+
+def _result(*outputs: str) -> Any:
+    """The JSON after the first ``RESULT `` line of a benchmark's output(s), or None."""
+    import json
+
+    line = next((x for o in outputs for x in o.splitlines() if x.startswith("RESULT ")), None)
+    return None if line is None else json.loads(line[7:])
 
 
 def demo_link(asked: str | None) -> tuple[str | None, str]:
@@ -188,7 +195,6 @@ def _run_on_hosts(
     """Run ``python -m module module_args`` as --procs-per-host ranks on each of --hosts
     namespace hosts (torchrun multi-node; --link shapes each host's link); (rank 0's RESULT
     json, 0) or (None, exit code) after saying what went wrong."""
-    import json
     import subprocess
 
     from overlap.bench.hosts import namespace_hosts
@@ -205,12 +211,12 @@ def _run_on_hosts(
     except (LinkError, ValueError) as exc:
         _err(f"error: {exc}")
         return None, 2
-    line = next((x for o in outs for x in o.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
+    result = _result(*outs)
+    if result is None:
         codes = [p.returncode for p in procs]
         _err(f"{what} failed on the hosts (exit codes {codes}):\n{outs[0][-2000:]}")
         return None, 1
-    return json.loads(line[7:]), 0
+    return result, 0
 
 
 def _rerun_in_link(args: argparse.Namespace) -> int | None:

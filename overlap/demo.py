@@ -268,12 +268,13 @@ def _pictures(
         from overlap.trace.plot import plot_compare, plot_step_bars
     except ImportError:  # pragma: no cover - plot is a default dependency
         return []
+    from overlap.trace.report import spans_by_rank
+
     spans = _load(trace)
     panels = []
     for variant, label in (("ddp-traced", "DDP"), (TRACED, f"overlap auto ({choice})")):
         sel: list[Any] = []
-        for r in sorted({int(s[5].get("rank", 0)) for s in spans}):
-            mine = [s for s in spans if int(s[5].get("rank", 0)) == r]
+        for _, mine in sorted(spans_by_rank(spans).items()):
             wins = [s for s in mine if s[0] == "demo step" and s[5].get("variant") == variant]
             if wins:
                 lo, hi = wins[-1][2], wins[-1][3]

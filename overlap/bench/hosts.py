@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from overlap.bench.link import _RATE, _remove, _run, _terminate_as_exit, require_root
+from overlap.runtime import pid_alive
 
 __all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
 
@@ -119,16 +120,6 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && exec sh -c \"\$0\"
 """
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete the ``ovh<pid>-*`` namespaces of processes that are gone; return their names."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
@@ -136,7 +127,7 @@ def sweep_stale() -> list[str]:
     for line in out.stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = _NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _remove(name)
             gone.append(name)
     return gone

@@ -41,6 +41,8 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import BF16, FP16, Compressor, NoCompression
+from overlap.compression.onebit import OneBit, write_outputs
+from overlap.compression.powersgd import PowerSGD
 
 __all__ = ["Auto", "default_candidates"]
 
@@ -50,9 +52,6 @@ log = logging.getLogger(__name__)
 def default_candidates() -> list[Compressor]:
     """NoCompression, FP16, OneBit and rank-4 PowerSGD, each without its own warm-up (Auto
     applies one policy to all)."""
-    from overlap.compression.onebit import OneBit
-    from overlap.compression.powersgd import PowerSGD
-
     return [NoCompression(), FP16(), OneBit(), PowerSGD(rank=4, start_iter=0)]
 
 
@@ -170,8 +169,7 @@ class Auto(Compressor):
                 yield from c.reduce_steps(key, flat, group=group, shapes=shapes, outputs=outputs)
             )
         out = yield from c.reduce_steps(key, flat, group=group, shapes=shapes)
-        for off, t in outputs:  # outputs were meant for a writer: fill them from flat
-            t.view(-1).copy_(flat[off : off + t.numel()])
+        write_outputs(flat, outputs)  # outputs were meant for a writer: fill them from flat
         return out
 
     def fill(self, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> bool:

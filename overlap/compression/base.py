@@ -102,6 +102,11 @@ class Compressor(ABC):
         its choice across ranks here."""
         return None
 
+    def statistics(self) -> dict[str, Any]:
+        """What this compressor reports in the scheduler's ``statistics()["compression"]``:
+        its name (an :class:`Auto` adds its choice and measured costs)."""
+        return {"name": self.name}
+
     def fill(self, param: torch.Tensor, view: torch.Tensor, grad: torch.Tensor) -> bool:
         """Copy ``param``'s gradient into its place in the bucket your own way, in the
         gradient hook (on the autograd thread); return False (the default) to let the

@@ -45,9 +45,10 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
+from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
 
-__all__ = ["Hierarchical", "node_layout", "resolve"]
+__all__ = ["Hierarchical", "check_hierarchy", "node_layout", "resolve"]
 
 log = logging.getLogger(__name__)
 _SHM = "/dev/shm"
@@ -74,10 +75,15 @@ def node_layout(ctrl: Any, device: torch.device) -> tuple[int, int] | None:
     return hosts, local
 
 
-def resolve(hierarchy: str, layout: tuple[int, int] | None, group_is_world: bool) -> bool:
-    """True when the reduction should be hierarchical; ValueError for a bad request."""
+def check_hierarchy(hierarchy: str) -> None:
+    """ValueError unless ``hierarchy`` is one of the three names."""
     if hierarchy not in ("auto", "flat", "node"):
         raise ValueError(f"hierarchy must be 'auto', 'flat' or 'node', got {hierarchy!r}")
+
+
+def resolve(hierarchy: str, layout: tuple[int, int] | None, group_is_world: bool) -> bool:
+    """True when the reduction should be hierarchical; ValueError for a bad request."""
+    check_hierarchy(hierarchy)
     if hierarchy == "flat":
         return False
     usable = group_is_world and layout is not None and layout[0] > 1 and layout[1] > 1
@@ -106,14 +112,10 @@ def _sweep_shm() -> None:
         return
     for name in names:
         parts = name.split("-")
-        if len(parts) == 4 and parts[0] == "overlap" and parts[1].isdigit():
-            try:
-                os.kill(int(parts[1]), 0)
-            except ProcessLookupError:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(_SHM, name))
-            except PermissionError:
-                pass
+        dead = len(parts) == 4 and parts[0] == "overlap" and parts[1].isdigit()
+        if dead and not pid_alive(int(parts[1])):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(_SHM, name))
 
 
 class Hierarchical(Compressor):
@@ -273,9 +275,7 @@ class Hierarchical(Compressor):
         return self.inner.step_end_steps(group, device)  # e.g. an Auto's decision
 
     def statistics(self) -> dict[str, Any]:
-        stats = getattr(self.inner, "statistics", None)
-        inner = stats() if callable(stats) else {"name": self.inner.name}
-        return {**inner, "hierarchy": {"hosts": self.hosts, "local": self.local}}
+        return {**self.inner.statistics(), "hierarchy": {"hosts": self.hosts, "local": self.local}}
 
     def begin_step(self) -> None:
         self.inner.begin_step()

@@ -221,17 +221,12 @@ class BucketScheduler:
         self._groups_owned = [self.group, self.ctrl]  # freed by remove()
         self.reduce_dtype = reduce_dtype
         self.optimizer = optimizer
+        self.hierarchical = False
         try:  # a refusal (the same on every rank) frees the groups just made
             self._check_same_model()
             if optimizer is not None:
                 compression = self._optimizer_reduction(optimizer, compression, average, ranks)
-        except BaseException:
-            for g in self._groups_owned:
-                comm.destroy_process_group(g)
-            raise
-        self.compression = compression if compression is not None else NoCompression()
-        self.hierarchical = False
-        try:  # a refusal (the same on every rank) frees the groups just made
+            self.compression = compression if compression is not None else NoCompression()
             self.hierarchical = self._hierarchy(hierarchy, group, optimizer)
         except BaseException:
             for g in self._groups_owned:
@@ -314,10 +309,14 @@ class BucketScheduler:
 
     def _hierarchy(self, hierarchy: str, group: Any, optimizer: Any) -> bool:
         """Wrap the compressor in a Hierarchical one when ``hierarchy`` resolves to node."""
-        from overlap.scheduler.hierarchy import Hierarchical, node_layout, resolve
+        from overlap.scheduler.hierarchy import (
+            Hierarchical,
+            check_hierarchy,
+            node_layout,
+            resolve,
+        )
 
-        if hierarchy not in ("auto", "flat", "node"):
-            resolve(hierarchy, None, False)  # raises, naming the choices
+        check_hierarchy(hierarchy)
         if hierarchy == "flat":
             return False
         if optimizer is not None:
@@ -689,8 +688,7 @@ class BucketScheduler:
         out["bucket_bytes"] = [b.nbytes for b in self.buckets]
         out["rebuilt"] = self._rebuilt
         out["steps"] = self._step
-        stats = getattr(self.compression, "statistics", None)
-        out["compression"] = stats() if callable(stats) else {"name": self.compression.name}
+        out["compression"] = self.compression.statistics()
         return out
 
     def state_dict(self) -> dict[str, Any]:

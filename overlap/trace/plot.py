@@ -14,11 +14,10 @@ Steps are delimited by the ``step`` marks the BucketScheduler records at the end
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from overlap.trace.report import _merge, intersect
+from overlap.trace.report import _merge, intersect, spans_by_rank
 
 __all__ = ["parse_steps", "plot_compare", "plot_step_bars", "plot_timeline", "select_steps"]
 
@@ -42,19 +41,12 @@ def parse_steps(text: str) -> slice:
         ) from None
 
 
-def _by_rank(spans: Sequence[Any]) -> dict[int, list[Any]]:
-    out: dict[int, list[Any]] = defaultdict(list)
-    for s in spans:
-        out[int(s[5].get("rank", 0))].append(s)
-    return out
-
-
 def select_steps(spans: Sequence[Any], steps: slice | None = slice(-2, None)) -> list[Any]:
     """The spans that start inside the chosen complete steps, rank by rank (None: all)."""
     if steps is None:
         return list(spans)
     out: list[Any] = []
-    for rank_spans in _by_rank(spans).values():
+    for rank_spans in spans_by_rank(spans).values():
         marks = sorted(s[2] for s in rank_spans if s[1] == "step")
         if not marks:
             out += rank_spans  # no step marks: nothing to choose between
@@ -152,13 +144,13 @@ def plot_compare(
     panels = [(label, list(sp)) for label, sp in panels if sp]
     if not panels:
         raise ValueError("the trace holds no spans to plot (in the chosen steps)")
-    rows = sum(len(_by_rank(sp)) for _, sp in panels)
+    rows = sum(len(spans_by_rank(sp)) for _, sp in panels)
     fig, ax = plt.subplots(figsize=(12, 1.2 + 1.15 * rows))
     yticks: list[float] = []
     ylabels: list[str] = []
     base = 0.0
     for label, sp in reversed(panels):
-        ranks = _by_rank(sp)
+        ranks = spans_by_rank(sp)
         for r in sorted(ranks, reverse=True):
             t0 = min(s[2] for s in sp)
             for y, lane in _draw(ax, ranks[r], t0, base):

@@ -26,7 +26,7 @@ from typing import Any
 
 from overlap.comm.bandwidth import busbw_factor, op_size
 
-__all__ = ["OverlapReport", "busbw_factor", "intersect", "union_length"]
+__all__ = ["OverlapReport", "busbw_factor", "intersect", "spans_by_rank", "union_length"]
 
 # re-exported: the factor lives with the comm layer (overlap.comm.bandwidth)
 
@@ -45,6 +45,14 @@ def _merge(intervals: Sequence[Interval]) -> list[Interval]:
 
 def union_length(intervals: Sequence[Interval]) -> int:
     return sum(b - a for a, b in _merge(intervals))
+
+
+def spans_by_rank(spans: Sequence[Any]) -> dict[int, list[Any]]:
+    """The spans of each rank (a span's ``rank`` arg; 0 when it has none), in order."""
+    out: dict[int, list[Any]] = defaultdict(list)
+    for s in spans:
+        out[int(s[5].get("rank", 0))].append(s)
+    return out
 
 
 def intersect(xs: Sequence[Interval], ys: Sequence[Interval]) -> list[Interval]:
@@ -91,9 +99,7 @@ class OverlapReport:
 
     @classmethod
     def from_spans(cls, spans: Sequence[Any], world: int = 1) -> OverlapReport:
-        by_rank: dict[int, list[Any]] = defaultdict(list)
-        for s in spans:
-            by_rank[int(s[5].get("rank", 0))].append(s)
+        by_rank = spans_by_rank(spans)
         rep = cls(world=world, ranks=max(len(by_rank), 1))
         step_rows: dict[int, list[StepStats]] = defaultdict(list)
         totals: defaultdict[str, float] = defaultdict(float)

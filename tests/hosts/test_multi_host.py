@@ -230,16 +230,12 @@ def test_hierarchical_reduction_is_the_flat_average_and_the_same_everywhere() ->
 
 def _dead_creator(name: str) -> bool:
     """A region file (``overlap-<pid>-<token>-<n>``) whose creating process has ended."""
+    from overlap.runtime import pid_alive
+
     parts = name.split("-")
     if len(parts) != 4 or parts[0] != "overlap" or not parts[1].isdigit():
         return False
-    try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not pid_alive(int(parts[1]))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
