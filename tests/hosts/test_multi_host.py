@@ -48,6 +48,25 @@ def _ours() -> list[str]:
     return [x.split()[0] for x in listed.splitlines() if x.startswith(f"ovh{os.getpid()}-")]
 
 
+def _torchrun_job(script: str) -> dict[str, object]:
+    """Run ``script`` on 2 namespace hosts x 2 under torchrun; both launchers must succeed;
+    rank 0's RESULT."""
+    from overlap.bench.hosts import namespace_hosts
+
+    with namespace_hosts(2, link="1gbit") as hosts:
+        procs = hosts.torchrun(
+            [script], 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT)
+        )
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+        got = _result(outs)
+    return got
+
+
 WANT = {
     "world": 4,
     # global rank, local rank, local world size, node rank
@@ -58,19 +77,8 @@ WANT = {
 
 
 def test_torchrun_multi_node_finds_the_interface_itself() -> None:
-    from overlap.bench.hosts import namespace_hosts
 
-    with namespace_hosts(2, link="1gbit") as hosts:
-        procs = hosts.torchrun(
-            [SCRIPT], 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT)
-        )
-        try:
-            outs = [p.communicate(timeout=120)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-        got = _result(outs)
+    got = _torchrun_job(SCRIPT)
     assert {k: got[k] for k in WANT} == WANT
     assert got["backend"] == "gloo"
     assert _ours() == []
@@ -206,20 +214,9 @@ def test_a_lost_host_fails_the_other_hosts_ranks_within_the_timeout(
 
 
 def test_hierarchical_reduction_is_the_flat_average_and_the_same_everywhere() -> None:
-    from overlap.bench.hosts import namespace_hosts
 
     script = str(ROOT / "tests" / "hosts" / "hier_script.py")
-    with namespace_hosts(2, link="1gbit") as hosts:
-        procs = hosts.torchrun(
-            [script], 2, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=str(ROOT)
-        )
-        try:
-            outs = [p.communicate(timeout=120)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-        got = _result(outs)
+    got = _torchrun_job(script)
     assert got["node_none_err"] < 1e-6 and got["node_none_same"], got
     assert got["auto_wrapped"] is True and got["flat_wrapped"] is False, got
     assert got["auto_stats"]["hierarchy"] == {"hosts": 2, "local": 2}, got
