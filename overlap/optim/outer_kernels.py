@@ -1,0 +1,78 @@
+"""DiLoCo's landing in one pass: the outer Nesterov SGD step and the merge, fused (numba).
+
+A landing with torch ops reads and writes a fragment's memory about a dozen times: a
+finiteness check (``torch.isfinite(avg).all()``: a bool tensor, then a reduction), the
+global weights copied into the parameters, the outer optimizer's momentum and Nesterov
+updates, the result copied back into the global weights. On a 7.3M-parameter fragment, one
+thread, this 2-core machine: 88 ms, against 6 ms for one copy of it. These kernels do the
+same arithmetic in one pass per parameter, plus one read pass for the check (docs/diloco.md,
+"Speed").
+
+Only :func:`sgd_land` changes state, and only after :func:`all_finite` said yes: a
+non-finite average leaves everything as it was.
+
+Importing the module compiles the kernels or loads them from numba's on-disk cache, so no
+training step pays for a compile (:class:`~overlap.optim.diloco.DiLoCo` imports it when it is
+built).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba as nb
+import numpy as np
+
+_F4 = "float32[::1]"
+
+
+@nb.njit(
+    f"boolean({_F4})",
+    nogil=True,
+    cache=True,
+    boundscheck=False,
+    fastmath={"reassoc", "nsz"},  # the sum vectorises; NaN and Inf keep their meaning
+)
+def all_finite(x: Any) -> bool:
+    """True when no element is NaN or +-Inf: x * 0 is 0 for finite x and NaN otherwise."""
+    z = np.float32(0.0)
+    for i in range(x.size):
+        z += x[i] * np.float32(0.0)
+    return bool(z == z)
+
+
+@nb.njit(
+    f"void({_F4}, {_F4}, {_F4}, {_F4}, boolean, float32, boolean, float32, float32)",
+    nogil=True,
+    cache=True,
+    boundscheck=False,
+)
+def sgd_land(
+    avg: Any,
+    glob: Any,
+    param: Any,
+    buf: Any,
+    has_buf: bool,
+    momentum: float,
+    nesterov: bool,
+    lr: float,
+    alpha: float,
+) -> None:
+    """One parameter's landing: torch.optim.SGD's step (dampening 0, no weight decay) on the
+    global weights with gradient ``avg``, then the merge into the local weights.
+
+    b = momentum * b + d (b = d on the first step), s = d + momentum * b (Nesterov) or b,
+    g = g - lr * s, local = g, or (1 - alpha) g + alpha local. ``momentum`` 0: s = d and
+    ``buf`` is not touched."""
+    keep = np.float32(1.0) - alpha
+    for i in range(avg.size):
+        d = avg[i]
+        if momentum != 0:
+            b = momentum * buf[i] + d if has_buf else d
+            buf[i] = b
+            s = d + momentum * b if nesterov else b
+        else:
+            s = d
+        g = glob[i] - lr * s
+        glob[i] = g
+        param[i] = g if alpha == 0 else keep * g + alpha * param[i]

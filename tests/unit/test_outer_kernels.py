@@ -1,0 +1,71 @@
+"""DiLoCo's fused landing kernels against torch.optim.SGD and torch.isfinite (single process)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from overlap.compression import codec_numba
+
+pytestmark = pytest.mark.skipif(not codec_numba.available(), reason="numba is not installed")
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    from overlap.optim import outer_kernels
+
+    return outer_kernels
+
+
+@pytest.mark.parametrize(
+    ("momentum", "nesterov", "alpha"),
+    [(0.3, True, 0.0), (0.9, True, 0.5), (0.9, False, 0.0), (0.0, False, 0.0), (0.0, False, 0.25)],
+)
+def test_sgd_land_equals_torch_sgd_then_the_merge(
+    momentum: float, nesterov: bool, alpha: float
+) -> None:
+    k = _kernels()
+    gen = torch.Generator().manual_seed(0)
+    n, lr = 10_007, 0.6
+    glob = torch.randn(n, generator=gen)
+    local = torch.randn(n, generator=gen)
+    ref_p = torch.nn.Parameter(glob.clone())
+    opt = torch.optim.SGD([ref_p], lr=lr, momentum=momentum, nesterov=nesterov)
+    mine_g, mine_p = glob.clone(), local.clone()
+    buf = torch.empty(n)
+    for step in range(3):  # the first step creates the momentum buffer, later ones use it
+        avg = torch.randn(n, generator=gen)
+        ref_p.grad = avg.clone()
+        opt.step()
+        ref_local = ref_p.detach().clone()
+        if alpha:
+            ref_local = ref_local * (1 - alpha) + mine_p * alpha
+        k.sgd_land(
+            avg.numpy(), mine_g.numpy(), mine_p.numpy(), buf.numpy(), step > 0, momentum,
+            nesterov, lr, alpha,
+        )  # fmt: skip
+        # FMA and operation order may differ from torch's kernels: float rounding only
+        torch.testing.assert_close(mine_g, ref_p.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine_p, ref_local, rtol=1e-6, atol=1e-6)
+        if momentum:
+            torch.testing.assert_close(buf, opt.state[ref_p]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 4096, 10_006])
+def test_all_finite_finds_every_non_finite_value(bad: float, where: int) -> None:
+    k = _kernels()
+    x = torch.randn(10_007)
+    assert k.all_finite(x.numpy())
+    x[where] = bad
+    assert not k.all_finite(x.numpy())
+
+
+def test_all_finite_is_true_for_the_largest_finite_values() -> None:
+    """x * 0 is 0 for any finite x: no overflow can make a finite vector look non-finite."""
+    k = _kernels()
+    x = torch.full((4096,), torch.finfo(torch.float32).max)
+    x[::2] *= -1
+    assert k.all_finite(x.numpy())
+    assert k.all_finite(torch.empty(0).numpy())
