@@ -124,6 +124,19 @@ class Compressor(ABC):
         OneBitAdam's bucket reduction returns the optimizer's momentum tensors."""
         return None
 
+    def prepare(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> None:
+        """Allocate, and touch, the buffers that calls with ``key`` for a buffer like
+        ``flat`` keep, now rather than inside the first calls (a fresh buffer of a few tens
+        of MiB costs its page faults once; DiLoCo calls this per fragment when it is built,
+        so no training step pays them). Changes no result; the default does nothing."""
+        return None
+
     def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
         """Bytes this rank sends to reduce ``flat`` (what the Handle reports as ``nbytes``)."""
         return flat.numel() * flat.element_size()

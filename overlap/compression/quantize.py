@@ -78,6 +78,24 @@ class _BlockQuantized(Compressor):
         super().reset()
         self._bufs.clear()
 
+    def _kept(self, p: int, w: int, device: torch.device) -> list[tuple[str, int, torch.dtype]]:
+        """(name, elements, dtype) of every buffer a call keeps, for ``p`` padded elements on
+        ``w`` ranks: the received and gathered codes and scales."""
+        nb = p // self.block
+        u8, f32 = torch.uint8, torch.float32
+        return [("rcodes", p, u8), ("rscales", nb, f32), ("acodes", p, u8), ("ascales", nb, f32)]
+
+    def prepare(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> None:
+        w, dev = comm.get_world_size(group), flat.device
+        for name, n, dtype in self._kept(self.padded(flat.numel(), w), w, dev):
+            self._buf(key, name, n, dtype, dev).zero_()  # zeroed: its pages are touched now
+
     def _next_error(
         self, key: Hashable, which: str, numel: int, device: torch.device
     ) -> torch.Tensor:
@@ -245,6 +263,19 @@ class Int8(_BlockQuantized):
 
     def _fast(self, t: torch.Tensor) -> bool:
         return self._k is not None and t.device.type == "cpu"
+
+    def _kept(self, p: int, w: int, device: torch.device) -> list[tuple[str, int, torch.dtype]]:
+        kept = super()._kept(p, w, device)
+        if self._k is None or device.type != "cpu":
+            return kept
+        chunk, i8, f32 = p // w, torch.int8, torch.float32
+        return [
+            *kept,
+            ("codes", p, i8), ("scales", p // self.block, f32),
+            ("worker_a", p, f32), ("worker_b", p, f32),
+            ("avg", chunk, f32), ("scodes", chunk, i8), ("sscales", chunk // self.block, f32),
+            ("server_a", chunk, f32), ("server_b", chunk, f32),
+        ]  # fmt: skip
 
     def _worker(
         self, flat: torch.Tensor, worker: torch.Tensor | None, p: int, key: Hashable

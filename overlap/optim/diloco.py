@@ -79,6 +79,18 @@ def offsets(sync_every: int, fragments: int) -> list[int]:
     return [((i + 1) * sync_every // fragments) % sync_every for i in range(fragments)]
 
 
+def _outer_kernels() -> Any:
+    """:mod:`overlap.optim.outer_kernels` (compiled or loaded from cache on import), or None
+    when numba is missing or off (``OVERLAP_NUMBA=0``): landings then run on torch ops."""
+    from overlap.compression import codec_numba
+
+    if not codec_numba.available():
+        return None
+    from overlap.optim import outer_kernels
+
+    return outer_kernels
+
+
 def _check_schedule(sync_every: Any, fragments: Any, delay: Any) -> None:
     for name, v, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -221,11 +233,18 @@ class DiLoCo:
         self._t = 0
         # fragment -> (landing step, Handle or the landed average)
         self._inflight: dict[int, tuple[int, Any]] = {}
+        # fragment -> its pseudo-gradient buffer, kept: a fresh one per sync costs its page
+        # faults every time (a fragment's next sync starts only after its landing)
+        self._pseudo: dict[int, torch.Tensor] = {}
+        self._kernels = _outer_kernels()  # compiled or loaded now, not in a training step
+        # momentum buffers for the fused landing's first step on each parameter, touched now
+        self._spare: dict[int, torch.Tensor] = {}
         self.syncs = 0
         self.bytes_sent = 0
         self._removed = False
         self._start()
         self.globals = [p.detach().clone() for p in self.params]
+        self._prepare()
         claim([*self.params, self.compression], self)
 
     # ------------------------------------------------------------------ set-up
@@ -246,6 +265,21 @@ class DiLoCo:
         with torch.no_grad():
             for p in self.params:
                 comm.broadcast(p.data, src=src, group=g)
+
+    def _prepare(self) -> None:
+        """Allocate and touch every buffer the syncs keep (pseudo-gradients, the
+        compressor's, the fused landing's momentum), so their page faults are paid here and
+        not by the first 2H inner steps: measured at 1 Gbit/s, the bench's streaming steps
+        ran up to 1.4x compute-only until each fragment had synced twice."""
+        for i, frag in enumerate(self.frags):
+            n = sum(self.params[j].numel() for j in frag)
+            dev = self.params[frag[0]].device
+            flat = self._pseudo[i] = torch.zeros(n, dtype=torch.float32, device=dev)
+            self.compression.prepare(i, flat, self.group)
+        if self._kernels is not None and self._fusable_outer():
+            for p in self.params:
+                if self.outer.state.get(p, {}).get("momentum_buffer") is None:
+                    self._spare[id(p)] = torch.zeros_like(p)
 
     def _ctrl(self) -> torch.device:
         return self.params[0].device if comm.get_backend() == "nccl" else torch.device("cpu")
@@ -299,8 +333,17 @@ class DiLoCo:
             yield self.params[j], self.globals[j]
 
     def _issue(self, i: int) -> None:
+        pairs = list(self._fragment(i))
+        flat = self._pseudo.get(i)
+        if flat is None:
+            n = sum(p.numel() for p, _ in pairs)
+            flat = self._pseudo[i] = torch.empty(n, dtype=torch.float32, device=pairs[0][0].device)
         with torch.no_grad():
-            flat = torch.cat([(g - p).reshape(-1).to(torch.float32) for p, g in self._fragment(i)])
+            a = 0
+            for p, g in pairs:  # global - local, straight into the buffer
+                n = p.numel()
+                torch.sub(g.reshape(-1), p.reshape(-1), out=flat[a : a + n])
+                a += n
         h = self.compression.reduce(i, flat, group=self.group, async_op=True)
         self._inflight[i] = (self._t + self.delay, h)
         self.syncs += 1
@@ -327,12 +370,18 @@ class DiLoCo:
     def _land(self, i: int, avg: torch.Tensor) -> None:
         """Outer step on fragment ``i`` with the averaged pseudo-gradient, then the merge."""
         del self._inflight[i]
-        if not bool(torch.isfinite(avg).all()):
+        k = self._kernels
+        fused = k is not None and self._fusable(i, avg)
+        finite = k.all_finite(avg.numpy()) if fused else bool(torch.isfinite(avg).all())
+        if not finite:
             raise NonFiniteError(
                 f"DiLoCo: the averaged pseudo-gradient of fragment {i} holds NaN or Inf (a "
                 "rank's weights diverged); the global weights were left unchanged",
                 ranks=[],
             )
+        if fused:
+            self._land_fused(i, avg)
+            return
         pairs = list(self._fragment(i))
         saved = [p.grad for p in self.params]
         try:
@@ -355,6 +404,67 @@ class DiLoCo:
         finally:
             for q, s in zip(self.params, saved, strict=True):
                 q.grad = s
+
+    def _fusable(self, i: int, avg: torch.Tensor) -> bool:
+        """Whether fragment ``i``'s landing can run as one fused kernel pass per parameter
+        (:mod:`overlap.optim.outer_kernels`): a plain torch SGD without weight decay,
+        dampening, maximize or hooks (an LR scheduler's patched ``step`` counts as one), over
+        contiguous float32 CPU tensors. Anything else takes ``outer.step()`` itself."""
+        opt = self.outer
+        if not self._fusable_outer():
+            return False
+        if not (avg.device.type == "cpu" and avg.dtype == torch.float32 and avg.is_contiguous()):
+            return False
+        for p, g in self._fragment(i):
+            if p.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
+                return False
+            if p.device.type != "cpu":
+                return False
+            buf = opt.state.get(p, {}).get("momentum_buffer")
+            if buf is not None and (buf.dtype != torch.float32 or not buf.is_contiguous()):
+                return False
+        return True
+
+    def _fusable_outer(self) -> bool:
+        """The optimizer half of :meth:`_fusable`."""
+        opt = self.outer
+        if type(opt) is not torch.optim.SGD or "step" in vars(opt):
+            return False
+        if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+            return False
+        from torch.optim import optimizer as _opt
+
+        if _opt._global_optimizer_pre_hooks or _opt._global_optimizer_post_hooks:
+            return False
+        return not any(
+            g["weight_decay"] or g["dampening"] or g["maximize"] or g["differentiable"]
+            for g in opt.param_groups
+        )
+
+    def _land_fused(self, i: int, avg: torch.Tensor) -> None:
+        """:meth:`_land`'s outer SGD step and merge, one kernel pass per parameter."""
+        k = self._kernels
+        group_of = {id(p): g for g in self.outer.param_groups for p in g["params"]}
+        a = 0
+        with torch.no_grad():
+            for p, g in self._fragment(i):
+                n = p.numel()
+                grp = group_of[id(p)]
+                m = float(grp["momentum"])
+                st = self.outer.state[p]
+                buf = st.get("momentum_buffer")
+                has = buf is not None
+                if m and not has:
+                    spare = self._spare.pop(id(p), None)
+                    if spare is None:
+                        spare = torch.empty_like(p, memory_format=torch.contiguous_format)
+                    buf = st["momentum_buffer"] = spare
+                k.sgd_land(
+                    avg[a : a + n].numpy(), g.view(-1).numpy(), p.detach().view(-1).numpy(),
+                    (buf if m else avg).view(-1).numpy(), has, m, bool(grp["nesterov"]),
+                    float(grp["lr"]), self.alpha,
+                )  # fmt: skip
+                a += n
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -122,14 +122,22 @@ def matches_reference(
     steps: int = 20,
     alpha: float = 0.0,
     group: Any = None,
+    landing: str = "fused",
 ) -> list[Any]:
     """Run DiLoCo against the reference for each H (``group``'s ranks are the simulated
     ranks 0..W-1, so it must hold the lowest global ranks); return, per H, the fragments,
-    their offsets and the syncs issued."""
+    their offsets and the syncs issued. ``landing``: "fused" checks that the landings run
+    the fused kernel; "torch" puts an LR scheduler on the outer optimizer (it patches
+    ``step``), so they run ``outer.step()`` itself."""
     w, r = comm.get_world_size(group), comm.get_rank()
     out: list[Any] = []
     for h in hs:
         model, inner, d = _build(h, frags, delay, alpha=alpha, group=group)
+        if landing == "torch":
+            torch.optim.lr_scheduler.LambdaLR(d.outer, lambda epoch: 1.0)
+        fused = d._kernels is not None and d._fusable(0, torch.zeros(1))
+        if fused != (landing == "fused"):
+            raise AssertionError(f"wanted the {landing} landing, fused={fused}")
         ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
         try:
             for t in range(1, steps + 1):
@@ -175,6 +183,28 @@ def astep_returns_while_in_flight() -> list[Any]:
     finally:
         d.remove()
     return seen
+
+
+def syncs_allocate_nothing_new() -> list[Any]:
+    """Every buffer the syncs keep exists (and was touched) when DiLoCo is built: after
+    three rounds of syncs the kept buffers are the same tensors, none added. Returns the
+    number of kept buffers per fragment and whether the momentum came from the spares."""
+    model, inner, d = _build(4, 2, 1, compression=overlap.Int8(block=8))
+    try:
+        comp = d.compression
+        before = {k: {n: t.data_ptr() for n, t in b.items()} for k, b in comp._bufs.items()}
+        pseudo = {i: t.data_ptr() for i, t in d._pseudo.items()}
+        spares = {id(p): t.data_ptr() for p, t in zip(d.params, d._spare.values(), strict=True)}
+        for t in range(1, 13):
+            _inner_step(model, inner, t)
+            d.step()
+        after = {k: {n: t.data_ptr() for n, t in b.items()} for k, b in comp._bufs.items()}
+        if after != before or {i: t.data_ptr() for i, t in d._pseudo.items()} != pseudo:
+            raise AssertionError(f"buffers changed: {before} -> {after}")
+        moms = {id(p): d.outer.state[p]["momentum_buffer"].data_ptr() for p in d.params}
+        return [sorted(len(b) for b in before.values()), moms == spares, len(d._spare)]
+    finally:
+        d.remove()
 
 
 def resume_is_bit_identical(compression: str) -> bool:

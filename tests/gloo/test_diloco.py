@@ -46,6 +46,15 @@ def test_streaming_schedule_and_merge_equal_the_math(
     assert out == [want] * 2
 
 
+def test_torch_landing_equals_the_math(pools: Callable[[int], RankPool]) -> None:
+    """An outer optimizer the fused landing does not take (an LR scheduler patches its
+    ``step``) lands through ``outer.step()``: the same DiLoCo."""
+    out = pools(2).run(
+        dc.matches_reference, [4], 2, 1, "blocking", 12, 0.5, None, "torch", timeout=120
+    )
+    assert out == [[[[[0, 1, 2], [3, 4]], [2, 0], 6]]] * 2
+
+
 def test_on_a_subgroup_equals_the_math(pools: Callable[[int], RankPool]) -> None:
     want = [[[[0, 1, 2], [3, 4]], [2, 0], 6]]  # 6 syncs in 12 steps
     assert pools(3).run(dc.on_a_subgroup, timeout=120) == [want, want, None]
@@ -54,6 +63,12 @@ def test_on_a_subgroup_equals_the_math(pools: Callable[[int], RankPool]) -> None
 def test_astep_returns_while_the_reduction_is_in_flight(pools: Callable[[int], RankPool]) -> None:
     seen = pools(2).run(dc.astep_returns_while_in_flight, timeout=120)
     assert seen == [[[], [0], [], [1], [], [0], [], [1]]] * 2
+
+
+def test_syncs_allocate_nothing_new(pools: Callable[[int], RankPool]) -> None:
+    """Int8 keeps 13 buffers per fragment, all made when DiLoCo is built; the fused
+    landing's momentum buffers are the spares made then too."""
+    assert pools(2).run(dc.syncs_allocate_nothing_new, timeout=120) == [[[13, 13], True, 0]] * 2
 
 
 @pytest.mark.parametrize("compression", ["none", "int8"])
