@@ -229,12 +229,24 @@ def bench_train_rank(
         for v in vs:
             if not solo(v):
                 one_step(v, i)
+    # The solo phase is compute-only's first half, each DiLoCo variant, then compute-only's
+    # second half: this shared machine's speed drifts over minutes (a run measured
+    # compute-only 15% slower than the DiLoCo variant after it), and the sandwich puts
+    # compute-only on both sides of them.
+    n_steps = warmup + steps
+    halves = [range(0, (n_steps + 1) // 2), range((n_steps + 1) // 2, n_steps)]
+    plain = [v for v in vs if solo(v) and v["diloco"] is None]
+    for v in plain:
+        for i in halves[0]:
+            one_step(v, i)
     for v in vs:
-        if solo(v):
-            for i in range(warmup + steps):
+        if v["diloco"] is not None:
+            for i in range(n_steps):
                 one_step(v, i)
-            if v["diloco"] is not None:
-                v["diloco"].flush()
+            v["diloco"].flush()
+    for v in plain:
+        for i in halves[1]:
+            one_step(v, i)
     bar.close()
     rows = []
     fp32 = 2 * (w - 1) / w * nparams * 4
