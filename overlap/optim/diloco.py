@@ -512,6 +512,9 @@ class DiLoCo:
             for g, s in zip(self.globals, state["globals"], strict=True):
                 g.copy_(s)
         self.outer.load_state_dict(copy.deepcopy(state["outer"]))
+        for p in self.params:  # a loaded momentum buffer makes the spare useless: free it
+            if self.outer.state.get(p, {}).get("momentum_buffer") is not None:
+                self._spare.pop(id(p), None)
         self.compression.load_state_dict(state["compression"])
         self._inflight = {int(i): (int(at), t.clone()) for i, (at, t) in state["inflight"].items()}
         self._t = int(state["step"])
@@ -551,6 +554,8 @@ class DiLoCo:
             except Exception as exc:
                 log.warning("DiLoCo.remove: an in-flight reduction failed: %s", exc)
         self._inflight.clear()
+        self._pseudo.clear()  # the kept buffers go back with the DiLoCo
+        self._spare.clear()
         release([*self.params, self.compression], self)
         self._removed = True
 
