@@ -23,6 +23,7 @@ across up to ``torch.get_num_threads()`` threads.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import os
@@ -80,6 +81,15 @@ def kernels() -> dict[str, Any] | None:
 
 def available() -> bool:
     return kernels() is not None
+
+
+def kernel_module(name: str) -> Any:
+    """The numba kernel module ``name`` (imported, so compiled or loaded from cache now),
+    or None when numba is missing or off (``OVERLAP_NUMBA=0``): the caller then uses torch
+    ops. Int8's kernels and DiLoCo's fused landing load theirs through this."""
+    if not available():
+        return None
+    return importlib.import_module(name)
 
 
 def _threads(length: int) -> int:

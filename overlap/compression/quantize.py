@@ -36,20 +36,10 @@ from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
 from overlap.compression.codec import kept_buffer
+from overlap.compression.codec_numba import kernel_module
 from overlap.errors import NonFiniteError
 
 __all__ = ["FP8", "Int8"]
-
-
-def _kernels() -> Any:
-    """The numba kernels module, or None (numba missing, or OVERLAP_NUMBA=0)."""
-    from overlap.compression import codec_numba
-
-    if not codec_numba.available():
-        return None
-    from overlap.compression import int8_kernels
-
-    return int8_kernels
 
 
 class _BlockQuantized(Compressor):
@@ -259,7 +249,8 @@ class Int8(_BlockQuantized):
 
     def __init__(self, block: int = 1024, error_feedback: bool = True) -> None:
         super().__init__(block, error_feedback)
-        self._k = _kernels()  # compiled (or loaded from cache) now, not in a training step
+        # compiled (or loaded from cache) now, not in a training step
+        self._k = kernel_module("overlap.compression.int8_kernels")
 
     def _fast(self, t: torch.Tensor) -> bool:
         return self._k is not None and t.device.type == "cpu"

@@ -39,6 +39,7 @@ from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
 from overlap.comm import driver
 from overlap.compression.base import Compressor, NoCompression
+from overlap.compression.codec_numba import kernel_module
 from overlap.errors import NonFiniteError
 from overlap.ownership import claim, holder_of, release
 
@@ -77,18 +78,6 @@ def schedule(sync_every: int, fragments: int, delay: int, steps: int) -> list[tu
 def offsets(sync_every: int, fragments: int) -> list[int]:
     """Each fragment's sync offset within every ``sync_every`` steps."""
     return [((i + 1) * sync_every // fragments) % sync_every for i in range(fragments)]
-
-
-def _outer_kernels() -> Any:
-    """:mod:`overlap.optim.outer_kernels` (compiled or loaded from cache on import), or None
-    when numba is missing or off (``OVERLAP_NUMBA=0``): landings then run on torch ops."""
-    from overlap.compression import codec_numba
-
-    if not codec_numba.available():
-        return None
-    from overlap.optim import outer_kernels
-
-    return outer_kernels
 
 
 def _check_schedule(sync_every: Any, fragments: Any, delay: Any) -> None:
@@ -236,7 +225,8 @@ class DiLoCo:
         # fragment -> its pseudo-gradient buffer, kept: a fresh one per sync costs its page
         # faults every time (a fragment's next sync starts only after its landing)
         self._pseudo: dict[int, torch.Tensor] = {}
-        self._kernels = _outer_kernels()  # compiled or loaded now, not in a training step
+        # compiled or loaded now, not in a training step; None: landings run on torch ops
+        self._kernels = kernel_module("overlap.optim.outer_kernels")
         # momentum buffers for the fused landing's first step on each parameter, touched now
         self._spare: dict[int, torch.Tensor] = {}
         self.syncs = 0
@@ -333,14 +323,10 @@ class DiLoCo:
             yield self.params[j], self.globals[j]
 
     def _issue(self, i: int) -> None:
-        pairs = list(self._fragment(i))
-        flat = self._pseudo.get(i)
-        if flat is None:
-            n = sum(p.numel() for p, _ in pairs)
-            flat = self._pseudo[i] = torch.empty(n, dtype=torch.float32, device=pairs[0][0].device)
+        flat = self._pseudo[i]  # made by _prepare
         with torch.no_grad():
             a = 0
-            for p, g in pairs:  # global - local, straight into the buffer
+            for p, g in self._fragment(i):  # global - local, straight into the buffer
                 n = p.numel()
                 torch.sub(g.reshape(-1), p.reshape(-1), out=flat[a : a + n])
                 a += n
