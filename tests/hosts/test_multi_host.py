@@ -43,8 +43,26 @@ def _result(outputs: list[str]) -> dict[str, object]:
     return out
 
 
+def _netns() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _child_holding_hosts() -> tuple[subprocess.Popen[str], str]:
+    """A process that makes 2 namespace hosts and sleeps; it and its hosts' name tag."""
+    code = (
+        "import time\n"
+        "from overlap.bench.hosts import namespace_hosts\n"
+        "with namespace_hosts(2) as hs:\n"
+        "    print(hs[0].netns.split('-')[0], flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    return child, child.stdout.readline().strip()
+
+
 def _ours() -> list[str]:
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    listed = _netns()
     return [x.split()[0] for x in listed.splitlines() if x.startswith(f"ovh{os.getpid()}-")]
 
 
@@ -112,43 +130,23 @@ def test_mpiexec_across_hosts_runs_the_same_script(backend: str) -> None:
 def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
     from overlap.bench.hosts import namespace_hosts, sweep_stale
 
-    code = (
-        "import sys, time\n"
-        "from overlap.bench.hosts import namespace_hosts\n"
-        "with namespace_hosts(2) as hs:\n"
-        "    print(hs[0].netns.split('-')[0], flush=True)\n"
-        "    time.sleep(60)\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    tag = child.stdout.readline().strip()
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    child, tag = _child_holding_hosts()
+    listed = _netns()
     assert f"{tag}-hub" in listed and f"{tag}-1" in listed
     child.send_signal(signal.SIGKILL)  # no clean-up can run
     child.wait(timeout=30)
     time.sleep(0.2)
     with namespace_hosts(1):  # sweeps what dead processes left, then makes its own
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert tag not in listed
+        assert tag not in _netns()
     assert sweep_stale() == []
     assert _ours() == []
 
 
 def test_sigterm_removes_the_hosts() -> None:
-    code = (
-        "import time\n"
-        "from overlap.bench.hosts import namespace_hosts\n"
-        "with namespace_hosts(2) as hs:\n"
-        "    print(hs[0].netns.split('-')[0], flush=True)\n"
-        "    time.sleep(60)\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    tag = child.stdout.readline().strip()
+    child, tag = _child_holding_hosts()
     child.terminate()
     child.wait(timeout=30)
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert tag not in listed
+    assert tag not in _netns()
 
 
 def test_bad_arguments_are_refused() -> None:
