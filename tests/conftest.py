@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,3 +38,44 @@ def pools() -> Iterator[Callable[[int], RankPool]]:
     yield get
     for pool in started.values():
         pool.close()
+
+
+_SHM = "/dev/shm"
+
+
+def _mpich_regions() -> set[str]:
+    try:
+        return {f for f in os.listdir(_SHM) if f.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def _mapped(names: set[str]) -> set[str]:
+    """Those of ``names`` that some living process still maps or holds open."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                text = maps.read()
+        except OSError:
+            continue
+        held.update(n for n in names if n in text)
+    return held
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_mpich_regions() -> Iterator[None]:
+    """Remove the MPICH shared-memory regions a test's MPI job left behind.
+
+    MPICH unlinks ``/dev/shm/mpich_shm_*`` in ``MPI_Finalize``; the fault tests end ranks
+    with ``os._exit`` or a kill, which skips it, and each such job left 2 MiB behind for
+    good. Only regions that appeared during the test and that no living process maps are
+    removed, so a concurrent MPI job is never touched."""
+    before = _mpich_regions()
+    yield
+    new = _mpich_regions() - before
+    if not new:
+        return
+    for name in new - _mapped(new):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_SHM, name))
