@@ -144,6 +144,11 @@ class MpiBackend:
         # 4x cheaper than a NumPy view of the tensor (0.5 against 2.2 us, measured)
         self._fromaddress = (getattr(MPI, "buffer", None) or MPI.memory).fromaddress
         self._bufs: dict[tuple[int, int], Any] = {}  # (address, bytes) -> buffer (see _mem)
+        # (address, bytes, dtype, op, group) -> (group, MPI_Allreduce, MPI_Iallreduce), ready
+        # to call (see all_reduce)
+        self._ready: dict[
+            tuple[Any, ...], tuple[MpiGroup, Callable[[], Any], Callable[[], Any]]
+        ] = {}
 
     # ------------------------------------------------------------------ process & groups
     def _g(self, group: Any) -> MpiGroup:
@@ -225,6 +230,7 @@ class MpiBackend:
         for extra in (driver.forget(group), *debug.forget(group)):
             if extra is not None:
                 extra.comm.Free()
+        self._ready.clear()  # no ready call may outlive its communicator
         group.comm.Free()
 
     # ------------------------------------------------------------------------- helpers
@@ -381,18 +387,58 @@ class MpiBackend:
     def all_reduce(
         self, tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False
     ) -> Any:
+        """A call seen before takes the ready-call path: one dict lookup on (address, bytes,
+        dtype, op, group) and the checks that can change between calls (a CPU, strided,
+        contiguous tensor), then MPI_Allreduce, or MPI_Iallreduce and its Handle. The key
+        holds everything the calls were built from, so a hit makes exactly the call the full
+        path would; a miss, a job timeout or a tracer takes the full path below."""
+        try:
+            ready = self._ready.get((tensor.data_ptr(), tensor.nbytes, tensor.dtype, op, group))
+        except Exception:  # not a tensor, no storage, an unhashable op: the full path
+            ready = None
+        if (
+            ready is not None
+            and isinstance(tensor, _Tensor)
+            and tensor.is_cpu
+            and tensor.layout is _strided
+            and tensor.is_contiguous()
+            and self.timeout is None
+            and _hooks.observer is None
+        ):
+            g, block, start = ready
+            try:
+                if not async_op:
+                    block()
+                    return tensor
+                req = start()
+            except Exception as exc:
+                raise self._error("all_reduce", g, exc) from exc
+            return self._handle("all_reduce", g, req, tensor, tensor.nbytes, None, tensor)
         t = self._t(tensor, "tensor")
         rop, mop, mtype, stage = self._reduction(t, op)
         g = self._g(group)
         if stage is None and rop is not ReduceOp.AVG and t.is_cpu:
             # The common case: nothing to stage, nothing to do afterwards.
             buf = [self._mem(t), t.numel(), mtype]
-            if not async_op and self.timeout is None and _hooks.observer is None:
+            if self.timeout is None and _hooks.observer is None:
+                block = partial(g.comm.Allreduce, self.MPI.IN_PLACE, buf, mop)
+                start = partial(g.comm.Iallreduce, self.MPI.IN_PLACE, buf, mop)
                 try:
-                    g.comm.Allreduce(self.MPI.IN_PLACE, buf, mop)
+                    if not async_op:
+                        block()
+                    else:
+                        req = start()
                 except Exception as exc:
                     raise self._error("all_reduce", g, exc) from exc
-                return tensor
+                if len(self._ready) >= 4096:
+                    self._ready.clear()
+                try:
+                    self._ready[(t.data_ptr(), t.nbytes, t.dtype, op, group)] = (g, block, start)
+                except TypeError:  # an unhashable op spelling: nothing to keep
+                    pass
+                if not async_op:
+                    return tensor
+                return self._handle("all_reduce", g, req, tensor, t.nbytes, None, t)
             if async_op:
                 try:
                     req = g.comm.Iallreduce(self.MPI.IN_PLACE, buf, mop)

@@ -178,3 +178,12 @@ def test_peer_death_gives_comm_error_within_the_job_timeout(where: str) -> None:
     assert m, out.stdout + out.stderr
     assert float(m.group(1)) < 5.0 + 5
     assert took < 60, took  # both processes are gone: nothing hung at exit
+
+
+def test_ready_calls_make_exactly_the_full_paths_call() -> None:
+    """With no job timeout a repeated all_reduce takes the ready-call path (mpi_backend): it
+    must give the same sums, blocking, waited and awaited, and must not be taken by a
+    non-contiguous view at the same address, another op or dtype, or a destroyed group."""
+    out = mpiexec(2, "-m", "tests.mpi.ready_calls", timeout=120)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("READY")]
+    assert lines == ["READY ok", "READY ok"], out.stdout + out.stderr

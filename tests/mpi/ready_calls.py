@@ -1,0 +1,106 @@
+"""Under ``mpiexec -n 2`` with no job timeout (the ready-call path of MPI all_reduce, which a
+job timeout turns off): a call seen before must make exactly the call the full path would,
+and anything that changed since must not take it. Prints ``READY ok`` on each rank, or the
+traceback."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+import overlap
+from overlap import comm
+from overlap.comm import state
+
+
+def _expect(exc: type[BaseException], fn: object, *words: str) -> None:
+    try:
+        fn()  # type: ignore[operator]
+    except exc as e:
+        for w in words:
+            assert w in str(e), (w, str(e))
+        return
+    raise AssertionError(f"expected {exc.__name__}")
+
+
+def check() -> None:
+    r = comm.get_rank()
+    backend = state.active()
+    assert backend.timeout is None
+
+    # The same tensor again and again: the first call builds, later ones hit; both exact.
+    t = torch.full((4, 4), r + 1.0)
+    for want in (3.0, 6.0, 12.0):
+        comm.all_reduce(t)
+        assert torch.equal(t, torch.full((4, 4), want)), t
+    assert backend._ready, "the blocking call left no ready call"
+    comm.all_reduce(t, async_op=True).wait()
+    assert torch.equal(t, torch.full((4, 4), 24.0)), t
+
+    async def awaited() -> None:
+        await comm.all_reduce(t, async_op=True)
+
+    overlap.run(awaited())
+    assert torch.equal(t, torch.full((4, 4), 48.0)), t
+
+    # Same address, bytes and dtype, but not contiguous: the documented error, nothing sent.
+    view = t.t()
+    assert view.data_ptr() == t.data_ptr() and view.nbytes == t.nbytes
+    _expect(ValueError, lambda: comm.all_reduce(view), "contiguous")
+    _expect(ValueError, lambda: comm.all_reduce(view, async_op=True), "contiguous")
+    assert torch.equal(t, torch.full((4, 4), 48.0)), t
+
+    # Another op on the same tensor, then back.
+    x = torch.tensor([r + 1.0])
+    comm.all_reduce(x, op="max")
+    assert x.item() == 2.0, x
+    comm.all_reduce(x)
+    assert x.item() == 4.0, x
+    x.fill_(r + 1.0)
+    comm.all_reduce(x, op="max")
+    assert x.item() == 2.0, x
+
+    # Another dtype at the same address and size: an int sum, not a float one.
+    xi = x.view(torch.int32)
+    xi.fill_(r + 1)
+    comm.all_reduce(xi)
+    assert xi.item() == 3, xi
+
+    # A sub-group: its own ready call; after it is destroyed, none is used for it.
+    g = comm.new_group([0, 1])
+    y = torch.ones(3)
+    comm.all_reduce(y, group=g)
+    comm.all_reduce(y, group=g)
+    assert torch.equal(y, torch.full((3,), 4.0)), y
+    comm.destroy_process_group(g)
+    assert not any(k[4] is g for k in backend._ready), "a destroyed group kept its call"
+    _expect(Exception, lambda: comm.all_reduce(y, group=g))
+    assert torch.equal(y, torch.full((3,), 4.0)), y
+
+    # A tracer attached after the call was cached still sees every op.
+    z = torch.ones(2)
+    comm.all_reduce(z)
+    with overlap.Tracer() as tr:
+        comm.all_reduce(z)
+        comm.all_reduce(z, async_op=True).wait()
+    seen = [s for s in tr.spans if s[1] == "comm" and s[0] == "all_reduce"]
+    assert len(seen) == 2, tr.spans
+    assert torch.equal(z, torch.full((2,), 8.0)), z
+
+
+def main() -> None:
+    overlap.init_distributed(dist_backend="mpi")
+    try:
+        check()
+        out = "READY ok"
+    except BaseException:
+        out = "READY " + traceback.format_exc().replace("\n", " | ")
+    sys.stdout.write(f"{out}\n")
+    sys.stdout.flush()
+    comm.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
