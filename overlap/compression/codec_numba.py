@@ -171,6 +171,27 @@ class NumbaCodec(Codec):
         )
         return torch.from_numpy(packed), _scales(partial, pc, lay.local_len, lay.nseg)
 
+    def error(self, v: Any, scales: Any, lay: Layout, side: str, out: Any) -> Any:
+        """One pass (``unlazy``): out = v - copysign(scale, v), bitwise what the torch form
+        gives. compressed_allreduce writes both true errors back this way on every call:
+        the torch form's four passes (copysign, neg, add) took 73 of its 129 ms at 16M
+        floats on 2 ranks."""
+        import torch
+
+        if not (
+            v.dtype == out.dtype == torch.float32
+            and v.is_contiguous()
+            and out.is_contiguous()
+            and not v.requires_grad
+            and not out.requires_grad
+        ):
+            return super().error(v, scales, lay, side, out)
+        pc = lay.worker if side == "worker" else lay.server
+        args = (v.numpy(), scales.contiguous().numpy(), out.numpy(), pc.start, pc.end, pc.seg)
+        unlazy = self.k["unlazy"]
+        parallel(pc, lambda q, lo, hi: unlazy(*args, q, lo, hi))
+        return out
+
     def rebuild(self, signs: Any, sscales: Any, lay: Layout, out: Any, direct: Any = ()) -> None:
         pc = lay.rebuild
         args = (signs.numpy(), sscales.contiguous().numpy())

@@ -180,3 +180,31 @@ def test_onebit_builds_its_kernels_up_front() -> None:
     OneBit()
     assert codec_numba._tried  # compiled (or loaded from cache) at construction
     assert codec_for(torch.device("cpu")).name == ("numba" if codec_numba.available() else "torch")
+
+
+@needs_numba
+@pytest.mark.parametrize(("n", "w", "me", "segments"), CASES)
+def test_numba_error_equals_the_torch_form_bitwise(
+    n: int, w: int, me: int, segments: list[int] | None
+) -> None:
+    """NumbaCodec.error (one pass) against lazy_error (torch ops), worker and server side,
+    into another buffer and in place, with zeros of both signs and a zero scale."""
+    from overlap.compression.codec import lazy_error
+
+    lay = Layout(n, w, me, segments)
+    gen = torch.Generator().manual_seed(7 * n + w)
+    numba = codec_numba.NumbaCodec()
+    for side, length, lengths in (
+        ("worker", lay.P, lay.seg_len),
+        ("server", lay.chunk, lay.local_len),
+    ):
+        v = torch.randn(length, generator=gen)
+        v[:3] = torch.tensor([0.0, -0.0, 1e-40])
+        scales = torch.rand(lay.nseg, generator=gen)
+        scales[0] = 0.0
+        want = lazy_error(v, scales, lengths, torch.empty(length))
+        got = numba.error(v, scales, lay, side, torch.full((length,), 9.0))
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), side
+        inplace = v.clone()
+        numba.error(inplace, scales, lay, side, inplace)
+        assert torch.equal(inplace, want), side
