@@ -392,10 +392,12 @@ class MpiBackend:
         contiguous tensor), then MPI_Allreduce, or MPI_Iallreduce and its Handle. The key
         holds everything the calls were built from, so a hit makes exactly the call the full
         path would; a miss, a job timeout or a tracer takes the full path below."""
+        key: tuple[Any, ...] | None
         try:
-            ready = self._ready.get((tensor.data_ptr(), tensor.nbytes, tensor.dtype, op, group))
+            key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, op, group)
+            ready = self._ready.get(key)
         except Exception:  # not a tensor, no storage, an unhashable op: the full path
-            ready = None
+            key, ready = None, None
         if (
             ready is not None
             and isinstance(tensor, _Tensor)
@@ -430,12 +432,10 @@ class MpiBackend:
                         req = start()
                 except Exception as exc:
                     raise self._error("all_reduce", g, exc) from exc
-                if len(self._ready) >= 4096:
-                    self._ready.clear()
-                try:
-                    self._ready[(t.data_ptr(), t.nbytes, t.dtype, op, group)] = (g, block, start)
-                except TypeError:  # an unhashable op spelling: nothing to keep
-                    pass
+                if key is not None:  # the full path accepted it: keep the calls
+                    if len(self._ready) >= 4096:
+                        self._ready.clear()
+                    self._ready[key] = (g, block, start)
                 if not async_op:
                     return tensor
                 return self._handle("all_reduce", g, req, tensor, t.nbytes, None, t)
