@@ -667,6 +667,7 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
         str(args.layers),
         str(args.width),
         str(args.diloco_steps or args.steps),
+        str(args.seed),
     ]
     rows, code = _run_json(cmd, args.link, "the language-model benchmark")
     if rows is None:
@@ -693,6 +694,7 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
         ],
         title=f"overlap bench lm: {rows[0]['params'] / 1e6:.2f}M-param byte-level GPT, "
         f"{args.world_size} ranks, {args.steps} steps, freeze_step {freeze}, lr {args.lr}, "
+        f"seed {args.seed}, "
         f"link {args.link or 'loopback'} (train loss: mean of the last 20 steps; s to "
         "DDP's loss: wall time until the 20-step mean first reaches DDP's final one)",
     )
@@ -928,6 +930,13 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--world-size", type=int, default=2)
     bl.add_argument(
         "--diloco-steps", type=int, default=None, help="steps of DiLoCo variants (default --steps)"
+    )
+    bl.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="model initialisation and data-order seed (default 0; repeat runs with others "
+        "to see one seed's spread)",
     )
     bl.add_argument("--link", default=None, help="shaped loopback rate, e.g. 100mbit (root)")
     bl.add_argument("--plot", default=None, help="write the loss curves to this PNG")

@@ -189,9 +189,12 @@ def bench_lm_rank(
     width: int = 128,
     eval_batches: int = 8,
     diloco_steps: int | None = None,
+    seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Train each variant for ``steps`` steps (DiLoCo variants ``diloco_steps``, default the
-    same) on this rank; rank 0's rows are the result."""
+    same) on this rank; rank 0's rows are the result. ``seed`` sets the model's
+    initialisation and each rank's batch order (0: the figures in docs/diloco.md); the
+    held-out batches are the same for every seed."""
     from overlap import comm
     from overlap.comm import hooks
 
@@ -203,7 +206,7 @@ def bench_lm_rank(
     for name in variants:
         is_diloco = diloco_spec(name) is not None
         n_steps = diloco_steps if is_diloco and diloco_steps else steps
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = TinyGPT(layers, width, seq=seq)
         nparams = sum(p.numel() for p in model.parameters())
         fwd, opt, sched = _setup(name, model, lr, freeze)
@@ -216,7 +219,7 @@ def bench_lm_rank(
                 box[0] += nbytes
 
         hooks.set_observer(observe)
-        gen = torch.Generator().manual_seed(1000 + rank)
+        gen = torch.Generator().manual_seed(1000 + rank + 7919 * seed)
         losses, per_step, clock = [], [], []
         stats: dict[str, Any] = {}
         comm.barrier()
@@ -351,7 +354,7 @@ def plot_lm(rows: list[dict[str, Any]], out: str, x: str = "step") -> str:
 
 def main_lm(argv: list[str] | None = None) -> None:
     """``python -m overlap.bench.lm VARIANTS STEPS FREEZE WORLD LR LAYERS WIDTH
-    [DILOCO_STEPS]``: prints RESULT."""
+    [DILOCO_STEPS [SEED]]``: prints RESULT."""
     import json
     import sys
 
@@ -372,6 +375,7 @@ def main_lm(argv: list[str] | None = None) -> None:
             int(a[6]),
             8,
             diloco_steps,
+            int(a[8]) if len(a) > 8 else 0,
             timeout=7200,
         )[0]
     sys.stdout.write("RESULT " + json.dumps(rows) + "\n")

@@ -41,6 +41,7 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import BF16, FP16, Compressor, NoCompression
+from overlap.compression.codec import gather_sources
 from overlap.compression.onebit import OneBit, write_outputs
 from overlap.compression.powersgd import PowerSGD
 
@@ -162,12 +163,18 @@ class Auto(Compressor):
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
+        read_outputs: bool = False,
     ) -> Steps:
-        c = self._active
+        c: Any = self._active
         if outputs and c.writes_outputs:
+            kw = {"read_outputs": True} if read_outputs and c.reads_outputs else {}
             return (
-                yield from c.reduce_steps(key, flat, group=group, shapes=shapes, outputs=outputs)
+                yield from c.reduce_steps(
+                    key, flat, group=group, shapes=shapes, outputs=outputs, **kw
+                )
             )
+        if read_outputs:  # the outputs hold the input: the active one reads flat
+            gather_sources(flat, outputs)
         out = yield from c.reduce_steps(key, flat, group=group, shapes=shapes)
         write_outputs(flat, outputs)  # outputs were meant for a writer: fill them from flat
         return out

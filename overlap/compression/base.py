@@ -35,6 +35,7 @@ class Compressor(ABC):
     name: ClassVar[str]
     summable: ClassVar[bool]
     writes_outputs: ClassVar[bool] = False
+    reads_outputs: ClassVar[bool] = False
 
     @abstractmethod
     def reduce_steps(
@@ -51,7 +52,14 @@ class Compressor(ABC):
         ``outputs`` ((offset in flat, tensor) pairs) is only passed to a compressor whose
         ``writes_outputs`` is True: it writes those elements' averages into the tensors
         instead of ``flat`` (whose copy of them is then stale). The scheduler passes the
-        gradients, saving the copy back from the bucket."""
+        gradients, saving the copy back from the bucket.
+
+        A compressor whose ``reads_outputs`` is also True takes a keyword
+        ``read_outputs``: when the scheduler (on CPU) passes ``read_outputs=True``, the
+        outputs also hold the *input* for their elements and ``flat``'s copy of them is
+        stale from the start (the copy into the bucket is saved as well). Such a compressor
+        must read the outputs before it writes any of them, and fill ``flat`` from them
+        itself on any path that reduces ``flat`` (e.g. an uncompressed warm-up)."""
 
     def reduce(
         self,

@@ -33,7 +33,7 @@ import torch
 
 from overlap.compression.layout import Layout
 
-__all__ = ["Codec", "ErrorFeedback", "codec_for", "kept_buffer"]
+__all__ = ["Codec", "ErrorFeedback", "codec_for", "gather_sources", "kept_buffer"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,13 @@ def kept_buffer(
     if t is None or t.numel() != numel or t.dtype != dtype or t.device != device:
         t = store[name] = torch.empty(numel, dtype=dtype, device=device)
     return t
+
+
+def gather_sources(x: torch.Tensor, sources: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Copy each (start, tensor) of ``sources`` into x[start : start + numel]."""
+    flat = x.reshape(-1)
+    for a, t in sources:
+        flat[a : a + t.numel()].copy_(t.reshape(-1))
 
 
 class ErrorFeedback:
@@ -154,10 +161,19 @@ class Codec(ABC):
 
     @abstractmethod
     def encode(
-        self, x: torch.Tensor, lay: Layout, ef: ErrorFeedback
+        self,
+        x: torch.Tensor,
+        lay: Layout,
+        ef: ErrorFeedback,
+        sources: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """b = x + worker error into ``ef.take_spare()``; returns (packed signs of b (P/8
-        bytes), per-segment scales ||b_seg|| / sqrt(len) (float32), b). ``ef`` unchanged."""
+        bytes), per-segment scales ||b_seg|| / sqrt(len) (float32), b). ``ef`` unchanged.
+
+        ``sources``: (start, tensor) pairs, as :meth:`rebuild`'s ``direct``: elements
+        [start, start + numel) of x are read from the tensor (x's copy of them may be
+        stale). The numba codec reads a tensor that is exactly one segment in place; any
+        other is first copied into x (:func:`gather_sources`)."""
 
     @abstractmethod
     def server(

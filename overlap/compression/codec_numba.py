@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from overlap.compression.codec import Codec, ErrorFeedback
+from overlap.compression.codec import Codec, ErrorFeedback, gather_sources
 from overlap.compression.layout import BLOCK, Layout, Pieces
 
 __all__ = ["NumbaCodec", "available", "kernels", "parallel"]
@@ -131,6 +131,38 @@ def _scales(partial: np.ndarray, pieces: Pieces, lengths: np.ndarray, nseg: int)
     return torch.from_numpy(rms)
 
 
+def _segment_sources(x: Any, lay: Layout, sources: Any) -> np.ndarray:
+    """Per segment of ``lay``, the address the encode kernel reads its input from (0: x).
+
+    A source that is exactly one segment, contiguous float32 on the CPU, is read where it
+    is: the scheduler then never copies that gradient into the bucket (one read and one
+    write pass saved). Any other (one scale for the whole bucket, another dtype) is copied
+    into x here. The caller keeps the sources alive for the kernel's call."""
+    import torch
+
+    src = np.zeros(lay.nseg, dtype=np.int64)
+    if not len(sources):
+        return src
+    starts = lay.cache.get("numba-seg-index")
+    if starts is None:
+        starts = lay.cache["numba-seg-index"] = (
+            {int(a): k for k, a in enumerate(lay.seg_start[:-1])} if lay.nseg > 1 else {}
+        )
+    for a, t in sources:
+        k = starts.get(int(a))
+        if (
+            k is not None
+            and int(lay.seg_len[k]) == t.numel() > 0
+            and t.dtype == torch.float32
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+        ):
+            src[k] = t.data_ptr()
+        else:
+            gather_sources(x, [(a, t)])
+    return src
+
+
 class NumbaCodec(Codec):
     """The CPU codec on the numba kernels above."""
 
@@ -142,17 +174,18 @@ class NumbaCodec(Codec):
             raise RuntimeError("NumbaCodec needs numba (pip install numba)")
         self.k = k
 
-    def encode(self, x: Any, lay: Layout, ef: ErrorFeedback) -> Any:
+    def encode(self, x: Any, lay: Layout, ef: ErrorFeedback, sources: Any = ()) -> Any:
         import torch
 
         xn = x.reshape(-1)
         if xn.dtype != torch.float32:
             xn = xn.float()
+        src = _segment_sources(xn, lay, sources)
         b = ef.take_spare()
         packed = ef.scratch("packed", lay.P // 8, torch.uint8).numpy()
         pc = lay.worker
         partial = np.empty(len(pc), dtype=np.float64)
-        args = (xn.numpy(), ef.wb.numpy(), ef.ws.numpy(), b.numpy(), packed)
+        args = (xn.numpy(), src, lay.seg_start, ef.wb.numpy(), ef.ws.numpy(), b.numpy(), packed)
         enc = self.k["encode"]
         parallel(pc, lambda q, lo, hi: enc(*args, pc.start, pc.end, pc.seg, q, lo, hi, partial))
         return torch.from_numpy(packed), _scales(partial, pc, lay.seg_len, lay.nseg), b

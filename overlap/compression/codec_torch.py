@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from overlap.compression.codec import Codec, ErrorFeedback
+from overlap.compression.codec import Codec, ErrorFeedback, gather_sources
 from overlap.compression.layout import Layout
 from overlap.compression.packbits import pack_signs, unpack_signs
 
@@ -114,8 +114,13 @@ class TorchCodec(Codec):
         return ix  # type: ignore[no-any-return]
 
     def encode(
-        self, x: torch.Tensor, lay: Layout, ef: ErrorFeedback
+        self,
+        x: torch.Tensor,
+        lay: Layout,
+        ef: ErrorFeedback,
+        sources: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gather_sources(x, sources)
         ix = self._index(lay, x.device)
         b = ef.take_spare()
         ws = ef.ws if lay.nseg == 1 else torch.index_select(ef.ws, 0, ix.seg_id)

@@ -116,6 +116,29 @@ def _signed8(accumulate: bool, scalar: bool, nontemporal: bool = False) -> Any:
 
 
 @intrinsic
+def f32ptr(typingctx: Any, addr: Any) -> Any:
+    """The float32 pointer at address ``addr`` (an int64), for ``nb.carray``: the encode
+    kernel reads a segment from the gradient tensor the caller names by its address."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+    return types.CPointer(types.float32)(types.int64), codegen  # type: ignore[no-untyped-call]
+
+
+_carray: Any = nb.carray  # type: ignore[attr-defined]
+
+
+@nb.njit(inline="always", cache=True)
+def _source(x: Any, src: Any, sstart: Any, k: int) -> Any:
+    """(segment k's input array, the buffer index of its element 0): x itself (0), or the
+    float32 tensor at address src[k] (its length from the segment starts)."""
+    if src[k] != 0:
+        return _carray(f32ptr(src[k]), (sstart[k + 1] - sstart[k],)), sstart[k]  # type: ignore[call-arg]
+    return x, 0
+
+
+@intrinsic
 def sfence(typingctx: Any) -> Any:
     """Order this thread's non-temporal stores before anything it does next: a seq_cst
     fence, which LLVM lowers to mfence on x86 (it orders non-temporal stores too) and to a
@@ -128,36 +151,83 @@ def sfence(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
-def _enc8(nontemporal: bool) -> Any:
-    """The encode stage for 8 elements at idx, in registers: b = (x + (wb - copysign(s,
-    wb))) + 0.0, stored to bn (``nontemporal``: around the caches; bn + idx must then be
-    32-byte aligned), b * b (float64) added to the 8 lanes of ``acc``; returns the byte of
-    b >= 0, MSB first. One read of x and wb and one write of b: nothing is read back."""
+def _stage8(
+    context: Any, builder: Any, sig: Any, args: Any, xv: Any, w: int, nontemporal: bool
+) -> Any:
+    """The shared tail of :func:`_enc8` and :func:`srv2`, given the 8 addends ``xv``:
+    b = (xv + (wb - copysign(s, wb))) + 0.0 stored to bn, b * b (float64) added to acc; the
+    byte of b >= 0, MSB first. ``args[w:w + 5]`` are (wb, s, bn, idx, acc)."""
     v8d = ir.VectorType(ir.DoubleType(), 8)
+    wty, _, bty, _, aty = sig.args[w : w + 5]
+    wb, s, bn, idx, accv = args[w : w + 5]
+    wv = builder.load(_v8ptr(context, builder, wty, wb, idx), align=4)
+    sv = _splat(builder, s)
+    name = "llvm.copysign.v8f32"
+    copysign = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
+    )
+    err = builder.fsub(wv, builder.call(copysign, [sv, wv]))
+    b = builder.fadd(builder.fadd(xv, err), ir.Constant(_V8, [0.0] * 8))
+    _store8(builder, b, _v8ptr(context, builder, bty, bn, idx), nontemporal)
+    acc = context.make_array(aty)(context, builder, accv)
+    ap = builder.bitcast(acc.data, v8d.as_pointer())
+    bd = builder.fpext(b, v8d)
+    builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(bd, bd)), ap, align=8)
+    mask = builder.fcmp_ordered(">=", b, ir.Constant(_V8, [0.0] * 8))
+    rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
+    return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
+
+
+def _enc8(nontemporal: bool) -> Any:
+    """The encode stage for 8 elements at idx, in registers: b = (x[xidx:] + (wb -
+    copysign(s, wb))) + 0.0, stored to bn (``nontemporal``: around the caches; bn + idx must
+    then be 32-byte aligned), b * b (float64) added to the 8 lanes of ``acc``; returns the
+    byte of b >= 0, MSB first. One read of x and wb and one write of b: nothing is read back.
+    ``x`` is indexed apart (``xidx``) so it can be a gradient tensor of its own rather than
+    the bucket (the scheduler then skips copying it into the bucket)."""
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        xv = builder.load(_v8ptr(context, builder, sig.args[0], args[0], args[4]), align=4)
-        wv = builder.load(_v8ptr(context, builder, sig.args[1], args[1], args[4]), align=4)
-        sv = _splat(builder, args[2])
-        name = "llvm.copysign.v8f32"
-        copysign = builder.module.globals.get(name) or ir.Function(
-            builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
-        )
-        err = builder.fsub(wv, builder.call(copysign, [sv, wv]))
-        b = builder.fadd(builder.fadd(xv, err), ir.Constant(_V8, [0.0] * 8))
-        _store8(builder, b, _v8ptr(context, builder, sig.args[3], args[3], args[4]), nontemporal)
-        acc = context.make_array(sig.args[5])(context, builder, args[5])
-        ap = builder.bitcast(acc.data, v8d.as_pointer())
-        bd = builder.fpext(b, v8d)
-        builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(bd, bd)), ap, align=8)
-        mask = builder.fcmp_ordered(">=", b, ir.Constant(_V8, [0.0] * 8))
-        rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
-        return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
+        xv = builder.load(_v8ptr(context, builder, sig.args[0], args[0], args[1]), align=4)
+        return _stage8(context, builder, sig, args, xv, 2, nontemporal)
 
-    def typer(typingctx: Any, x: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any) -> Any:
-        return types.uint8(x, wb, s, bn, idx, acc), codegen
+    def typer(
+        typingctx: Any, x: Any, xidx: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any
+    ) -> Any:
+        return types.uint8(x, xidx, wb, s, bn, idx, acc), codegen
 
     return intrinsic(typer)
+
+
+@intrinsic
+def srv2(
+    typingctx: Any, b0: Any, b1: Any, t: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any
+) -> Any:
+    """The server stage on 2 ranks for 8 elements, in registers: the rank sum is picked by
+    each element's two sign bits from the 4 values t (a 4-float array: (0 + q0) + q1,
+    (0 + q0) - q1, (0 - q0) + q1, (0 - q0) - q1, computed once per piece in that order of
+    operations, so bitwise the sum ``addt8`` accumulates), then :func:`_stage8` in place.
+    Measured: see the server kernel."""
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
+        m0, m1 = (
+            builder.bitcast(
+                builder.call(rev, [builder.trunc(a, ir.IntType(8))]),
+                ir.VectorType(ir.IntType(1), 8),
+            )
+            for a in args[:2]
+        )
+        ta = context.make_array(sig.args[2])(context, builder, args[2])
+        tv = [
+            _splat(builder, builder.load(builder.gep(ta.data, [ir.Constant(ir.IntType(64), i)])))
+            for i in range(4)
+        ]
+        pos0 = builder.select(m1, tv[0], tv[1])  # rank 0's bit set: +q0
+        neg0 = builder.select(m1, tv[2], tv[3])
+        xv = builder.select(m0, pos0, neg0)
+        return _stage8(context, builder, sig, args, xv, 3, False)
+
+    return types.uint8(b0, b1, t, wb, s, bn, idx, acc), codegen
 
 
 enc8 = _enc8(True)  # a new buffer far larger than the caches: write around them
@@ -224,14 +294,17 @@ def fill(buf: Any, vals: Any, lo: int, hi: int, ps: Any, pe: Any, pseg: Any, q: 
 
 
 @nb.njit(
-    f"void({_F4}, {_F4}, {_F4}, {_F4}, {_U1}, {_PIECES}, int64, int64, int64, {_F8})",
+    f"void({_F4}, {_I8}, {_I8}, {_F4}, {_F4}, {_F4}, {_U1}, {_PIECES}, int64, int64, int64, {_F8})",
     **_OPTS,
 )
 def encode(
-    x: Any, wb: Any, ws: Any, bn: Any, packed: Any,
+    x: Any, src: Any, sstart: Any, wb: Any, ws: Any, bn: Any, packed: Any,
     ps: Any, pe: Any, pseg: Any, q: int, lo: int, hi: int, partial: Any,
 ) -> None:  # fmt: skip
-    # bn = x + (wb - ws[seg] * sign(wb)) + 0.0 over [lo, hi); pack; sum of squares per piece
+    # bn = x + (wb - ws[seg] * sign(wb)) + 0.0 over [lo, hi); pack; sum of squares per piece.
+    # src[seg] != 0: segment seg's x is the float32 array at that address (its element 0 is
+    # element sstart[seg] of the buffer, its length sstart[seg + 1] - sstart[seg]), not x's
+    # copy of it. The padding segment (the last) never has a source.
     n = x.shape[0]
     zero = np.float32(0.0)
     acc = np.zeros(8, np.float64)
@@ -241,10 +314,13 @@ def encode(
         if aligned and t1 <= n and pe[q] - ps[q] == t1 - t0:
             # one piece fills the tile: the whole stage in registers, b written around the
             # caches (measured: see docs/benchmarks.md)
-            s = ws[pseg[q]]
+            k = pseg[q]
+            s = ws[k]
+            xa, off = _source(x, src, sstart, k)
             acc[:] = 0.0
-            for k in range((t1 - t0) >> 3):
-                packed[(t0 >> 3) + k] = enc8(x, wb, s, bn, t0 + 8 * k, acc)  # type: ignore[call-arg]
+            for j in range((t1 - t0) >> 3):
+                i = t0 + 8 * j
+                packed[(t0 >> 3) + j] = enc8(xa, i - off, wb, s, bn, i, acc)  # type: ignore[call-arg]
             tot = 0.0
             for j in range(8):
                 tot += acc[j]
@@ -253,10 +329,12 @@ def encode(
             continue
         q1 = q
         while q1 < ps.shape[0] and ps[q1] < t1:  # one loop per piece, its scale a scalar
-            a, e, s = ps[q1], pe[q1], ws[pseg[q1]]
+            a, e, k = ps[q1], pe[q1], pseg[q1]
+            s = ws[k]
             c = min(e, n)
             if c > a:  # slices: the loop vectorises (measured 3x faster than indexing)
-                xs, vs, bs = x[a:c], wb[a:c], bn[a:c]
+                xa, off = _source(x, src, sstart, k)
+                xs, vs, bs = xa[a - off : c - off], wb[a:c], bn[a:c]
                 for t in range(c - a):
                     v = vs[t]
                     bs[t] = (xs[t] + (v - np.float32(np.copysign(s, v)))) + zero
@@ -287,11 +365,32 @@ def server(
     qb = np.empty(TILE, np.float32)
     sb = np.empty(TILE, np.float32)
     sq = np.zeros(8, np.float64)
+    t4 = np.empty(4, np.float32)
     for t0 in range(lo, hi, TILE):
         t1 = min(t0 + TILE, hi)
         m = t1 - t0
-        acc[:m] = 0.0
         cs = sc[t0:t1]
+        if pe[p] - ps[p] == m and w == 2:  # 2 ranks: the whole stage in registers
+            k = pseg[p]
+            q0, q1 = q[0, k], q[1, k]
+            z = np.float32(0.0)
+            one = np.float32(1.0)
+            t4[0] = (z + one * q0) + one * q1  # addt8's order: (0 + row0 q0) + row1 q1
+            t4[1] = (z + one * q0) + -one * q1
+            t4[2] = (z + -one * q0) + one * q1
+            t4[3] = (z + -one * q0) + -one * q1
+            s = ss[k]
+            r0, r1 = recv[0, t0 >> 3 : t1 >> 3], recv[1, t0 >> 3 : t1 >> 3]
+            sq[:] = 0.0
+            for j in range(m >> 3):
+                packed[(t0 >> 3) + j] = srv2(r0[j], r1[j], t4, cs, s, cs, 8 * j, sq)  # type: ignore[call-arg]
+            tot = 0.0
+            for j in range(8):
+                tot += sq[j]
+            partial[p] = tot
+            p += 1
+            continue
+        acc[:m] = 0.0
         if pe[p] - ps[p] == m:  # one piece fills the tile: scalar scales
             p1 = p + 1
             k = pseg[p]
@@ -305,7 +404,7 @@ def server(
             # (upd8's +0.0 is a no-op here: acc is never -0.0)
             sq[:] = 0.0
             for j in range(m >> 3):
-                packed[(t0 >> 3) + j] = upd8(acc, cs, s, cs, 8 * j, sq)
+                packed[(t0 >> 3) + j] = upd8(acc, 8 * j, cs, s, cs, 8 * j, sq)
             tot = 0.0
             for j in range(8):
                 tot += sq[j]

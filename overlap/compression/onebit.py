@@ -38,7 +38,7 @@ from overlap.comm import driver
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
-from overlap.compression.codec import Codec, ErrorFeedback, codec_for
+from overlap.compression.codec import Codec, ErrorFeedback, codec_for, gather_sources
 from overlap.compression.layout import Layout, layout, padded_numel
 from overlap.errors import NonFiniteError
 
@@ -114,11 +114,14 @@ def onebit_steps(
     codec: Codec,
     group: Any = None,
     direct: Sequence[tuple[int, torch.Tensor]] = (),
+    read_direct: bool = False,
 ) -> Steps:
     """The algorithm as a steps generator (see overlap.comm.steps), written once; the
     arithmetic of each phase is the ``codec``'s. ``ef`` is the buffer's error feedback (lazy
     form, :class:`~overlap.compression.codec.ErrorFeedback`), ``lay`` its :class:`Layout`;
-    ``direct`` as in :meth:`Codec.rebuild`."""
+    ``direct`` as in :meth:`Codec.rebuild`; ``read_direct``: the ``direct`` tensors also
+    hold the input for their elements (``buffer``'s copy of them is stale), read by
+    :meth:`Codec.encode` as its ``sources``."""
     n, w, me = lay.n, lay.w, lay.me
     if n == 0:
         return buffer
@@ -128,7 +131,7 @@ def onebit_steps(
 
     # 1. worker side: b = x + e into a spare buffer; the state is committed only once every
     # rank's scales are known finite
-    packed, scale, b = codec.encode(buffer, lay, ef)
+    packed, scale, b = codec.encode(buffer, lay, ef, direct if read_direct else ())
     scale = scale.to(dev)
     packed = packed.to(dev)
 
@@ -275,6 +278,7 @@ class OneBit(Compressor):
     name = "onebit"
     summable = False
     writes_outputs = True
+    reads_outputs = True
 
     def __init__(
         self, warmup_steps: int = 0, on_nonfinite: str = "raise", per_tensor_scales: bool = True
@@ -347,11 +351,17 @@ class OneBit(Compressor):
         group: Any = None,
         shapes: Any = None,
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
+        read_outputs: bool = False,
     ) -> Steps:
+        """``read_outputs`` (see :meth:`Compressor.reduce_steps`): the encode stage reads
+        each output tensor that is one of the layout's segments in place; the others, and
+        the warm-up's uncompressed allreduce, take a copy into ``flat`` first."""
         w = comm.get_world_size(group)
         self._check_world(w)
         st = self._entry(key, flat)
         if st["step"] < self.warmup_steps:
+            if read_outputs:
+                gather_sources(flat, outputs)
             self.prepare(key, flat, group, shapes)
             yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
             st["step"] += 1
@@ -361,13 +371,16 @@ class OneBit(Compressor):
             return flat
         ef, lay = self._state_for(st, flat, group, shapes)
         try:
-            yield from onebit_steps(flat, ef, lay, codec_for(flat.device), group, outputs)
+            yield from onebit_steps(
+                flat, ef, lay, codec_for(flat.device), group, outputs, read_outputs
+            )
         except NonFiniteError:
             if self.on_nonfinite == "raise":
                 raise
             self.skipped_steps += 1
             self.last_skipped = True
-            write_outputs(flat, outputs)  # the buffer is unchanged: so are the outputs
+            if not read_outputs:  # else the outputs are the (unchanged) input already
+                write_outputs(flat, outputs)  # the buffer is unchanged: so are the outputs
             return flat
         st["step"] += 1
         return flat

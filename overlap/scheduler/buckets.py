@@ -28,6 +28,8 @@ class Bucket:
     ready: bool = False
     zeroed: set[int] = field(default_factory=set)  # no gradient here this step: zeros sent
     direct: set[int] = field(default_factory=set)  # reduced straight into .grad this step
+    # not copied into ``flat``: the compressor reads these gradients where they are
+    sourced: set[int] = field(default_factory=set)
 
     @property
     def numel(self) -> int:
@@ -50,6 +52,7 @@ class Bucket:
         self.ready = False
         self.zeroed = set()
         self.direct = set()
+        self.sourced = set()
 
 
 def assign_buckets(

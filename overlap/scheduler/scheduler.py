@@ -95,6 +95,18 @@ def _copy_in(view: torch.Tensor, grad: torch.Tensor, scale: float | None) -> Non
         view.copy_(grad).mul_(scale)
 
 
+def _direct_ok(grad: torch.Tensor, flat: torch.Tensor) -> bool:
+    """Whether a compressor may write ``grad`` directly (and, one that reads its outputs,
+    read it there): dense, contiguous float32 on the bucket's device, in a float32 bucket."""
+    return (
+        grad.dtype == torch.float32
+        and flat.dtype == torch.float32
+        and grad.layout == torch.strided
+        and grad.is_contiguous()
+        and grad.device == flat.device
+    )
+
+
 class BucketScheduler:
     """Overlap (compressed) gradient reduction with backward.
 
@@ -368,6 +380,17 @@ class BucketScheduler:
             type(self.compression.current()) is NoCompression and self.device.type == "cpu"
         )
         self._prescale = 1.0 / self.world if self._inline and self.average else None
+        # A compressor that reads its inputs from the gradients (OneBit) saves the copy into
+        # the bucket: one read and one write pass over every gradient (measured 3.2 ms per
+        # 4.2M-float layer, about a fifth of the 1-bit step's own work; docs/scheduler.md).
+        cur = self.compression.current()
+        self._reads = (
+            cur.reads_outputs
+            and cur.writes_outputs
+            and self.average
+            and not self.grad_as_view
+            and self.device.type == "cpu"
+        )
         for b in self.buckets:
             b.reset()
         self._next = 0
@@ -396,7 +419,9 @@ class BucketScheduler:
                 )
             view = b.view_of(pos)
             if grad is not None and not (self.grad_as_view and grad.data_ptr() == view.data_ptr()):
-                if not self.compression.fill(p, view, grad):
+                if self._reads and _direct_ok(grad, b.flat):
+                    b.sourced.add(pos)
+                elif not self.compression.fill(p, view, grad):
                     _copy_in(view, grad, self._prescale)
                 if self.grad_as_view:
                     p.grad = view
@@ -436,6 +461,7 @@ class BucketScheduler:
             self.average,
         )
         outputs = self._direct_outputs(b)
+        sourced = bool(b.sourced) and comp.current().reads_outputs
 
         tracer = self.tracer
         ready_ns, ready_tid = time.perf_counter_ns(), threading.get_ident()
@@ -452,11 +478,11 @@ class BucketScheduler:
             try:
                 # ``outputs`` only to a compressor that takes it (the base contract): a
                 # user's compressor written to the original signature keeps working.
-                steps = (
-                    comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes, outputs=outputs)
-                    if outputs
-                    else comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes)
-                )
+                # ``read_outputs`` only where the hook left gradients out of the bucket.
+                kw: dict[str, Any] = {"outputs": outputs} if outputs else {}
+                if sourced:
+                    kw["read_outputs"] = True
+                steps = comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes, **kw)
                 yield from (steps if tracer is None else _traced(steps, tracer, b.index))
                 if not average:
                     b.flat.mul_(w)
@@ -493,6 +519,20 @@ class BucketScheduler:
         parameters that produced a gradient here this step (so are used, and their .grad is
         theirs to overwrite). Averaging only: a sum would scale the bucket afterwards.
         A compressor with :meth:`~Compressor.direct_targets` names its own tensors."""
+        out = self._outputs(b)
+        # Gradients the hook left where they are, for a compressor that reads them there: if
+        # they did not become outputs after all (or the compressor this step does not read
+        # outputs), they go into the bucket now.
+        reads = self.compression.current().reads_outputs
+        for pos in sorted(b.sourced - b.direct if reads else b.sourced):
+            grad = b.params[pos].grad
+            if grad is None:  # dropped since the hook: nothing to send, as for an unused one
+                b.view_of(pos).zero_()
+            else:
+                _copy_in(b.view_of(pos), grad, None)
+        return out
+
+    def _outputs(self, b: Bucket) -> list[tuple[int, torch.Tensor]]:
         targets = self.compression.direct_targets(b.index, b.params)
         if targets is not None:
             b.direct.update(range(len(b.params)))
@@ -504,14 +544,7 @@ class BucketScheduler:
         out = []
         for pos, p in enumerate(b.params):
             g = p.grad
-            if (
-                pos not in b.zeroed
-                and g is not None
-                and g.dtype == torch.float32
-                and g.layout == torch.strided
-                and g.is_contiguous()
-                and g.device == b.flat.device
-            ):
+            if pos not in b.zeroed and g is not None and _direct_ok(g, b.flat):
                 out.append((b.offsets[pos], g))
                 b.direct.add(pos)
         return out
@@ -622,6 +655,8 @@ class BucketScheduler:
             "launches": len(handles),
             "bytes": sum(b.nbytes for b in self.buckets),
             "direct": sum(len(b.direct) for b in self.buckets),  # rebuilt straight into .grad
+            # read where backward left them, never copied into the bucket
+            "read_in_place": sum(len(b.sourced & b.direct) for b in self.buckets),
             "timeline": list(self._timeline),
         }
         self._step += 1

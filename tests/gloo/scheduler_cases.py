@@ -350,9 +350,11 @@ def low_precision_grads(reduce_dtype: str | None) -> list[float]:
 def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
     """The scheduler pipelines 1-bit buckets and rebuilds them straight into the gradients
     (no copy back): the grads equal OneBit run by hand on the same buckets, bitwise, over 3
-    steps with error feedback. A parameter unused on rank 0 (zeros sent, copied back) and a
+    steps with error feedback. The float32 gradients are read where backward left them (never
+    copied into the bucket). A parameter unused on rank 0 (zeros sent, copied back) and a
     float64 one (its own bucket, no direct write) take the other paths. Returns how many
-    tensors the last step wrote directly, and the order of the buckets' codec stages."""
+    tensors the last step wrote directly and read in place, and the order of the buckets'
+    codec stages."""
     r, w = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(4)
     model = Net()
@@ -383,6 +385,7 @@ def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
             flats[b.index] = flat
         ours.synchronize()
         direct = ours.statistics()["direct"]
+        in_place = ours.statistics()["read_in_place"]
         for b in ours.buckets:
             for pos, p in enumerate(b.params):
                 if p.grad is not None:
@@ -396,7 +399,12 @@ def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
     ]
     ours.remove()
     tracer.detach()  # the scheduler attached it: leave this pool process as it was
-    return {"direct": direct, "buckets": len(ours.buckets), "stages": stages}
+    return {
+        "direct": direct,
+        "in_place": in_place,
+        "buckets": len(ours.buckets),
+        "stages": stages,
+    }
 
 
 def nonfinite_step_leaves_the_scheduler_usable(mode: str) -> list[Any]:

@@ -101,6 +101,8 @@ def test_onebit_buckets_pipeline_into_the_gradients(pools: Callable[[int], RankP
     out = pools(2).run(sc.onebit_into_grads_equals_the_compressor, timeout=120)
     # rank 0 has no gradient for `branch` (zeros, copied back); rank 1 writes them all
     assert 0 < out[0]["direct"] < out[1]["direct"], out
+    # every gradient written directly was also read in place (no copy into the bucket)
+    assert [o["in_place"] for o in out] == [o["direct"] for o in out], out
     # pipelined: bucket k is compressed before bucket k-1's server step (its phase 2)
     stages = out[0]["stages"]
     assert out[0]["buckets"] >= 3, out
