@@ -154,7 +154,7 @@ def sfence(typingctx: Any) -> Any:
 def _stage8(
     context: Any, builder: Any, sig: Any, args: Any, xv: Any, w: int, nontemporal: bool
 ) -> Any:
-    """The shared tail of :func:`_enc8` and :func:`srv2`, given the 8 addends ``xv``:
+    """The body of :func:`_enc8` after its load of x, given the 8 addends ``xv``:
     b = (xv + (wb - copysign(s, wb))) + 0.0 stored to bn, b * b (float64) added to acc; the
     byte of b >= 0, MSB first. ``args[w:w + 5]`` are (wb, s, bn, idx, acc)."""
     v8d = ir.VectorType(ir.DoubleType(), 8)
@@ -196,38 +196,6 @@ def _enc8(nontemporal: bool) -> Any:
         return types.uint8(x, xidx, wb, s, bn, idx, acc), codegen
 
     return intrinsic(typer)
-
-
-@intrinsic
-def srv2(
-    typingctx: Any, b0: Any, b1: Any, t: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any
-) -> Any:
-    """The server stage on 2 ranks for 8 elements, in registers: the rank sum is picked by
-    each element's two sign bits from the 4 values t (a 4-float array: (0 + q0) + q1,
-    (0 + q0) - q1, (0 - q0) + q1, (0 - q0) - q1, computed once per piece in that order of
-    operations, so bitwise the sum ``addt8`` accumulates), then :func:`_stage8` in place.
-    Measured: see the server kernel."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
-        m0, m1 = (
-            builder.bitcast(
-                builder.call(rev, [builder.trunc(a, ir.IntType(8))]),
-                ir.VectorType(ir.IntType(1), 8),
-            )
-            for a in args[:2]
-        )
-        ta = context.make_array(sig.args[2])(context, builder, args[2])
-        tv = [
-            _splat(builder, builder.load(builder.gep(ta.data, [ir.Constant(ir.IntType(64), i)])))
-            for i in range(4)
-        ]
-        pos0 = builder.select(m1, tv[0], tv[1])  # rank 0's bit set: +q0
-        neg0 = builder.select(m1, tv[2], tv[3])
-        xv = builder.select(m0, pos0, neg0)
-        return _stage8(context, builder, sig, args, xv, 3, False)
-
-    return types.uint8(b0, b1, t, wb, s, bn, idx, acc), codegen
 
 
 enc8 = _enc8(True)  # a new buffer far larger than the caches: write around them
@@ -365,31 +333,10 @@ def server(
     qb = np.empty(TILE, np.float32)
     sb = np.empty(TILE, np.float32)
     sq = np.zeros(8, np.float64)
-    t4 = np.empty(4, np.float32)
     for t0 in range(lo, hi, TILE):
         t1 = min(t0 + TILE, hi)
         m = t1 - t0
         cs = sc[t0:t1]
-        if pe[p] - ps[p] == m and w == 2:  # 2 ranks: the whole stage in registers
-            k = pseg[p]
-            q0, q1 = q[0, k], q[1, k]
-            z = np.float32(0.0)
-            one = np.float32(1.0)
-            t4[0] = (z + one * q0) + one * q1  # addt8's order: (0 + row0 q0) + row1 q1
-            t4[1] = (z + one * q0) + -one * q1
-            t4[2] = (z + -one * q0) + one * q1
-            t4[3] = (z + -one * q0) + -one * q1
-            s = ss[k]
-            r0, r1 = recv[0, t0 >> 3 : t1 >> 3], recv[1, t0 >> 3 : t1 >> 3]
-            sq[:] = 0.0
-            for j in range(m >> 3):
-                packed[(t0 >> 3) + j] = srv2(r0[j], r1[j], t4, cs, s, cs, 8 * j, sq)  # type: ignore[call-arg]
-            tot = 0.0
-            for j in range(8):
-                tot += sq[j]
-            partial[p] = tot
-            p += 1
-            continue
         acc[:m] = 0.0
         if pe[p] - ps[p] == m:  # one piece fills the tile: scalar scales
             p1 = p + 1
