@@ -151,33 +151,6 @@ def sfence(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
-def _stage8(
-    context: Any, builder: Any, sig: Any, args: Any, xv: Any, w: int, nontemporal: bool
-) -> Any:
-    """The body of :func:`_enc8` after its load of x, given the 8 addends ``xv``:
-    b = (xv + (wb - copysign(s, wb))) + 0.0 stored to bn, b * b (float64) added to acc; the
-    byte of b >= 0, MSB first. ``args[w:w + 5]`` are (wb, s, bn, idx, acc)."""
-    v8d = ir.VectorType(ir.DoubleType(), 8)
-    wty, _, bty, _, aty = sig.args[w : w + 5]
-    wb, s, bn, idx, accv = args[w : w + 5]
-    wv = builder.load(_v8ptr(context, builder, wty, wb, idx), align=4)
-    sv = _splat(builder, s)
-    name = "llvm.copysign.v8f32"
-    copysign = builder.module.globals.get(name) or ir.Function(
-        builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
-    )
-    err = builder.fsub(wv, builder.call(copysign, [sv, wv]))
-    b = builder.fadd(builder.fadd(xv, err), ir.Constant(_V8, [0.0] * 8))
-    _store8(builder, b, _v8ptr(context, builder, bty, bn, idx), nontemporal)
-    acc = context.make_array(aty)(context, builder, accv)
-    ap = builder.bitcast(acc.data, v8d.as_pointer())
-    bd = builder.fpext(b, v8d)
-    builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(bd, bd)), ap, align=8)
-    mask = builder.fcmp_ordered(">=", b, ir.Constant(_V8, [0.0] * 8))
-    rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
-    return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
-
-
 def _enc8(nontemporal: bool) -> Any:
     """The encode stage for 8 elements at idx, in registers: b = (x[xidx:] + (wb -
     copysign(s, wb))) + 0.0, stored to bn (``nontemporal``: around the caches; bn + idx must
@@ -185,10 +158,26 @@ def _enc8(nontemporal: bool) -> Any:
     byte of b >= 0, MSB first. One read of x and wb and one write of b: nothing is read back.
     ``x`` is indexed apart (``xidx``) so it can be a gradient tensor of its own rather than
     the bucket (the scheduler then skips copying it into the bucket)."""
+    v8d = ir.VectorType(ir.DoubleType(), 8)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         xv = builder.load(_v8ptr(context, builder, sig.args[0], args[0], args[1]), align=4)
-        return _stage8(context, builder, sig, args, xv, 2, nontemporal)
+        wv = builder.load(_v8ptr(context, builder, sig.args[2], args[2], args[5]), align=4)
+        sv = _splat(builder, args[3])
+        name = "llvm.copysign.v8f32"
+        copysign = builder.module.globals.get(name) or ir.Function(
+            builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
+        )
+        err = builder.fsub(wv, builder.call(copysign, [sv, wv]))
+        b = builder.fadd(builder.fadd(xv, err), ir.Constant(_V8, [0.0] * 8))
+        _store8(builder, b, _v8ptr(context, builder, sig.args[4], args[4], args[5]), nontemporal)
+        acc = context.make_array(sig.args[6])(context, builder, args[6])
+        ap = builder.bitcast(acc.data, v8d.as_pointer())
+        bd = builder.fpext(b, v8d)
+        builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(bd, bd)), ap, align=8)
+        mask = builder.fcmp_ordered(">=", b, ir.Constant(_V8, [0.0] * 8))
+        rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
+        return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
 
     def typer(
         typingctx: Any, x: Any, xidx: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any
@@ -336,8 +325,8 @@ def server(
     for t0 in range(lo, hi, TILE):
         t1 = min(t0 + TILE, hi)
         m = t1 - t0
-        cs = sc[t0:t1]
         acc[:m] = 0.0
+        cs = sc[t0:t1]
         if pe[p] - ps[p] == m:  # one piece fills the tile: scalar scales
             p1 = p + 1
             k = pseg[p]

@@ -382,7 +382,7 @@ class BucketScheduler:
         self._prescale = 1.0 / self.world if self._inline and self.average else None
         # A compressor that reads its inputs from the gradients (OneBit) saves the copy into
         # the bucket: one read and one write pass over every gradient (measured 3.2 ms per
-        # 4.2M-float layer, about a fifth of the 1-bit step's own work; docs/scheduler.md).
+        # 4.2M-float layer, about a fifth of the 1-bit step's own work; docs/architecture.md).
         cur = self.compression.current()
         self._reads = (
             cur.reads_outputs
@@ -460,8 +460,9 @@ class BucketScheduler:
             self.world,
             self.average,
         )
-        outputs = self._direct_outputs(b)
-        sourced = bool(b.sourced) and comp.current().reads_outputs
+        reads = comp.current().reads_outputs
+        outputs = self._direct_outputs(b, reads)
+        sourced = reads and bool(b.sourced)
 
         tracer = self.tracer
         ready_ns, ready_tid = time.perf_counter_ns(), threading.get_ident()
@@ -513,17 +514,17 @@ class BucketScheduler:
 
         self._launcher.submit_steps(job(), h._finish, b.flat)
 
-    def _direct_outputs(self, b: Bucket) -> list[tuple[int, torch.Tensor]]:
+    def _direct_outputs(self, b: Bucket, reads: bool) -> list[tuple[int, torch.Tensor]]:
         """The gradients a compressor that ``writes_outputs`` may rebuild straight into,
         saving the copy back from the bucket: float32, dense, contiguous ``.grad`` tensors of
         parameters that produced a gradient here this step (so are used, and their .grad is
         theirs to overwrite). Averaging only: a sum would scale the bucket afterwards.
-        A compressor with :meth:`~Compressor.direct_targets` names its own tensors."""
+        A compressor with :meth:`~Compressor.direct_targets` names its own tensors.
+
+        ``reads``: the compressor reducing this bucket reads its outputs. Gradients the hook
+        left where they are go into the bucket now if they did not become outputs after
+        all, or (``reads`` False) all of them."""
         out = self._outputs(b)
-        # Gradients the hook left where they are, for a compressor that reads them there: if
-        # they did not become outputs after all (or the compressor this step does not read
-        # outputs), they go into the bucket now.
-        reads = self.compression.current().reads_outputs
         for pos in sorted(b.sourced - b.direct if reads else b.sourced):
             grad = b.params[pos].grad
             if grad is None:  # dropped since the hook: nothing to send, as for an unused one
