@@ -685,6 +685,7 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
             "variant",
             "final train loss",
             "held-out loss",
+            "held-out, global weights",
             "vs DDP",
             "bytes/step warm-up",
             "bytes/step after freeze",
@@ -695,8 +696,9 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
         title=f"overlap bench lm: {rows[0]['params'] / 1e6:.2f}M-param byte-level GPT, "
         f"{args.world_size} ranks, {args.steps} steps, freeze_step {freeze}, lr {args.lr}, "
         f"seed {args.seed}, "
-        f"link {args.link or 'loopback'} (train loss: mean of the last 20 steps; s to "
-        "DDP's loss: wall time until the 20-step mean first reaches DDP's final one)",
+        f"link {args.link or 'loopback'} (train loss: mean of the last 20 steps; held-out "
+        "loss: each rank's own weights, averaged over ranks; s to DDP's loss: wall time "
+        "until the 20-step mean first reaches DDP's final one)",
     )
     for r in rows:
         rel = (
@@ -709,6 +711,10 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
                 "variant": r["variant"],
                 "final train loss": f"{r['final_train_loss']:.3f}",
                 "held-out loss": f"{r['held_out_loss']:.3f}",
+                # DiLoCo's agreed model (DiLoCo.global_weights()); the local weights above
+                "held-out, global weights": (
+                    f"{r['held_out_loss_global']:.3f}" if r["variant"].startswith("diloco") else ""
+                ),
                 "vs DDP": rel,
                 "bytes/step warm-up": human_bytes(r["bytes_warmup_step"]),
                 "bytes/step after freeze": human_bytes(r["bytes_after_freeze_step"]),

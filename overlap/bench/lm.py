@@ -178,6 +178,12 @@ def _setup(name: str, model: nn.Module, lr: float, freeze: int) -> tuple[Any, An
     return model, adam, None
 
 
+def _held_out(model: nn.Module, evals: torch.Tensor, batch: int, n: int) -> float:
+    """The mean loss over the ``n`` held-out batches."""
+    with torch.no_grad():
+        return sum(float(_loss(model, evals[i * batch : (i + 1) * batch])) for i in range(n)) / n
+
+
 def bench_lm_rank(
     variants: list[str],
     steps: int,
@@ -241,24 +247,24 @@ def bench_lm_rank(
                 clock.append(round(time.perf_counter() - t0, 4))
             if is_diloco:
                 sched.flush()  # the last fragments in flight land before the evaluation
+            wall = time.perf_counter() - t0
+            held_loss = _held_out(model, evals, batch, eval_batches)
+            # DiLoCo's global weights too (the outer optimizer's result, the same on every
+            # rank): with fragments, the local weights also hold up to H - 1 steps of this
+            # rank's own training since each fragment last landed.
+            held_global = held_loss
+            if is_diloco:
+                with sched.global_weights():
+                    held_global = _held_out(model, evals, batch, eval_batches)
         finally:
             hooks.set_observer(None)
             if sched is not None:
                 stats = sched.statistics() if is_diloco else {}
                 sched.remove()
-        wall = time.perf_counter() - t0
-        with torch.no_grad():
-            held_loss = float(
-                sum(
-                    float(_loss(model, evals[i * batch : (i + 1) * batch]))
-                    for i in range(eval_batches)
-                )
-                / eval_batches
-            )
-        mean = torch.tensor([*losses, held_loss], dtype=torch.float64)
+        mean = torch.tensor([*losses, held_loss, held_global], dtype=torch.float64)
         comm.all_reduce(mean, op="avg")  # DiLoCo's local weights differ: every rank's loss
-        held_loss = float(mean[-1])
-        mean = mean[:-1]
+        held_loss, held_global = float(mean[-2]), float(mean[-1])
+        mean = mean[:-2]
         fp32 = nparams * 4
         ring = 2 * (w - 1) * fp32 // w  # what a rank sends in an fp32 ring allreduce
         if name == "ddp-adamw":
@@ -278,6 +284,7 @@ def bench_lm_rank(
                 "train_loss": [round(x, 4) for x in mean.tolist()],
                 "final_train_loss": float(mean[-20:].mean()),
                 "held_out_loss": held_loss,
+                "held_out_loss_global": held_global,
                 "wall_s": wall,
                 "bytes_warmup_step": sum(warm) / max(1, len(warm)),
                 "bytes_after_freeze_step": sum(late) / max(1, len(late)),

@@ -27,6 +27,7 @@ them whole.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Iterator
@@ -232,6 +233,7 @@ class DiLoCo:
         self.syncs = 0
         self.bytes_sent = 0
         self._removed = False
+        self._swapped = False  # inside global_weights(): the model holds the globals
         self._start()
         self.globals = [p.detach().clone() for p in self.params]
         self._prepare()
@@ -317,6 +319,37 @@ class DiLoCo:
         self._check_live()
         for i in sorted(self._inflight):
             self._land(i, self._wait(i))
+
+    @contextlib.contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """Inside the block the model holds the global weights; on exit its local weights
+        come back bit for bit.
+
+        The global weights are the outer optimizer's result, the same on every rank: the
+        model a DiLoCo run has agreed on (with fragments, each fragment as of its last
+        landing). The local weights are what this rank trains, including its own inner
+        steps since each fragment last landed. Evaluate or save the agreed model here
+        without disturbing training. Local to this rank (no collective); reductions in
+        flight go on untouched (their pseudo-gradients were taken at issue). Costs one
+        copy of the parameters while inside.
+
+        :meth:`step`, :meth:`astep`, :meth:`flush`, :meth:`state_dict` and
+        :meth:`load_state_dict` refuse inside it (a landing there would be undone on exit).
+        Do not train inside it: the exit restores the weights as they were at entry.
+        """
+        self._check_live()
+        with torch.no_grad():
+            local = [p.detach().clone() for p in self.params]
+            for p, g in zip(self.params, self.globals, strict=True):
+                p.copy_(g)
+        self._swapped = True
+        try:
+            yield
+        finally:
+            self._swapped = False
+            with torch.no_grad():
+                for p, x in zip(self.params, local, strict=True):
+                    p.copy_(x)
 
     def _fragment(self, i: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for j in self.frags[i]:
@@ -548,6 +581,12 @@ class DiLoCo:
     def _check_live(self) -> None:
         if self._removed:
             raise RuntimeError("this DiLoCo was removed; build a new one to sync again")
+        if self._swapped:
+            raise RuntimeError(
+                "the model holds the global weights (inside `with diloco.global_weights():`), "
+                "and leaving the block puts the local ones back, undoing anything done here: "
+                "call step(), astep(), flush(), state_dict() or load_state_dict() after the block"
+            )
 
     def __repr__(self) -> str:
         return (

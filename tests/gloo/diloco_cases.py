@@ -185,6 +185,48 @@ def astep_returns_while_in_flight() -> list[Any]:
     return seen
 
 
+def global_weights_swap() -> list[Any]:
+    """``with d.global_weights():`` puts the global weights (equal on every rank) in the
+    model and refuses a step; on exit the local weights are back bit for bit and training
+    goes on. Returns [fragments in flight, inside == globals, inside the same on every rank,
+    locals differed from globals, the refusal names the block, back == locals, steps]."""
+    model, inner, d = _build(4, 2, 1)
+    try:
+        for t in range(1, 9):  # fragment 0 landed at 7; fragment 1, issued at 8, in flight
+            _inner_step(model, inner, t)
+            d.step()
+        in_flight = d.statistics()["in_flight"]
+        local = [p.detach().clone() for p in model.ps]
+        glob = [g.clone() for g in d.globals]
+        drifted = any(not torch.equal(a, g) for a, g in zip(local, d.globals, strict=True))
+        with d.global_weights():
+            inside = [p.detach().clone() for p in model.ps]
+            try:
+                d.step()
+                refused = ""
+            except RuntimeError as exc:
+                refused = str(exc)
+        flat = torch.cat([t.reshape(-1) for t in inside])
+        every = [torch.empty_like(flat) for _ in range(comm.get_world_size())]
+        comm.all_gather(every, flat)
+        same = all(torch.equal(x, flat) for x in every)
+        back = all(torch.equal(p, x) for p, x in zip(model.ps, local, strict=True))
+        for t in range(9, 11):  # fragment 1 lands at 9
+            _inner_step(model, inner, t)
+            d.step()
+        return [
+            in_flight,
+            all(torch.equal(a, g) for a, g in zip(inside, glob, strict=True)),
+            same,
+            drifted,
+            "global_weights()" in refused,
+            back,
+            d.inner_steps,
+        ]
+    finally:
+        d.remove()
+
+
 def syncs_allocate_nothing_new() -> list[Any]:
     """Every buffer the syncs keep exists (and was touched) when DiLoCo is built: after
     three rounds of syncs the kept buffers are the same tensors, none added. Returns the

@@ -65,6 +65,12 @@ def test_astep_returns_while_the_reduction_is_in_flight(pools: Callable[[int], R
     assert seen == [[[], [0], [], [1], [], [0], [], [1]]] * 2
 
 
+def test_global_weights_swap_in_and_back(pools: Callable[[int], RankPool]) -> None:
+    """The agreed model is evaluable mid-run, with a fragment in flight; nothing is lost."""
+    out = pools(2).run(dc.global_weights_swap, timeout=120)
+    assert out == [[[1], True, True, True, True, True, 10]] * 2
+
+
 def test_syncs_allocate_nothing_new(pools: Callable[[int], RankPool]) -> None:
     """Int8 keeps 13 buffers per fragment, all made when DiLoCo is built; the fused
     landing's momentum buffers are the spares made then too."""

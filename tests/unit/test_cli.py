@@ -121,6 +121,8 @@ def test_bench_lm_trains_and_counts_bytes(tmp_path: Path) -> None:
         "ddp-adamw",
         "--variant",
         "overlap-onebitadam",
+        "--variant",
+        "diloco-stream-h4",
         "--plot",
         str(png),
         "--json",
@@ -129,6 +131,10 @@ def test_bench_lm_trains_and_counts_bytes(tmp_path: Path) -> None:
     rows = {r["variant"]: r for r in json.loads(out.stdout)}
     for r in rows.values():
         assert r["train_loss"][-1] < r["train_loss"][0] and r["held_out_loss"] < 5.5
+    # streaming DiLoCo's agreed (global) weights are evaluated too, and differ from the
+    # local ones (each rank trained on after its fragments' last landings)
+    ds = rows["diloco-stream-h4"]
+    assert ds["held_out_loss_global"] < 5.5 and ds["held_out_loss_global"] != ds["held_out_loss"]
     ob = rows["overlap-onebitadam"]
     assert ob["bytes_after_freeze_step"] * 16 < ob["bytes_warmup_step"]
     assert ob["bytes_warmup_step"] >= ob["fp32_bytes"]
