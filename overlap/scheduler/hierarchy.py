@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from overlap import comm
-from overlap.comm.steps import Steps, run
+from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
 from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
@@ -123,11 +123,11 @@ class Hierarchical(Compressor):
 
     Build it on every rank, in the same order (it creates process groups).
 
-    A bucket's reduction runs to the end before the next bucket's starts (still on the
-    scheduler's worker, so still under backward): with the scheduler's cross-bucket
-    pipelining, two buckets' 1-bit exchanges in flight at once on the 2-rank cross-host
-    group crashed gloo now and then ("Received data size doesn't match expected size",
-    in 2 to 3 of 5 runs of 2 hosts x 2 ranks); one at a time, 5 of 5 runs were clean."""
+    Its reduction is a steps generator like any other, so the scheduler pipelines buckets
+    through it (bucket k's exchange inside the host while bucket k-1's 1-bit phases cross
+    the slow link). Each phase is one collective on one group, and the phase sequence
+    depends only on the bucket order, so the groups inside and between hosts each see the
+    same op order on every member (DESIGN.md contract 1)."""
 
     name = "hierarchical"
     summable = False
@@ -165,6 +165,7 @@ class Hierarchical(Compressor):
         if self.local_rank == 0:
             _sweep_shm()
         self._shm_ok = True
+        self._regions = 0  # shared regions named so far (never reused, not even after reset)
         log.info(
             "hierarchical reduction: %d hosts x %d ranks, %r between hosts", hosts, local, inner
         )
@@ -181,10 +182,7 @@ class Hierarchical(Compressor):
         shapes: Sequence[torch.Size] | None = None,
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
-        # One bucket at a time, to the end, in its first phase (see the class docstring).
-        out = run(self._steps(key, flat))
-        return out
-        yield  # a generator: the scheduler's worker runs it
+        return (yield from self._steps(key, flat))
 
     def _steps(self, key: Hashable, flat: torch.Tensor) -> Steps:
         if flat.device.type == "cpu" and self._shm_ok:
@@ -222,8 +220,14 @@ class Hierarchical(Compressor):
                 need / 2**20,
             )
             return None
-        # keys come in the same order on every rank of the host: number them in that order
-        path = os.path.join(_SHM, f"overlap-{self._pid0}-{self._token}-{len(self.state)}")
+        # Regions are named in the order this line runs, the same on every rank of the host
+        # (the pipeline's order is fixed). A count of its own, not len(self.state): with
+        # buckets pipelined, a second bucket names its region before the first has stored
+        # its own, and len(self.state) gave both the same file: two buckets sharing memory,
+        # then a failed unlink on local rank 0 only, whose bucket then skipped a barrier
+        # the others issued (gloo: "Received data size doesn't match").
+        path = os.path.join(_SHM, f"overlap-{self._pid0}-{self._token}-{self._regions}")
+        self._regions += 1
         if self.local_rank == 0:
             buf = torch.from_file(path, shared=True, size=(L + 1) * per * L, dtype=flat.dtype)
         yield self._barrier()

@@ -117,3 +117,13 @@ def test_a_nonfinite_step_leaves_the_scheduler_usable(
     out = pools(2).run(sc.nonfinite_step_leaves_the_scheduler_usable, mode, timeout=120)
     want = ["ok", "NonFiniteError [1]", "ok", "ok"]
     assert out == [want, want], out
+
+
+def test_hierarchical_pipelines_buckets_each_in_its_own_region(
+    pools: Callable[[int], RankPool],
+) -> None:
+    """Regression: pipelined buckets once named their shared regions alike (the same file
+    for two buckets, then a failed unlink on one rank and a collective mismatch)."""
+    out = pools(2).run(sc.hierarchical_pipelined_equals_the_average, timeout=120)
+    for err, buckets, regions in out:
+        assert err < 1e-6 and buckets >= 3 and regions == buckets, out

@@ -2,7 +2,8 @@
 
 Checks, reported by rank 0 as ``RESULT {...}``:
 * hierarchy="node" with NoCompression gives the flat average of every rank's gradients;
-* hierarchy="auto" picks node here, and with OneBit every rank ends with the same gradients;
+* hierarchy="auto" picks node here, and with OneBit (several buckets, pipelined) every rank
+  ends with the same gradients;
 * hierarchy="flat" is not wrapped.
 """
 
@@ -40,10 +41,13 @@ def main() -> None:
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
 
     model = _model()
-    sched = overlap.BucketScheduler(model, hierarchy="node", bucket_cap_mb=0.002)
+    sched = overlap.BucketScheduler(
+        model, hierarchy="node", bucket_cap_mb=0.002, first_bucket_mb=0.002
+    )
     model(x).pow(2).mean().backward()
     sched.synchronize()
     ours = _grads(model)
+    out["node_buckets"] = len(sched.buckets)
     sched.remove()
     plain = _model()
     plain(x).pow(2).mean().backward()
@@ -53,7 +57,14 @@ def main() -> None:
     out["node_none_same"] = _same(ours)
 
     model = _model()
-    sched = overlap.BucketScheduler(model, compression=overlap.OneBit(), hierarchy="auto")
+    # several buckets: their reductions are pipelined, 1-bit phases between hosts included
+    sched = overlap.BucketScheduler(
+        model,
+        compression=overlap.OneBit(),
+        hierarchy="auto",
+        bucket_cap_mb=0.002,
+        first_bucket_mb=0.002,
+    )
     out["auto_wrapped"] = sched.hierarchical
     out["auto_stats"] = sched.statistics()["compression"]
     same = True
@@ -63,6 +74,7 @@ def main() -> None:
         sched.synchronize()
         same &= _same(_grads(model))
     out["auto_onebit_same"] = same
+    out["auto_buckets"] = len(sched.buckets)
     sched.remove()
 
     sched = overlap.BucketScheduler(_model(), hierarchy="flat")
