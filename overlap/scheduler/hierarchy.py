@@ -45,6 +45,8 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
+from overlap.compression.codec import gather_sources
+from overlap.compression.onebit import write_outputs
 from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
 
@@ -103,6 +105,18 @@ def resolve(hierarchy: str, layout: tuple[int, int] | None, group_is_world: bool
     return usable
 
 
+def _gaps(n: int, outputs: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int, int]]:
+    """The ranges of [0, n) that no (start, tensor) of ``outputs`` covers."""
+    out, at = [], 0
+    for a, t in sorted(outputs, key=lambda o: o[0]):
+        if a > at:
+            out.append((at, a))
+        at = max(at, a + t.numel())
+    if at < n:
+        out.append((at, n))
+    return out
+
+
 def _sweep_shm() -> None:
     """Remove region files whose creating process is gone: a crash between making a region
     and unlinking it (a few ms) leaves one behind, named ``overlap-<pid>-...``."""
@@ -131,6 +145,12 @@ class Hierarchical(Compressor):
 
     name = "hierarchical"
     summable = False
+    # The scheduler passes the gradients (Compressor.reduce_steps): on the shared-memory
+    # path they go straight into this rank's slot and come straight back from the result,
+    # saving the copy into the bucket and the copy back out of it (four passes of the
+    # bucket per rank, on a path that is otherwise seven or so).
+    writes_outputs = True
+    reads_outputs = True
 
     def __init__(self, inner: Compressor, hosts: int, local: int, group: Any = None) -> None:
         if hosts * local != comm.get_world_size(group):
@@ -181,15 +201,18 @@ class Hierarchical(Compressor):
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
+        read_outputs: bool = False,
     ) -> Steps:
-        return (yield from self._steps(key, flat))
-
-    def _steps(self, key: Hashable, flat: torch.Tensor) -> Steps:
+        """``outputs`` and ``read_outputs`` as in :meth:`Compressor.reduce_steps`."""
         if flat.device.type == "cpu" and self._shm_ok:
             region = yield from self._region(key, flat)
             if region is not None:
-                return (yield from self._shm_steps(key, flat, region))
-        return (yield from self._socket_steps(key, flat))
+                return (yield from self._shm_steps(key, flat, region, outputs, read_outputs))
+        if read_outputs:
+            gather_sources(flat, outputs)
+        yield from self._socket_steps(key, flat)
+        write_outputs(flat, outputs)
+        return flat
 
     def _barrier(self) -> list[Any]:
         return [comm.all_reduce(torch.zeros(1), group=self.local_group, async_op=True)]
@@ -240,13 +263,29 @@ class Hierarchical(Compressor):
         self.state[("shm", key)] = region
         return region
 
-    def _shm_steps(self, key: Hashable, flat: torch.Tensor, region: Any) -> Steps:
+    def _shm_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        region: Any,
+        outputs: Sequence[tuple[int, torch.Tensor]],
+        read_outputs: bool,
+    ) -> Steps:
         """Inside the host through shared memory: write the bucket to this rank's slot,
-        average chunk l over the slots, reduce it across hosts, publish it, read them all."""
+        average chunk l over the slots, reduce it across hosts, publish it, read them all.
+
+        The outputs' elements go into the slot from the outputs themselves (``read_outputs``)
+        and come back into them from the result; ``flat`` carries only the rest."""
         buf, per = region
         n, L, mine = flat.numel(), self.local, self.local_rank
         slots, result = buf[:L], buf[L]
-        slots[mine, :n].copy_(flat)
+        slot = slots[mine]
+        if read_outputs:
+            for a, b in _gaps(n, outputs):
+                slot[a:b].copy_(flat[a:b])
+            gather_sources(slot, outputs)
+        else:
+            slot[:n].copy_(flat)
         yield self._barrier()  # every slot written
         lo, hi = mine * per, (mine + 1) * per
         chunk = self.state.get(("chunk", key))
@@ -254,10 +293,20 @@ class Hierarchical(Compressor):
             chunk = self.state[("chunk", key)] = torch.empty(per, dtype=flat.dtype)
         torch.sum(slots[:, lo:hi], dim=0, out=chunk)
         chunk.div_(L)
-        yield from self.inner.reduce_steps((key, "chunk"), chunk, group=self.cross_group)
-        result[lo:hi].copy_(chunk)
+        # a compressor that writes outputs rebuilds straight into the published result
+        mine_out = result[lo:hi]
+        direct = self.inner.current().writes_outputs
+        kw: dict[str, Any] = {"outputs": [(0, mine_out)]} if direct else {}
+        yield from self.inner.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
+        if not direct:
+            mine_out.copy_(chunk)
         yield self._barrier()  # every chunk published
-        flat.copy_(result[:n])
+        if outputs:
+            for a, b in _gaps(n, outputs):
+                flat[a:b].copy_(result[a:b])
+            write_outputs(result, outputs)
+        else:
+            flat.copy_(result[:n])
         return flat
 
     def _socket_steps(self, key: Hashable, flat: torch.Tensor) -> Steps:

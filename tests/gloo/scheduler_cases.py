@@ -450,8 +450,10 @@ def hierarchical_pipelined_equals_the_average() -> list[Any]:
     """A Hierarchical reduction (each rank its own "host": a 1-rank group inside, the world
     between) with several buckets in flight at once: every bucket makes its own shared
     region as it starts, so the pipeline names regions for later buckets before earlier
-    ones have stored theirs. Returns [max error against the plain average over two steps,
-    buckets, distinct region files the buckets mapped]."""
+    ones have stored theirs. The gradients go into the slots and come back from the result
+    without a copy into or out of the bucket. Returns [max error against the plain average
+    over two steps, buckets, distinct region files the buckets mapped, gradients written
+    straight into .grad, gradients read where backward left them]."""
     from overlap.scheduler.hierarchy import Hierarchical
 
     torch.manual_seed(0)
@@ -481,6 +483,7 @@ def hierarchical_pipelined_equals_the_average() -> list[Any]:
             for k, v in comp.state.items()
             if isinstance(k, tuple) and k[0] == "shm"
         }
-        return [err, len(sched.buckets), len(regions)]
+        st = sched.statistics()
+        return [err, len(sched.buckets), len(regions), st["direct"], st["read_in_place"]]
     finally:
         sched.remove()

@@ -125,5 +125,6 @@ def test_hierarchical_pipelines_buckets_each_in_its_own_region(
     """Regression: pipelined buckets once named their shared regions alike (the same file
     for two buckets, then a failed unlink on one rank and a collective mismatch)."""
     out = pools(2).run(sc.hierarchical_pipelined_equals_the_average, timeout=120)
-    for err, buckets, regions in out:
+    for err, buckets, regions, direct, in_place in out:
         assert err < 1e-6 and buckets >= 3 and regions == buckets, out
+        assert direct == in_place == 6, out  # every parameter: no bucket copy either way
