@@ -377,7 +377,7 @@ def server(
             r0, r1 = recv[0, t0 >> 3 : t1 >> 3], recv[1, t0 >> 3 : t1 >> 3]
             sq[:] = 0.0
             for j in range(m >> 3):
-                packed[(t0 >> 3) + j] = srv2(r0[j], r1[j], _SIGNS, q0, q1, cs, s, 8 * j, sq)
+                packed[(t0 >> 3) + j] = srv2(r0[j], r1[j], _SIGNS, q0, q1, cs, s, 8 * j, sq)  # type: ignore[call-arg]
             tot = 0.0
             for j in range(8):
                 tot += sq[j]
