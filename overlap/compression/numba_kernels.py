@@ -140,6 +140,15 @@ def _source(x: Any, src: Any, sstart: Any, k: int) -> Any:
     return x, 0
 
 
+@nb.njit(inline="always", cache=True)
+def _lanes(acc: Any) -> float:
+    """The sum of the 8 float64 lanes of a per-tile accumulator, in lane order."""
+    tot = 0.0
+    for j in range(8):
+        tot += acc[j]
+    return tot
+
+
 @intrinsic
 def sfence(typingctx: Any) -> Any:
     """Order this thread's non-temporal stores before anything it does next: a seq_cst
@@ -322,10 +331,7 @@ def encode(
             for j in range((t1 - t0) >> 3):
                 i = t0 + 8 * j
                 packed[(t0 >> 3) + j] = enc8(xa, i - off, wb, s, bn, i, acc)  # type: ignore[call-arg]
-            tot = 0.0
-            for j in range(8):
-                tot += acc[j]
-            partial[q] = tot
+            partial[q] = _lanes(acc)
             q += 1
             continue
         q1 = q
@@ -378,10 +384,7 @@ def server(
             sq[:] = 0.0
             for j in range(m >> 3):
                 packed[(t0 >> 3) + j] = srv2(r0[j], r1[j], _SIGNS, q0, q1, cs, s, 8 * j, sq)  # type: ignore[call-arg]
-            tot = 0.0
-            for j in range(8):
-                tot += sq[j]
-            partial[p] = tot
+            partial[p] = _lanes(sq)
             p += 1
             continue
         if pe[p] - ps[p] == m:  # one piece fills the tile: scalar scales
@@ -398,10 +401,7 @@ def server(
             sq[:] = 0.0
             for j in range(m >> 3):
                 packed[(t0 >> 3) + j] = upd8(acc, 8 * j, cs, s, cs, 8 * j, sq)
-            tot = 0.0
-            for j in range(8):
-                tot += sq[j]
-            partial[p] = tot
+            partial[p] = _lanes(sq)
             p = p1
             continue
         else:  # segment boundaries inside the tile: per-element scales
