@@ -234,6 +234,7 @@ class DiLoCo:
         self.bytes_sent = 0
         self._removed = False
         self._swapped = False  # inside global_weights(): the model holds the globals
+        self._awaiting = False  # an astep() is waiting for a landing
         self._start()
         self.globals = [p.detach().clone() for p in self.params]
         self._prepare()
@@ -306,12 +307,16 @@ class DiLoCo:
         self._check_live()
         self._t += 1
         land, issue = self._due_now()
-        for i in land:
-            self._land(i, await self._await(i))
-        for i in issue:
-            self._issue(i)
-            if self.delay == 0:
+        self._awaiting = True  # global_weights() refuses meanwhile (a landing would be undone)
+        try:
+            for i in land:
                 self._land(i, await self._await(i))
+            for i in issue:
+                self._issue(i)
+                if self.delay == 0:
+                    self._land(i, await self._await(i))
+        finally:
+            self._awaiting = False
 
     def flush(self) -> None:
         """Land every in-flight fragment now (at the end of training, before evaluating or
@@ -335,9 +340,15 @@ class DiLoCo:
 
         :meth:`step`, :meth:`astep`, :meth:`flush`, :meth:`state_dict` and
         :meth:`load_state_dict` refuse inside it (a landing there would be undone on exit).
-        Do not train inside it: the exit restores the weights as they were at entry.
+        Do not train inside it: the exit restores the weights as they were at entry. It
+        refuses while an :meth:`astep` of another task is waiting for a landing.
         """
         self._check_live()
+        if self._awaiting:
+            raise RuntimeError(
+                "an astep() is waiting for a fragment to land, and the landing would write "
+                "the weights this block swaps out: await that astep() first"
+            )
         with torch.no_grad():
             local = [p.detach().clone() for p in self.params]
             for p, g in zip(self.params, self.globals, strict=True):

@@ -10,6 +10,7 @@ becomes alpha local + (1 - alpha) global.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import math
 import time
@@ -188,8 +189,9 @@ def astep_returns_while_in_flight() -> list[Any]:
 def global_weights_swap() -> list[Any]:
     """``with d.global_weights():`` puts the global weights (equal on every rank) in the
     model and refuses a step; on exit the local weights are back bit for bit and training
-    goes on. Returns [fragments in flight, inside == globals, inside the same on every rank,
-    locals differed from globals, the refusal names the block, back == locals, steps]."""
+    goes on; refused while an astep() waits for a landing. Returns [that refusal, fragments
+    in flight, inside == globals, inside the same on every rank, locals differed from
+    globals, the refusal names the block, back == locals, steps]."""
     model, inner, d = _build(4, 2, 1)
     try:
         for t in range(1, 9):  # fragment 0 landed at 7; fragment 1, issued at 8, in flight
@@ -211,10 +213,38 @@ def global_weights_swap() -> list[Any]:
         comm.all_gather(every, flat)
         same = all(torch.equal(x, flat) for x in every)
         back = all(torch.equal(p, x) for p, x in zip(model.ps, local, strict=True))
-        for t in range(9, 11):  # fragment 1 lands at 9
-            _inner_step(model, inner, t)
-            d.step()
+        # step 9 lands fragment 1 through astep(), held at its landing by a gate: meanwhile
+        # another task's global_weights() is refused (the landing would be undone on exit)
+        _inner_step(model, inner, 9)
+        gate: list[Any] = []
+        landing = d._await
+
+        async def held(i: int) -> torch.Tensor:
+            await gate[0].wait()
+            return await landing(i)
+
+        async def main() -> str:
+            gate.append(asyncio.Event())
+            d._await = held  # type: ignore[method-assign]
+            task = asyncio.create_task(d.astep())
+            await asyncio.sleep(0)
+            try:
+                with d.global_weights():
+                    why = ""
+            except RuntimeError as exc:
+                why = str(exc)
+            gate[0].set()
+            await task
+            return why
+
+        try:
+            while_landing = overlap.run(main())
+        finally:
+            del d._await
+        _inner_step(model, inner, 10)
+        d.step()
         return [
+            "astep()" in while_landing,
             in_flight,
             all(torch.equal(a, g) for a, g in zip(inside, glob, strict=True)),
             same,

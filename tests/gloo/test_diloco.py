@@ -68,7 +68,7 @@ def test_astep_returns_while_the_reduction_is_in_flight(pools: Callable[[int], R
 def test_global_weights_swap_in_and_back(pools: Callable[[int], RankPool]) -> None:
     """The agreed model is evaluable mid-run, with a fragment in flight; nothing is lost."""
     out = pools(2).run(dc.global_weights_swap, timeout=120)
-    assert out == [[[1], True, True, True, True, True, 10]] * 2
+    assert out == [[True, [1], True, True, True, True, True, 10]] * 2
 
 
 def test_syncs_allocate_nothing_new(pools: Callable[[int], RankPool]) -> None:
