@@ -253,12 +253,20 @@ class Hierarchical(Compressor):
         self._regions += 1
         if self.local_rank == 0:
             buf = torch.from_file(path, shared=True, size=(L + 1) * per * L, dtype=flat.dtype)
-        yield self._barrier()
-        if self.local_rank != 0:
-            buf = torch.from_file(path, shared=True, size=(L + 1) * per * L, dtype=flat.dtype)
-        yield self._barrier()
-        if self.local_rank == 0:
-            os.unlink(path)  # every rank has it mapped: nothing is left behind, even on a crash
+        mapped = False
+        try:
+            yield self._barrier()
+            if self.local_rank != 0:
+                buf = torch.from_file(path, shared=True, size=(L + 1) * per * L, dtype=flat.dtype)
+            yield self._barrier()
+            mapped = True
+        finally:
+            # Every rank has it mapped: local rank 0 unlinks it, and nothing is left behind
+            # even on a crash. If the job broke before that (a barrier failed, the step
+            # was abandoned), any rank removes it on the way out.
+            if self.local_rank == 0 or not mapped:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         region = (buf.view(L + 1, per * L), per)
         self.state[("shm", key)] = region
         return region

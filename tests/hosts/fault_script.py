@@ -1,9 +1,11 @@
 """A rank that all-reduces in a loop until the job breaks, then records how it broke.
 
-    fault_script.py OUT_DIR TIMEOUT_S
+    fault_script.py OUT_DIR TIMEOUT_S [train]
 
 Each rank writes OUT_DIR/ready.<rank> after its first all_reduce and, when one fails,
 OUT_DIR/error.<rank> with the error's type and the seconds since its last success.
+``train``: the loop is training steps of a BucketScheduler with OneBit, hierarchical on
+several hosts (buckets pipelined through the exchange inside the host and across hosts).
 """
 
 from __future__ import annotations
@@ -23,10 +25,27 @@ def main() -> None:
     overlap.init_distributed(timeout=timeout)
     rank = comm.get_rank()
     x = torch.ones(1024)
+    one = comm.all_reduce
+    if len(sys.argv) > 3 and sys.argv[3] == "train":
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        sched = overlap.BucketScheduler(
+            model,
+            compression=overlap.OneBit(warmup_steps=1),
+            bucket_cap_mb=0.02,
+            first_bucket_mb=0.02,
+        )
+        assert sched.hierarchical, "2 hosts x 2 ranks should reduce hierarchically"
+        batch = torch.randn(8, 64)
+
+        def one(x: torch.Tensor, op: str) -> None:
+            model(batch).pow(2).mean().backward()
+            sched.synchronize()
+
     last = time.monotonic()
     try:
         for i in range(1_000_000):
-            comm.all_reduce(x, op="avg")
+            one(x, op="avg")
             last = time.monotonic()
             if i == 0:
                 open(os.path.join(out, f"ready.{rank}"), "w").close()

@@ -158,15 +158,18 @@ def test_bad_arguments_are_refused() -> None:
         pass
 
 
-def _fault(kind: str, tmp_path: Path, timeout: float = 10.0) -> dict[int, str]:
+def _fault(
+    kind: str, tmp_path: Path, timeout: float = 10.0, mode: str = "all_reduce"
+) -> dict[int, str]:
     """Run fault_script on 2 hosts x 2 under torchrun; break host 1 (``kill`` its processes,
-    or take its ``link`` down) once every rank has reduced; return host 0's error records."""
+    or take its ``link`` down) once every rank has reduced; return host 0's error records.
+    ``mode`` "train": the ranks run hierarchical OneBit training steps instead."""
     from overlap.bench.hosts import namespace_hosts
 
     script = str(ROOT / "tests" / "hosts" / "fault_script.py")
     with namespace_hosts(2, link="1gbit") as hosts:
         procs = hosts.torchrun(
-            [script, str(tmp_path), str(timeout)],
+            [script, str(tmp_path), str(timeout), *(["train"] if mode == "train" else [])],
             2,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -209,6 +212,25 @@ def test_a_lost_host_fails_the_other_hosts_ranks_within_the_timeout(
         assert name in ("CommError", "CommTimeoutError"), (rank, text)
         assert float(waited) <= timeout + 5, (rank, text)
     assert _ours() == []
+
+
+def test_a_lost_host_fails_hierarchical_training_within_the_timeout(tmp_path: Path) -> None:
+    """The same while the ranks train with hierarchical OneBit, buckets pipelined through the
+    shared-memory exchange and the 1-bit phases between hosts: no hang in a barrier or a
+    phase; the error reaches synchronize() on host 0's ranks."""
+    timeout = 10.0
+    errors = _fault("kill", tmp_path, timeout, mode="train")
+    for rank, text in errors.items():
+        name, waited = text.split()[:2]
+        assert name in ("CommError", "CommTimeoutError"), (rank, text)
+        assert float(waited) <= timeout + 5, (rank, text)
+    assert _ours() == []
+    # Host 0's ranks failed cleanly and removed the regions they had not unlinked yet; the
+    # killed host's local rank 0 could not, and the next job's sweep removes those.
+    from overlap.scheduler.hierarchy import _sweep_shm
+
+    _sweep_shm()
+    assert not [f for f in os.listdir("/dev/shm") if _dead_creator(f)]
 
 
 def test_hierarchical_reduction_is_the_flat_average_and_the_same_everywhere() -> None:
