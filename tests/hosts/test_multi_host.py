@@ -195,7 +195,9 @@ def _fault(
                 assert time.monotonic() - t0 < timeout + 20, "host 0's ranks still hang"
                 time.sleep(0.1)
             procs[0].wait(timeout=30)  # and the job on host 0 ends
-            return {r: (tmp_path / f"error.{r}").read_text() for r in (0, 1)}
+            errors = {r: (tmp_path / f"error.{r}").read_text() for r in (0, 1)}
+            errors[-1] = (tmp_path / "ready.0").read_text()  # host 0's local rank 0's pid
+            return errors
         finally:
             for p in procs:
                 p.kill()
@@ -207,6 +209,7 @@ def test_a_lost_host_fails_the_other_hosts_ranks_within_the_timeout(
 ) -> None:
     timeout = 10.0
     errors = _fault(kind, tmp_path, timeout)
+    del errors[-1]
     for rank, text in errors.items():
         name, waited = text.split()[:2]
         assert name in ("CommError", "CommTimeoutError"), (rank, text)
@@ -220,13 +223,16 @@ def test_a_lost_host_fails_hierarchical_training_within_the_timeout(tmp_path: Pa
     phase; the error reaches synchronize() on host 0's ranks."""
     timeout = 10.0
     errors = _fault("kill", tmp_path, timeout, mode="train")
+    pid0 = errors.pop(-1)
     for rank, text in errors.items():
         name, waited = text.split()[:2]
         assert name in ("CommError", "CommTimeoutError"), (rank, text)
         assert float(waited) <= timeout + 5, (rank, text)
     assert _ours() == []
-    # Host 0's ranks failed cleanly and removed the regions they had not unlinked yet; the
-    # killed host's local rank 0 could not, and the next job's sweep removes those.
+    # Host 0's ranks failed cleanly and removed the regions they had not unlinked yet (named
+    # after host 0's local rank 0); the killed host's local rank 0 could not, and the next
+    # job's sweep removes those.
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"overlap-{pid0}-")]
     from overlap.scheduler.hierarchy import _sweep_shm
 
     _sweep_shm()
