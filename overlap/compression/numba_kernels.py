@@ -375,7 +375,6 @@ def server(
     for t0 in range(lo, hi, TILE):
         t1 = min(t0 + TILE, hi)
         m = t1 - t0
-        acc[:m] = 0.0
         cs = sc[t0:t1]
         if pe[p] - ps[p] == m and w == 2:  # the whole stage in registers (srv2)
             k = pseg[p]
@@ -387,6 +386,7 @@ def server(
             partial[p] = _lanes(sq)
             p += 1
             continue
+        acc[:m] = 0.0  # the tile's rank sum (srv2 above keeps it in registers)
         if pe[p] - ps[p] == m:  # one piece fills the tile: scalar scales
             p1 = p + 1
             k = pseg[p]
