@@ -162,6 +162,29 @@ def sfence(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
+def _stage8(
+    context: Any, builder: Any, xv: Any, wv: Any, s: Any, out: Any, nt: bool, aty: Any, acc: Any
+) -> Any:
+    """The codegen both 8-element stages share: b = (xv + (wv - copysign(s, wv))) + 0.0,
+    stored at ``out`` (``nt``: non-temporal), b * b (float64) added to the 8 lanes of the
+    accumulator ``acc`` (numba type ``aty``); returns the byte of b >= 0, MSB first."""
+    v8d = ir.VectorType(ir.DoubleType(), 8)
+    zero = ir.Constant(_V8, [0.0] * 8)
+    name = "llvm.copysign.v8f32"
+    copysign = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
+    )
+    err = builder.fsub(wv, builder.call(copysign, [_splat(builder, s), wv]))
+    b = builder.fadd(builder.fadd(xv, err), zero)
+    _store8(builder, b, out, nt)
+    ap = builder.bitcast(context.make_array(aty)(context, builder, acc).data, v8d.as_pointer())
+    bd = builder.fpext(b, v8d)
+    builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(bd, bd)), ap, align=8)
+    mask = builder.fcmp_ordered(">=", b, zero)
+    rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
+    return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
+
+
 def _enc8(nontemporal: bool) -> Any:
     """The encode stage for 8 elements at idx, in registers: b = (x[xidx:] + (wb -
     copysign(s, wb))) + 0.0, stored to bn (``nontemporal``: around the caches; bn + idx must
@@ -169,26 +192,13 @@ def _enc8(nontemporal: bool) -> Any:
     byte of b >= 0, MSB first. One read of x and wb and one write of b: nothing is read back.
     ``x`` is indexed apart (``xidx``) so it can be a gradient tensor of its own rather than
     the bucket (the scheduler then skips copying it into the bucket)."""
-    v8d = ir.VectorType(ir.DoubleType(), 8)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        xv = builder.load(_v8ptr(context, builder, sig.args[0], args[0], args[1]), align=4)
-        wv = builder.load(_v8ptr(context, builder, sig.args[2], args[2], args[5]), align=4)
-        sv = _splat(builder, args[3])
-        name = "llvm.copysign.v8f32"
-        copysign = builder.module.globals.get(name) or ir.Function(
-            builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
-        )
-        err = builder.fsub(wv, builder.call(copysign, [sv, wv]))
-        b = builder.fadd(builder.fadd(xv, err), ir.Constant(_V8, [0.0] * 8))
-        _store8(builder, b, _v8ptr(context, builder, sig.args[4], args[4], args[5]), nontemporal)
-        acc = context.make_array(sig.args[6])(context, builder, args[6])
-        ap = builder.bitcast(acc.data, v8d.as_pointer())
-        bd = builder.fpext(b, v8d)
-        builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(bd, bd)), ap, align=8)
-        mask = builder.fcmp_ordered(">=", b, ir.Constant(_V8, [0.0] * 8))
-        rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
-        return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
+        a = sig.args
+        xv = builder.load(_v8ptr(context, builder, a[0], args[0], args[1]), align=4)
+        wv = builder.load(_v8ptr(context, builder, a[2], args[2], args[5]), align=4)
+        out = _v8ptr(context, builder, a[4], args[4], args[5])
+        return _stage8(context, builder, xv, wv, args[3], out, nontemporal, a[6], args[6])
 
     def typer(
         typingctx: Any, x: Any, xidx: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any
@@ -235,7 +245,6 @@ def srv2(
     tile buffer), then c[idx:idx+8] = (v + (c - copysign(s, c))) + 0.0 in place, its float64
     squares added to ``acc`` and its sign byte returned (``upd8``). The same operations in
     the same order as ``addt8`` + ``upd8``, so bitwise the same result."""
-    v8d = ir.VectorType(ir.DoubleType(), 8)
     sig = types.uint8(b0, b1, tbl, q0, q1, c, s, idx, acc)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -250,20 +259,7 @@ def srv2(
         v = builder.fadd(builder.fadd(zero, term(args[0], args[3])), term(args[1], args[4]))
         cp = _v8ptr(context, builder, a[5], args[5], args[7])
         wv = builder.load(cp, align=4)
-        name = "llvm.copysign.v8f32"
-        copysign = builder.module.globals.get(name) or ir.Function(
-            builder.module, ir.FunctionType(_V8, [_V8, _V8]), name=name
-        )
-        err = builder.fsub(wv, builder.call(copysign, [_splat(builder, args[6]), wv]))
-        b = builder.fadd(builder.fadd(v, err), zero)
-        builder.store(b, cp, align=4)
-        accp = context.make_array(a[8])(context, builder, args[8])
-        ap = builder.bitcast(accp.data, v8d.as_pointer())
-        bd = builder.fpext(b, v8d)
-        builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(bd, bd)), ap, align=8)
-        mask = builder.fcmp_ordered(">=", b, zero)
-        rev = builder.module.declare_intrinsic("llvm.bitreverse", [ir.IntType(8)])
-        return builder.call(rev, [builder.bitcast(mask, ir.IntType(8))])
+        return _stage8(context, builder, v, wv, args[6], cp, False, a[8], args[8])
 
     return sig, codegen
 
