@@ -41,8 +41,8 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import BF16, FP16, Compressor, NoCompression
-from overlap.compression.codec import gather_sources
-from overlap.compression.onebit import OneBit, write_outputs
+from overlap.compression.codec import gather_sources, write_outputs
+from overlap.compression.onebit import OneBit
 from overlap.compression.powersgd import PowerSGD
 
 __all__ = ["Auto", "default_candidates"]

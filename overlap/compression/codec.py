@@ -33,7 +33,7 @@ import torch
 
 from overlap.compression.layout import Layout
 
-__all__ = ["Codec", "ErrorFeedback", "codec_for", "gather_sources", "kept_buffer"]
+__all__ = ["Codec", "ErrorFeedback", "codec_for", "gather_sources", "kept_buffer", "write_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,14 @@ def gather_sources(x: torch.Tensor, sources: Sequence[tuple[int, torch.Tensor]])
     flat = x.reshape(-1)
     for a, t in sources:
         flat[a : a + t.numel()].copy_(t.reshape(-1))
+
+
+def write_outputs(flat: torch.Tensor, outputs: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Copy flat's elements into the outputs (the paths that do not rebuild): the reverse
+    of :func:`gather_sources`."""
+    view = flat.reshape(-1)
+    for a, t in outputs:
+        t.view(-1).copy_(view[a : a + t.numel()])
 
 
 class ErrorFeedback:

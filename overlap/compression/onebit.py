@@ -38,7 +38,13 @@ from overlap.comm import driver
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
-from overlap.compression.codec import Codec, ErrorFeedback, codec_for, gather_sources
+from overlap.compression.codec import (
+    Codec,
+    ErrorFeedback,
+    codec_for,
+    gather_sources,
+    write_outputs,
+)
 from overlap.compression.layout import Layout, layout, padded_numel
 from overlap.errors import NonFiniteError
 
@@ -92,13 +98,6 @@ def _check(buffer: Any, worker_error: Any, server_error: Any, w: int) -> tuple[i
 
 
 _THREAD = threading.local()  # the blocking raw API's scratch buffers, per thread
-
-
-def write_outputs(flat: torch.Tensor, outputs: Sequence[tuple[int, torch.Tensor]]) -> None:
-    """Copy flat's elements into the outputs (the paths that do not rebuild)."""
-    view = flat.reshape(-1)
-    for a, t in outputs:
-        t.view(-1).copy_(view[a : a + t.numel()])
 
 
 def _finite_rows(scales: torch.Tensor) -> list[bool]:

@@ -41,7 +41,8 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
-from overlap.compression.onebit import OneBit, compressed_bytes, write_outputs
+from overlap.compression.codec import write_outputs
+from overlap.compression.onebit import OneBit, compressed_bytes
 from overlap.errors import NonFiniteError
 
 __all__ = ["OneBitAdam"]

@@ -45,8 +45,7 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
-from overlap.compression.codec import gather_sources
-from overlap.compression.onebit import write_outputs
+from overlap.compression.codec import gather_sources, write_outputs
 from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
 
