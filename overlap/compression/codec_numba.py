@@ -145,9 +145,10 @@ def _segment_sources(x: Any, lay: Layout, sources: Any) -> np.ndarray:
         return src
     starts = lay.cache.get("numba-seg-index")
     if starts is None:
-        starts = lay.cache["numba-seg-index"] = (
-            {int(a): k for k, a in enumerate(lay.seg_start[:-1])} if lay.nseg > 1 else {}
-        )
+        # the tensors' segments; with one segment (the whole padded buffer) that one, which
+        # a source covers exactly only when there is no padding (checked below)
+        tensors = lay.seg_start[:-1] if lay.nseg > 1 else lay.seg_start
+        starts = lay.cache["numba-seg-index"] = {int(a): k for k, a in enumerate(tensors)}
     for a, t in sources:
         k = starts.get(int(a))
         if (

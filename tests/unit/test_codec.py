@@ -195,6 +195,32 @@ def test_encode_reads_its_sources_where_they_are(
     assert all(torch.equal(t, p) for (_, t), p in zip(sources[:3], parts, strict=False))
 
 
+@needs_numba
+@pytest.mark.parametrize(("n", "in_place"), [(4096, True), (4100, False)])
+def test_a_one_tensor_bucket_is_read_in_place_when_it_needs_no_padding(
+    n: int, in_place: bool
+) -> None:
+    """A bucket of one tensor is one segment, the whole padded buffer. When there is no
+    padding (P == n) the numba encode reads the tensor where it is and never writes the
+    bucket (the scheduler's last bucket, the first layer's weight, took a full copy per
+    step before); with padding it copies the tensor in. Bitwise the same either way."""
+    w = 2
+    lay = Layout(n, w, 0, None)
+    assert (lay.P == n) is in_place
+    src = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    codec = codec_numba.NumbaCodec()
+    got = []
+    for buf, sources in ((src.clone(), []), (torch.full((n,), 7.0), [(0, src)])):
+        ef = ErrorFeedback.zeros(lay, torch.device("cpu"))
+        ef.ws.fill_(0.05)
+        packed, scale, b = codec.encode(buf, lay, ef, sources)
+        got.append((packed.clone(), scale.clone(), b.clone()))
+        stale = buf
+    for a, b_ in zip(*got, strict=True):
+        assert torch.equal(a, b_)
+    assert torch.equal(stale, torch.full((n,), 7.0)) is in_place
+
+
 def test_lazy_error_feedback_round_trips() -> None:
     lay = Layout(100, 2, 0, [60, 40])
     ef = ErrorFeedback.zeros(lay, torch.device("cpu"))
