@@ -206,7 +206,7 @@ def test_a_one_tensor_bucket_is_read_in_place_when_it_needs_no_padding(
     step before); with padding it copies the tensor in. Bitwise the same either way."""
     w = 2
     lay = Layout(n, w, 0, None)
-    assert (lay.P == n) is in_place
+    assert (n == lay.P) is in_place
     src = torch.randn(n, generator=torch.Generator().manual_seed(3))
     codec = codec_numba.NumbaCodec()
     got = []
