@@ -188,7 +188,10 @@ class Codec(ABC):
         self, recv: torch.Tensor, q: torch.Tensor, lay: Layout, ef: ErrorFeedback
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """c = sum_r sign(recv[r]) * q[r, segment] + server error, written over ``ef.sc``;
-        returns (packed signs of c, per-segment scales of c over this rank's chunk)."""
+        returns (packed signs of c, per-segment scales of c over this rank's chunk).
+
+        ``recv`` is (W, >= chunk/8) uint8, C-contiguous: row r starts with rank r's chunk/8
+        sign bytes for this chunk; bytes after them (the sender's scales) are ignored."""
 
     @abstractmethod
     def rebuild(

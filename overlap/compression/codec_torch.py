@@ -137,7 +137,7 @@ class TorchCodec(Codec):
         self, recv: torch.Tensor, q: torch.Tensor, lay: Layout, ef: ErrorFeedback
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ix = self._index(lay, recv.device)
-        signs = unpack_signs(recv).reshape(lay.w, lay.chunk)
+        signs = unpack_signs(recv[:, : lay.chunk // 8]).reshape(lay.w, lay.chunk)
         acc = torch.zeros(lay.chunk, dtype=torch.float32, device=recv.device)
         one = lay.nseg == 1
         for r in range(lay.w):  # in rank order, as the reference sums
