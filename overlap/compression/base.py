@@ -94,7 +94,8 @@ class Compressor(ABC):
 
     def end_step(self) -> None:
         """Every bucket of the step has been reduced without error (the BucketScheduler
-        calls it in ``synchronize()``, before the copy-back)."""
+        calls it in ``synchronize()`` after the last bucket; on the CPU the buckets are
+        copied back into .grad as each is reduced, so before it; on CUDA after it)."""
         return None
 
     def current(self) -> Compressor:

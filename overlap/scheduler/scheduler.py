@@ -395,6 +395,7 @@ class BucketScheduler:
             b.reset()
         self._next = 0
         self._handles: list[Handle] = []
+        self._launched: list[Bucket] = []  # the buckets of _handles, in the same order
         self._order: list[int] = []
         self._timeline: list[dict[str, Any]] = []
         self._bwd: list[int] = []  # first and last gradient-hook time (ns) of this step
@@ -451,6 +452,7 @@ class BucketScheduler:
             return
         h = Handle(f"bucket{b.index}", result=b.flat, nbytes=b.nbytes, backend=comm.get_backend())
         self._handles.append(h)
+        self._launched.append(b)
         entry: dict[str, Any] = {"bucket": b.index, "bytes": b.nbytes, "ready": time.perf_counter()}
         self._timeline.append(entry)
         comp, group, shapes, w, average = (
@@ -554,6 +556,7 @@ class BucketScheduler:
         """Issue the bucket's (pre-scaled) sum allreduce from this thread, as DDP does."""
         h = comm.all_reduce(b.flat, op="sum", group=self.group, async_op=True)
         self._handles.append(h)
+        self._launched.append(b)
         tracer = self.tracer
         now = time.perf_counter()
         self._timeline.append(
@@ -590,6 +593,23 @@ class BucketScheduler:
             del e["flow"], e["ready_tid"]
 
     # -------------------------------------------------------------------- end of step
+    def _copy_back(self, b: Bucket, used: list[bool]) -> None:
+        """Bucket ``b``'s averages into its parameters' .grad (those the compressor did not
+        write directly)."""
+        for pos, p in enumerate(b.params):
+            if not used[self._pidx[id(p)]]:
+                continue  # unused on every rank: .grad untouched (None), as DDP
+            if pos in b.direct:
+                continue  # the compressor already wrote the average into .grad
+            view = b.view_of(pos)
+            if self.grad_as_view:
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.to(p.dtype).clone()
+            else:
+                p.grad.copy_(view)
+
     def _finish_steps(self) -> Steps:
         tracer = self.tracer
         t_wait = time.perf_counter_ns()
@@ -615,9 +635,25 @@ class BucketScheduler:
                     b.ready = True
             self._launch_ready()
             handles = list(self._handles)
+            launched = list(zip(self._launched, handles, strict=True))
         self._launcher.flush()  # every bucket is in: drive the pipeline to the end
+        used = mask.bool().tolist()
+        # CPU: each bucket is copied back into .grad as soon as it is reduced, while later
+        # buckets are still on the wire, instead of all of them after the last one (a serial
+        # pass over every gradient at the end of the step). CUDA: after wait_compute().
+        early = self.device.type == "cpu"
         try:
-            yield handles
+            if early:
+                for b, h in launched:
+                    yield [h]
+                    t = time.perf_counter_ns()
+                    self._copy_back(b, used)
+                    if tracer is not None:
+                        tracer.record(
+                            "copy-back", "user", t, time.perf_counter_ns(), bucket=b.index
+                        )
+            else:
+                yield handles
         except BaseException:
             # A bucket failed (e.g. NonFiniteError on every rank). Let every other bucket of
             # the step settle, so none still writes into a bucket or .grad, then start a
@@ -632,23 +668,12 @@ class BucketScheduler:
         t_copy = time.perf_counter_ns()
         if tracer is not None:
             tracer.record("synchronize", "wait", t_wait, t_copy)
-        used = mask.bool().tolist()
-        for b in self.buckets:
-            for pos, p in enumerate(b.params):
-                if not used[self._pidx[id(p)]]:
-                    continue  # unused on every rank: .grad untouched (None), as DDP
-                if pos in b.direct:
-                    continue  # the compressor already wrote the average into .grad
-                view = b.view_of(pos)
-                if self.grad_as_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.to(p.dtype).clone()
-                else:
-                    p.grad.copy_(view)
+        if not early:
+            for b in self.buckets:
+                self._copy_back(b, used)
+            if tracer is not None:
+                tracer.record("copy-back", "user", t_copy, time.perf_counter_ns())
         if tracer is not None:
-            tracer.record("copy-back", "user", t_copy, time.perf_counter_ns())
             tracer.step()
         self._stats = {
             "step": self._step,

@@ -185,6 +185,33 @@ def first_bucket_starts_before_backward_ends() -> list[float]:
     return margins
 
 
+def copy_back_as_each_bucket_lands(name: str) -> float:
+    """On the CPU each bucket goes back into .grad as soon as it is reduced, not after the
+    last one: with a 16 MiB last bucket (the first layer's weight, still on the wire for
+    milliseconds), bucket 0's copy-back must end before the last bucket's reduction does.
+    Before, every copy-back ran after the last reduction. Returns that margin in seconds."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4096, 1024), nn.Linear(1024, 64), nn.Linear(64, 64))
+    comp = {"none": NoCompression(), "fp16": FP16()}[name]
+    tracer = overlap.Tracer()
+    sched = BucketScheduler(
+        model, compression=comp, bucket_cap_mb=0.02, first_bucket_mb=0.02, tracer=tracer
+    )
+    try:
+        model(torch.randn(4, 4096)).sum().backward()
+        sched.synchronize()
+        last = len(sched.buckets) - 1
+        assert last >= 2, sched.buckets
+        spans = {(s[0], s[5].get("bucket")): s for s in tracer.spans}
+        assert all(("copy-back", b.index) in spans for b in sched.buckets), spans.keys()
+        margin = (spans[(f"reduce bucket {last}", last)][3] - spans[("copy-back", 0)][3]) / 1e9
+        assert margin > 0, margin
+        return margin
+    finally:
+        sched.remove()
+        tracer.detach()
+
+
 def train_with(name: str, steps: int = 120) -> float:
     r = comm.get_rank()
     torch.manual_seed(0)

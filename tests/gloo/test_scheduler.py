@@ -32,6 +32,14 @@ def test_no_sync_accumulation_equals_ddp(pools: Callable[[int], RankPool]) -> No
     assert pools(2).run(sc.no_sync_equals_ddp, timeout=60) == [True, True]
 
 
+@pytest.mark.parametrize("name", ["none", "fp16"])
+def test_each_bucket_is_copied_back_as_soon_as_it_lands(
+    pools: Callable[[int], RankPool], name: str
+) -> None:
+    # none: DDP's inline path; fp16: the worker thread's
+    assert min(pools(2).run(sc.copy_back_as_each_bucket_lands, name, timeout=60)) > 0
+
+
 def test_first_bucket_collective_starts_before_backward_ends(
     pools: Callable[[int], RankPool],
 ) -> None:
