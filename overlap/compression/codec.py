@@ -117,6 +117,7 @@ class ErrorFeedback:
         self.ss = torch.zeros(nseg, dtype=torch.float32, device=wb.device)
         self.spare = spare
         self._scratch: dict[str, torch.Tensor] = {}
+        self.cache: dict[str, Any] = {}  # derived per-state helpers (onebit's message rows)
 
     def scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer kept for the next call on this state (sign chunks, scales). Calls on one

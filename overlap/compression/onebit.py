@@ -34,6 +34,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from overlap import comm
@@ -104,15 +105,54 @@ _THREAD = threading.local()  # the blocking raw API's scratch buffers, per threa
 
 
 def _finite_rows(scales: torch.Tensor) -> list[bool]:
-    """Which ranks' scales are all finite: one host read for all of them."""
+    """Which ranks' scales are all finite: one host read for all of them (numpy on the
+    CPU: a torch isfinite/all/tolist chain costs tens of microseconds per bucket)."""
+    if scales.device.type == "cpu":
+        rows: list[bool] = np.isfinite(scales.numpy()).all(axis=1).tolist()
+        return rows
     ok: list[bool] = torch.isfinite(scales).all(dim=1).tolist()
     return ok
 
 
-def _floats(cols: torch.Tensor) -> torch.Tensor:
-    """A (W, 4k) uint8 slice of message rows as a fresh (W, k) float32 tensor (a copy: the
-    slice starts at an odd byte offset, where no float view is allowed)."""
-    return cols.clone(memory_format=torch.contiguous_format).view(torch.float32)
+class _Messages:
+    """One state's message rows for both phases, and every view of them, made once.
+
+    A row is a chunk's chunk/8 sign bytes followed by its sender's scales (4 x segments
+    bytes). Kept on the :class:`ErrorFeedback` (calls on one state run one after the
+    other), so a call does copies into ready views and no tensor slicing."""
+
+    def __init__(self, lay: Layout, dev: torch.device) -> None:
+        w, cb, sb = lay.w, lay.chunk // 8, 4 * lay.nseg
+        self.key = (lay.P, w, lay.nseg, dev)
+        self.cb, self.sb = cb, sb
+        row = cb + sb
+
+        def u8(numel: int) -> torch.Tensor:
+            return torch.empty(numel, dtype=torch.uint8, device=dev)
+
+        def f32(shape: tuple[int, int]) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.float32, device=dev)
+
+        self.send, self.recv, self.mine, self.rows = u8(w * row), u8(w * row), u8(row), u8(w * row)
+        send, recv, rows = self.send.view(w, row), self.recv.view(w, row), self.rows.view(w, row)
+        self.send_signs, self.send_scales = send[:, :cb], send[:, cb:]
+        self.recv_rows, self.recv_scales = recv, recv[:, cb:]
+        self.mine_signs, self.mine_scales = self.mine[:cb], self.mine[cb:]
+        self.rows_signs, self.rows_scales = rows[:, :cb], rows[:, cb:]
+        self.scales, self.sscales = f32((w, lay.nseg)), f32((w, lay.nseg))
+        self.scales_bytes, self.sscales_bytes = (
+            self.scales.view(torch.uint8),
+            self.sscales.view(torch.uint8),
+        )
+        self.all_signs = u8(lay.P // 8)
+        self.all_signs_rows = self.all_signs.view(w, cb)
+
+
+def _messages(ef: ErrorFeedback, lay: Layout, dev: torch.device) -> _Messages:
+    m: _Messages | None = ef.cache.get("messages")
+    if m is None or m.key != (lay.P, lay.w, lay.nseg, dev):
+        m = ef.cache["messages"] = _Messages(lay, dev)
+    return m
 
 
 def onebit_steps(
@@ -134,36 +174,35 @@ def onebit_steps(
     if n == 0:
         return buffer
     dev = buffer.device
-    ranks = [comm.get_global_rank(group, i) for i in range(w)]
-    nseg = lay.nseg
 
     # 1. worker side: b = x + e into a spare buffer; the state is committed only once every
     # rank's scales are known finite
     packed, scale, b = codec.encode(buffer, lay, ef, direct if read_direct else ())
-    scale = scale.to(dev)
-    packed = packed.to(dev)
+    m = _messages(ef, lay, dev)
 
     # 2. phase 1: sign chunk j to rank j, each with this rank's worker scales in the same
     # message (one collective, not two: per-op cost dominates a bucket's exchange on gloo)
-    cb, sb = lay.chunk // 8, 4 * nseg
-    send = ef.scratch("send", w * (cb + sb), torch.uint8).view(w, cb + sb)
-    send[:, :cb].copy_(packed.view(w, cb))
-    send[:, cb:].copy_(scale.view(torch.uint8).expand(w, sb))
-    recv = ef.scratch("recv", w * (cb + sb), torch.uint8).view(w, cb + sb)
+    m.send_signs.copy_(packed.view(w, m.cb))
+    m.send_scales.copy_(scale.view(torch.uint8).expand(w, m.sb))
     if comm.get_backend() == "mpi":  # DeepSpeed's MpiBackend: one gather per root
-        slots = list(recv)
+        slots = list(m.recv_rows)
+        sent = m.send.view(w, -1)
         hs = [
             comm.gather(
-                send[i], slots if i == me else None, dst=ranks[i], group=group, async_op=True
+                sent[i],
+                slots if i == me else None,
+                dst=comm.get_global_rank(group, i),
+                group=group,
+                async_op=True,
             )
             for i in range(w)
         ]
     else:
-        hs = [comm.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True)]
+        hs = [comm.all_to_all_single(m.recv, m.send, group=group, async_op=True)]
     yield hs
 
-    scales2 = _floats(recv[:, cb:])  # (w, nseg): every rank's worker scales
-    bad = [ranks[i] for i, ok in enumerate(_finite_rows(scales2)) if not ok]
+    m.scales_bytes.copy_(m.recv_scales)  # (w, nseg) floats: every rank's worker scales
+    bad = [comm.get_global_rank(group, i) for i, ok in enumerate(_finite_rows(m.scales)) if not ok]
     if bad:
         raise NonFiniteError(
             f"compressed_allreduce: the input on rank(s) {bad} holds NaN or Inf; the buffer "
@@ -174,18 +213,16 @@ def onebit_steps(
     ef.commit_worker(b, scale)
 
     # 3. server side for the chunk this rank owns (recv's rows: the signs, then the scales)
-    spacked, sscale = codec.server(recv, scales2 / w, lay, ef)
+    spacked, sscale = codec.server(m.recv_rows, m.scales / w, lay, ef)
     ef.ss = sscale = sscale.to(dev)
 
     # 4. phase 2: everyone gets every server chunk with its scales, again in one message
-    mine = ef.scratch("mine", cb + sb, torch.uint8)
-    mine[:cb].copy_(spacked.to(dev))
-    mine[cb:].copy_(sscale.view(torch.uint8))
-    rows = ef.scratch("rows", w * (cb + sb), torch.uint8).view(w, cb + sb)
-    yield [comm.all_gather_into_tensor(rows.view(-1), mine, group=group, async_op=True)]
-    all_signs = ef.scratch("all_signs", lay.P // 8, torch.uint8)
-    all_signs.view(w, cb).copy_(rows[:, :cb])
-    sscales = _floats(rows[:, cb:])
+    m.mine_signs.copy_(spacked)
+    m.mine_scales.copy_(sscale.view(torch.uint8))
+    yield [comm.all_gather_into_tensor(m.rows, m.mine, group=group, async_op=True)]
+    m.all_signs_rows.copy_(m.rows_signs)
+    m.sscales_bytes.copy_(m.rows_scales)
+    all_signs, sscales = m.all_signs, m.sscales
 
     # 5. rebuild: element i of chunk j is sscale[j, segment(i)] * sign, straight into the
     # buffer when it is float32
@@ -221,13 +258,13 @@ def _raw_steps(
         cached = None
     ef = ErrorFeedback(worker_error, server_error, lay.nseg, spare=cached and cached[0])
     if cached is not None:
-        ef._scratch = cached[1]
+        ef._scratch, ef.cache = cached[1], cached[2]
     out = yield from onebit_steps(buffer, ef, lay, codec_for(buffer.device), group)
     # ef.wb is now the new b; worker_error (the old wb) is the spare: write the error back
     ef.worker_error(lay, out=worker_error)
     ef.server_error(lay, out=server_error)
     if reuse:  # b's buffer is free again: keep it for this thread's next blocking call
-        _THREAD.cache = (ef.wb, ef._scratch)
+        _THREAD.cache = (ef.wb, ef._scratch, ef.cache)
     return out
 
 
