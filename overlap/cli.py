@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -563,6 +564,10 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         _err("--hosts simulates CPU hosts with network namespaces; it does not apply to cuda")
         return 2
     batch = args.batch or (1024 if args.device == "cuda" else 64)
+    if args.pin_heap:
+        # read by glibc when each rank process starts (they inherit this environment)
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 40))
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
     if args.hosts:
         world = args.hosts * args.procs_per_host
@@ -920,6 +925,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bt.add_argument("--batch", type=int, default=None, help="default 64 on cpu, 1024 on cuda")
     bt.add_argument("--plot", default=None, help="write step time against step to this PNG")
+    bt.add_argument(
+        "--pin-heap",
+        action="store_true",
+        help="keep freed memory in glibc's heap in the rank processes (MALLOC_TRIM_THRESHOLD_, "
+        "MALLOC_MMAP_THRESHOLD_), so a step's gradients are not page-faulted back every step "
+        "in some phases of a run and not others; every variant runs with it",
+    )
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")
     bt.set_defaults(func=cmd_bench_train)
