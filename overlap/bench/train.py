@@ -17,6 +17,7 @@ the overlap ratio hidden / total.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -279,6 +280,7 @@ def bench_train_rank(
             "world": w,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "batch": batch,
+            "heap_pinned": "MALLOC_TRIM_THRESHOLD_" in os.environ,  # --pin-heap
             "step_ms": median(r["step"]) * 1e3,
             "bytes_per_rank": sent.get(n),
             "steps_ms": [round(t * 1e3, 1) for t in r["all"]],

@@ -146,6 +146,17 @@ def test_bench_lm_rejects_a_freeze_past_the_end() -> None:
     assert out.returncode == 2 and "--freeze-step 10" in out.stderr
 
 
+def test_bench_train_pin_heap_reaches_the_ranks() -> None:
+    # the ranks read glibc's thresholds from the environment they start with
+    out = run(
+        "bench", "train", "--variant", "compute", "--model-size", "0.05", "--steps", "2",
+        "--warmup", "1", "--pin-heap", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["heap_pinned"] is True and row["step_ms"] > 0, row
+
+
 def test_bench_tables_round_their_floats() -> None:
     from overlap.bench.harness import Table
 
