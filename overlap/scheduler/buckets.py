@@ -30,6 +30,10 @@ class Bucket:
     direct: set[int] = field(default_factory=set)  # reduced straight into .grad this step
     # not copied into ``flat``: the compressor reads these gradients where they are
     sourced: set[int] = field(default_factory=set)
+    # DDP's uncompressed path: positions reduced on their own (in .grad where it allows),
+    # and the spans of ``flat`` that hold the others (each a maximal run of them)
+    solo: tuple[int, ...] = ()
+    rest: tuple[tuple[int, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -46,6 +50,31 @@ class Bucket:
     def view_of(self, pos: int) -> torch.Tensor:
         p = self.params[pos]
         return self.flat[self.offsets[pos] : self.offsets[pos] + p.numel()].view_as(p)
+
+    def plan_solo(self, min_bytes: int) -> None:
+        """Choose :attr:`solo` and :attr:`rest`: tensors of at least ``min_bytes`` are
+        reduced on their own, each run of the others (consecutive in ``flat``) as one span.
+        Static (sizes and offsets only), so every rank issues the same collectives."""
+        size = self.flat.element_size()
+        order = sorted(range(len(self.params)), key=lambda i: self.offsets[i])
+        solo, rest = [], []
+        run: list[int] = []  # [start, end) of the current run of small tensors
+        for i in order:
+            a, e = self.offsets[i], self.offsets[i] + self.params[i].numel()
+            if self.params[i].numel() * size >= min_bytes:
+                solo.append(i)
+                if run:
+                    rest.append((run[0], run[1]))
+                    run = []
+            elif run and run[1] == a:
+                run[1] = e
+            else:
+                if run:
+                    rest.append((run[0], run[1]))
+                run = [a, e]
+        if run:
+            rest.append((run[0], run[1]))
+        self.solo, self.rest = (tuple(solo), tuple(rest)) if solo else ((), ())
 
     def reset(self) -> None:
         self.pending = set(range(len(self.params)))

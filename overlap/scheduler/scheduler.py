@@ -95,6 +95,13 @@ def _copy_in(view: torch.Tensor, grad: torch.Tensor, scale: float | None) -> Non
         view.copy_(grad).mul_(scale)
 
 
+# On DDP's uncompressed CPU path, a gradient of at least this many bytes is allreduced on
+# its own, in place in .grad, instead of through the bucket: the copy into the bucket
+# becomes an in-place scale and the copy back goes, one read and one write pass over the
+# gradient fewer. Smaller ones share their bucket's op (a collective costs a round trip).
+SOLO_BYTES = 1 << 20
+
+
 def _direct_ok(grad: torch.Tensor, flat: torch.Tensor) -> bool:
     """Whether a compressor may write ``grad`` directly (and, one that reads its outputs,
     read it there): dense, contiguous float32 on the bucket's device, in a float32 bucket."""
@@ -248,6 +255,7 @@ class BucketScheduler:
         self.grad_as_view = gradient_as_bucket_view
         self.reduce_dtype = reduce_dtype
         self.cap = int(bucket_cap_mb * MB)
+        self._solo_bytes = SOLO_BYTES  # read once: every bucket layout of this run uses it
         self.first_cap = int(first_bucket_mb * MB)
         self.rebuild = rebuild_buckets
         self.tracer = tracer
@@ -366,6 +374,7 @@ class BucketScheduler:
         self.buckets = buckets
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in buckets:
+            b.plan_solo(self._solo_bytes)
             for pos, p in enumerate(b.params):
                 self._where[id(p)] = (b, pos)
                 if self.grad_as_view and p.grad is not None:
@@ -380,6 +389,9 @@ class BucketScheduler:
             type(self.compression.current()) is NoCompression and self.device.type == "cpu"
         )
         self._prescale = 1.0 / self.world if self._inline and self.average else None
+        # DDP's path, less a pass: a large float32 gradient is scaled and reduced in place
+        # in .grad (no copy into the bucket and back); see SOLO_BYTES
+        self._solo = self._inline and not self.grad_as_view
         # A compressor that reads its inputs from the gradients (OneBit) saves the copy into
         # the bucket: one read and one write pass over every gradient (measured 3.2 ms per
         # 4.2M-float layer, about a fifth of the 1-bit step's own work; docs/architecture.md).
@@ -395,7 +407,7 @@ class BucketScheduler:
             b.reset()
         self._next = 0
         self._handles: list[Handle] = []
-        self._launched: list[Bucket] = []  # the buckets of _handles, in the same order
+        self._launched: list[tuple[Bucket, list[Handle]]] = []  # each bucket's handles
         self._order: list[int] = []
         self._timeline: list[dict[str, Any]] = []
         self._bwd: list[int] = []  # first and last gradient-hook time (ns) of this step
@@ -422,6 +434,15 @@ class BucketScheduler:
             if grad is not None and not (self.grad_as_view and grad.data_ptr() == view.data_ptr()):
                 if self._reads and _direct_ok(grad, b.flat):
                     b.sourced.add(pos)
+                elif (
+                    self._solo
+                    and pos in b.solo
+                    and not grad.requires_grad  # create_graph: keep autograd's graph intact
+                    and _direct_ok(grad, b.flat)
+                ):
+                    if self._prescale is not None:
+                        grad.mul_(self._prescale)
+                    b.direct.add(pos)  # reduced where it is: no copy in, no copy back
                 elif not self.compression.fill(p, view, grad):
                     _copy_in(view, grad, self._prescale)
                 if self.grad_as_view:
@@ -452,7 +473,7 @@ class BucketScheduler:
             return
         h = Handle(f"bucket{b.index}", result=b.flat, nbytes=b.nbytes, backend=comm.get_backend())
         self._handles.append(h)
-        self._launched.append(b)
+        self._launched.append((b, [h]))
         entry: dict[str, Any] = {"bucket": b.index, "bytes": b.nbytes, "ready": time.perf_counter()}
         self._timeline.append(entry)
         comp, group, shapes, w, average = (
@@ -553,10 +574,24 @@ class BucketScheduler:
         return out
 
     def _launch_inline(self, b: Bucket) -> None:
-        """Issue the bucket's (pre-scaled) sum allreduce from this thread, as DDP does."""
-        h = comm.all_reduce(b.flat, op="sum", group=self.group, async_op=True)
-        self._handles.append(h)
-        self._launched.append(b)
+        """Issue the bucket's (pre-scaled) sum allreduce from this thread, as DDP does.
+
+        A bucket with :attr:`~Bucket.solo` tensors issues one allreduce per solo tensor (on
+        its .grad when the hook scaled it there, else on its slot), then one per span of
+        the others: the same ops on every rank, whoever has which gradient."""
+        g = self.group
+        if self._solo and b.solo:
+            hs = [
+                comm.all_reduce(self._solo_target(b, pos), op="sum", group=g, async_op=True)
+                for pos in b.solo
+            ]
+            hs += [
+                comm.all_reduce(b.flat[a:e], op="sum", group=g, async_op=True) for a, e in b.rest
+            ]
+        else:
+            hs = [comm.all_reduce(b.flat, op="sum", group=g, async_op=True)]
+        self._handles.extend(hs)
+        self._launched.append((b, hs))
         tracer = self.tracer
         now = time.perf_counter()
         self._timeline.append(
@@ -565,29 +600,41 @@ class BucketScheduler:
                 "bytes": b.nbytes,
                 "ready": now,
                 "start": now,
-                "handle": h,
+                "handles": hs,
                 "flow": tracer.next_flow() if tracer is not None else 0,
                 "ready_tid": threading.get_ident(),
             }
         )
 
+    def _solo_target(self, b: Bucket, pos: int) -> torch.Tensor:
+        """What solo position ``pos`` reduces: its .grad, scaled there by the hook, or its
+        slot of the bucket (a gradient the hook copied in, or none: zeros)."""
+        grad = b.params[pos].grad
+        if pos in b.direct:
+            if grad is not None:
+                return grad
+            b.direct.discard(pos)  # dropped since the hook: nothing to send, as if unused
+            b.view_of(pos).zero_()
+        return b.view_of(pos)
+
     def _close_inline(self) -> None:
         """Fill in the inline buckets' end times (and trace spans) once they are done."""
         for e in self._timeline:
-            h = e.pop("handle", None)
-            if h is None or h.end_ns is None:
+            hs = e.pop("handles", None)
+            if hs is None or any(h.end_ns is None for h in hs):
                 continue
-            e["end"] = h.end_ns / 1e9
+            start_ns, end_ns = min(h.start_ns for h in hs), max(h.end_ns for h in hs)
+            e["end"] = end_ns / 1e9
             if self.tracer is not None:
                 self.tracer.record(
                     f"reduce bucket {e['bucket']}",
                     "bucket",
-                    h.start_ns,
-                    h.end_ns,
+                    start_ns,
+                    end_ns,
                     bucket=e["bucket"],
                     bytes=e["bytes"],
                     flow=e["flow"],
-                    ready_ns=h.start_ns,
+                    ready_ns=start_ns,
                     ready_tid=e["ready_tid"],
                 )
             del e["flow"], e["ready_tid"]
@@ -635,7 +682,7 @@ class BucketScheduler:
                     b.ready = True
             self._launch_ready()
             handles = list(self._handles)
-            launched = list(zip(self._launched, handles, strict=True))
+            launched = list(self._launched)
         self._launcher.flush()  # every bucket is in: drive the pipeline to the end
         used = mask.bool().tolist()
         # CPU: each bucket is copied back into .grad as soon as it is reduced, while later
@@ -644,8 +691,8 @@ class BucketScheduler:
         early = self.device.type == "cpu"
         try:
             if early:
-                for b, h in launched:
-                    yield [h]
+                for b, hs in launched:
+                    yield hs
                     t = time.perf_counter_ns()
                     self._copy_back(b, used)
                     if tracer is not None:

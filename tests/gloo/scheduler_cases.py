@@ -56,15 +56,25 @@ def _close(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> None:
             assert torch.allclose(x.double(), y.double(), atol=1e-6), (i, (x - y).abs().max())
 
 
-def equals_ddp(mode: str, as_view: bool = False, steps: int = 3) -> int:
+def equals_ddp(mode: str, as_view: bool = False, steps: int = 3, solo_bytes: int = 0) -> int:
+    """``solo_bytes``: lower the size from which a gradient is reduced on its own, in place
+    (scheduler.SOLO_BYTES, 1 MiB), so this small model's weights take that path: rank 1
+    lacks ``branch``'s gradient (its slot's zeros go instead), d64 is float64 (its slot)."""
+    import overlap.scheduler.scheduler as scheduler_module
+
     r = comm.get_rank()
     torch.manual_seed(0)
     ours = Net()
     theirs = copy.deepcopy(ours)
     ddp = DDP(theirs, find_unused_parameters=True)
-    sched = BucketScheduler(
-        ours, bucket_cap_mb=0.001, first_bucket_mb=0.0005, gradient_as_bucket_view=as_view
-    )
+    saved = scheduler_module.SOLO_BYTES
+    scheduler_module.SOLO_BYTES = solo_bytes or saved
+    try:
+        sched = BucketScheduler(
+            ours, bucket_cap_mb=0.001, first_bucket_mb=0.0005, gradient_as_bucket_view=as_view
+        )
+    finally:
+        scheduler_module.SOLO_BYTES = saved
     opt_a = torch.optim.SGD(ours.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(theirs.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(10 + r)
@@ -84,12 +94,20 @@ def equals_ddp(mode: str, as_view: bool = False, steps: int = 3) -> int:
             b, pos = sched._where[id(ours.emb.weight)]
             assert ours.emb.weight.grad is not None
             assert ours.emb.weight.grad.data_ptr() == b.view_of(pos).data_ptr()
+        if solo_bytes:  # reduced in place: some gradients never went through a bucket
+            stats = sched.statistics()
+            assert stats["direct"] > 0 and stats["launches"] > stats["buckets"], stats
         opt_a.step()
         opt_b.step()
     assert ours.never.weight.grad is None  # unused on every rank, as DDP
     assert ours.frozen.weight.grad is None
     stats = sched.statistics()
-    assert stats["rebuilt"] and stats["launches"] == stats["buckets"] >= 2
+    assert stats["rebuilt"] and stats["buckets"] >= 2
+    assert (
+        (stats["launches"] > stats["buckets"])
+        if solo_bytes
+        else (stats["launches"] == stats["buckets"])
+    )
     sched.remove()
     return steps
 
@@ -138,13 +156,22 @@ def user_compressor_equals_ddp() -> int:
         sched.remove()
 
 
-def no_sync_equals_ddp() -> bool:
+def no_sync_equals_ddp(solo_bytes: int = 0) -> bool:
+    """``solo_bytes`` as in :func:`equals_ddp`: the accumulated weights are then scaled and
+    reduced in place in .grad."""
+    import overlap.scheduler.scheduler as scheduler_module
+
     r = comm.get_rank()
     torch.manual_seed(1)
     ours = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     theirs = copy.deepcopy(ours)
     ddp = DDP(theirs)
-    sched = BucketScheduler(ours)
+    saved = scheduler_module.SOLO_BYTES
+    scheduler_module.SOLO_BYTES = solo_bytes or saved
+    try:
+        sched = BucketScheduler(ours)
+    finally:
+        scheduler_module.SOLO_BYTES = saved
     gen = torch.Generator().manual_seed(r)
     xs = [torch.randn(5, 6, generator=gen) for _ in range(3)]
     for i, x in enumerate(xs):
@@ -155,6 +182,7 @@ def no_sync_equals_ddp() -> bool:
             ddp(x).sum().backward()
     sched.synchronize()
     _close(_grads(ours), _grads(theirs))
+    assert (sched.statistics()["direct"] > 0) == bool(solo_bytes)
     sched.remove()
     return True
 

@@ -16,6 +16,15 @@ def test_gradients_equal_ddp(pools: Callable[[int], RankPool], world_size: int, 
     assert pools(world_size).run(sc.equals_ddp, mode, timeout=120) == [3] * world_size
 
 
+@pytest.mark.parametrize("mode", ["blocking", "uvloop"])
+def test_large_gradients_reduced_in_place_equal_ddp(
+    pools: Callable[[int], RankPool], mode: str
+) -> None:
+    # DDP's path with the large gradients reduced in .grad (no bucket copy in or back):
+    # a gradient present on one rank only, a float64 one and tied weights included
+    assert pools(2).run(sc.equals_ddp, mode, False, 3, 512, timeout=120) == [3, 3]
+
+
 def test_gradient_as_bucket_view_equals_ddp(pools: Callable[[int], RankPool]) -> None:
     assert pools(2).run(sc.equals_ddp, "blocking", True, timeout=120) == [3, 3]
 
@@ -28,8 +37,10 @@ def test_a_user_compressor_of_the_original_signature_still_works(
     assert min(pools(2).run(sc.user_compressor_equals_ddp, timeout=60)) >= 2
 
 
-def test_no_sync_accumulation_equals_ddp(pools: Callable[[int], RankPool]) -> None:
-    assert pools(2).run(sc.no_sync_equals_ddp, timeout=60) == [True, True]
+@pytest.mark.parametrize("solo_bytes", [0, 64])
+def test_no_sync_accumulation_equals_ddp(pools: Callable[[int], RankPool], solo_bytes: int) -> None:
+    # 64: the accumulated weights are reduced in place in .grad
+    assert pools(2).run(sc.no_sync_equals_ddp, solo_bytes, timeout=60) == [True, True]
 
 
 @pytest.mark.parametrize("name", ["none", "fp16"])
