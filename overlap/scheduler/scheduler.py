@@ -406,7 +406,6 @@ class BucketScheduler:
         for b in self.buckets:
             b.reset()
         self._next = 0
-        self._handles: list[Handle] = []
         self._launched: list[tuple[Bucket, list[Handle]]] = []  # each bucket's handles
         self._order: list[int] = []
         self._timeline: list[dict[str, Any]] = []
@@ -472,7 +471,6 @@ class BucketScheduler:
             self._launch_inline(b)
             return
         h = Handle(f"bucket{b.index}", result=b.flat, nbytes=b.nbytes, backend=comm.get_backend())
-        self._handles.append(h)
         self._launched.append((b, [h]))
         entry: dict[str, Any] = {"bucket": b.index, "bytes": b.nbytes, "ready": time.perf_counter()}
         self._timeline.append(entry)
@@ -590,7 +588,6 @@ class BucketScheduler:
             ]
         else:
             hs = [comm.all_reduce(b.flat, op="sum", group=g, async_op=True)]
-        self._handles.extend(hs)
         self._launched.append((b, hs))
         tracer = self.tracer
         now = time.perf_counter()
@@ -681,8 +678,8 @@ class BucketScheduler:
                     b.zeroed, b.pending = b.pending, set()
                     b.ready = True
             self._launch_ready()
-            handles = list(self._handles)
             launched = list(self._launched)
+            handles = [h for _, hs in launched for h in hs]
         self._launcher.flush()  # every bucket is in: drive the pipeline to the end
         used = mask.bool().tolist()
         # CPU: each bucket is copied back into .grad as soon as it is reduced, while later
