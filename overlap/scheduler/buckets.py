@@ -56,25 +56,17 @@ class Bucket:
         reduced on their own, each run of the others (consecutive in ``flat``) as one span.
         Static (sizes and offsets only), so every rank issues the same collectives."""
         size = self.flat.element_size()
-        order = sorted(range(len(self.params)), key=lambda i: self.offsets[i])
-        solo, rest = [], []
-        run: list[int] = []  # [start, end) of the current run of small tensors
-        for i in order:
+        solo: list[int] = []
+        rest: list[list[int]] = []  # [start, end) spans of the small tensors
+        for i in sorted(range(len(self.params)), key=lambda i: self.offsets[i]):
             a, e = self.offsets[i], self.offsets[i] + self.params[i].numel()
             if self.params[i].numel() * size >= min_bytes:
                 solo.append(i)
-                if run:
-                    rest.append((run[0], run[1]))
-                    run = []
-            elif run and run[1] == a:
-                run[1] = e
-            else:
-                if run:
-                    rest.append((run[0], run[1]))
-                run = [a, e]
-        if run:
-            rest.append((run[0], run[1]))
-        self.solo, self.rest = (tuple(solo), tuple(rest)) if solo else ((), ())
+            elif rest and rest[-1][1] == a:  # right after the last small one: same run
+                rest[-1][1] = e
+            else:  # a solo tensor (or the bucket's start) lies between: a new run
+                rest.append([a, e])
+        self.solo, self.rest = (tuple(solo), tuple((a, e) for a, e in rest)) if solo else ((), ())
 
     def reset(self) -> None:
         self.pending = set(range(len(self.params)))
