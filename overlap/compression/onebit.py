@@ -123,7 +123,7 @@ class _Messages:
 
     def __init__(self, lay: Layout, dev: torch.device) -> None:
         w, cb, sb = lay.w, lay.chunk // 8, 4 * lay.nseg
-        self.key = (lay.P, w, lay.nseg, dev)
+        self.key = self.key_of(lay, dev)
         self.cb, self.sb = cb, sb
         row = cb + sb
 
@@ -147,10 +147,15 @@ class _Messages:
         self.all_signs = u8(lay.P // 8)
         self.all_signs_rows = self.all_signs.view(w, cb)
 
+    @staticmethod
+    def key_of(lay: Layout, dev: torch.device) -> tuple[Any, ...]:
+        """What the rows' sizes depend on: rows made for another key are made again."""
+        return (lay.P, lay.w, lay.nseg, dev)
+
 
 def _messages(ef: ErrorFeedback, lay: Layout, dev: torch.device) -> _Messages:
     m: _Messages | None = ef.cache.get("messages")
-    if m is None or m.key != (lay.P, lay.w, lay.nseg, dev):
+    if m is None or m.key != _Messages.key_of(lay, dev):
         m = ef.cache["messages"] = _Messages(lay, dev)
     return m
 
