@@ -528,7 +528,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     import json
 
     from overlap.bench.harness import Table, human_bytes
-    from overlap.bench.train import ALL_VARIANTS, CUDA_VARIANTS, VARIANTS
+    from overlap.bench.train import ALL_VARIANTS, CUDA_VARIANTS, PIN_HEAP_ENV, VARIANTS
 
     variants = args.variant or (CUDA_VARIANTS if args.device == "cuda" else VARIANTS)
     bad = [v for v in variants if v not in ALL_VARIANTS]
@@ -565,9 +565,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         return 2
     batch = args.batch or (1024 if args.device == "cuda" else 64)
     if args.pin_heap:
-        # read by glibc when each rank process starts (they inherit this environment)
-        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 40))
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+        for k, v in PIN_HEAP_ENV.items():  # each rank process inherits this environment
+            os.environ.setdefault(k, v)
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
     if args.hosts:
         world = args.hosts * args.procs_per_host
