@@ -654,6 +654,14 @@ class BucketScheduler:
             else:
                 p.grad.copy_(view)
 
+    def _abandon(self, handles: list[Handle]) -> Steps:
+        """Let every one of ``handles`` settle, so none still writes into a bucket or .grad,
+        then start a fresh step: the scheduler stays usable. For a failed step, before its
+        error is raised again."""
+        yield [_settled(h) for h in handles]
+        self._launcher.wait_compute()
+        self._new_step()
+
     def _finish_steps(self) -> Steps:
         tracer = self.tracer
         t_wait = time.perf_counter_ns()
@@ -662,7 +670,18 @@ class BucketScheduler:
         mask = torch.zeros(len(self.params), dtype=torch.uint8)
         mask[self._order] = 1
         mask = mask.to(self._ctrl_device)
-        yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
+        try:
+            yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
+        except BaseException:
+            # The vote failed (e.g. a peer lost): the buckets launched in backward are still
+            # in flight, some pipelined on the worker, which advances them only on a flush.
+            # Drive them to their end too, so none is left suspended (a hierarchical bucket
+            # holding a shared-memory file, a write into .grad) when the caller gives up.
+            with self._lock:
+                issued = [h for _, bucket_hs in self._launched for h in bucket_hs]
+            self._launcher.flush()
+            yield from self._abandon(issued)
+            raise
         mask = mask.cpu()
         if not bool(mask.any()):
             self._new_step()
@@ -679,7 +698,7 @@ class BucketScheduler:
                     b.ready = True
             self._launch_ready()
             launched = list(self._launched)
-            handles = [h for _, hs in launched for h in hs]
+            handles = [h for _, bucket_hs in launched for h in bucket_hs]
         self._launcher.flush()  # every bucket is in: drive the pipeline to the end
         used = mask.bool().tolist()
         # CPU: each bucket is copied back into .grad as soon as it is reduced, while later
@@ -699,12 +718,8 @@ class BucketScheduler:
             else:
                 yield handles
         except BaseException:
-            # A bucket failed (e.g. NonFiniteError on every rank). Let every other bucket of
-            # the step settle, so none still writes into a bucket or .grad, then start a
-            # fresh step: the scheduler stays usable (skip this step, train on).
-            yield [_settled(h) for h in handles]
-            self._launcher.wait_compute()
-            self._new_step()
+            # A bucket failed (e.g. NonFiniteError on every rank): skip this step, train on.
+            yield from self._abandon(handles)
             raise
         self._close_inline()
         self._launcher.wait_compute()
