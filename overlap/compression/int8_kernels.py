@@ -75,6 +75,26 @@ def _quantize(v: Any, s: Any, codes: Any) -> None:
         v[i] = x - q * s
 
 
+@nb.njit(**_INLINE)  # type: ignore[untyped-decorator]
+def _encode_block(v: Any, vbits: Any, scratch: Any, codes: Any, scales: Any, b: int) -> None:
+    """Block ``b``, formed in v (cache-resident): codes and scales[b]; v becomes the error
+    v - code * scale."""
+    mb = _absmax_bits(vbits)
+    if mb >= _INF_BITS:  # NaN or Inf in the block
+        scales[b] = np.float32(np.nan)
+        codes[:] = 0
+        v[:] = np.float32(0.0)
+        return
+    sbits = scratch.view(np.int32)  # the absmax's bits back to a float
+    sbits[0] = mb
+    s = scratch[0] / np.float32(127.0)
+    scales[b] = s
+    if s > 0:
+        _quantize(v, s, codes)
+    else:  # all zeros, or too small for a nonzero scale: send 0, keep v as the error
+        codes[:] = 0
+
+
 @nb.njit(f"void({_F4}, int64, {_F4}, boolean, int64, {_F4}, {_I1}, {_F4})", **_OPTS)
 def encode(
     src: Any,
@@ -90,37 +110,41 @@ def encode(
 
     v is formed once into err_out (the block's own cache-resident slice), then read back."""
     bits = err_out.view(np.int32)
-    scratch = np.empty(1, np.float32)  # the absmax's bits back to a float
-    sbits = scratch.view(np.int32)
+    scratch = np.empty(1, np.float32)
     for b in range(codes.size // block):
         a = b * block
         e = a + block
         v = err_out[a:e]
         _form(src[a : a + min(max(n - a, 0), block)], err[a:e], has_err, v)
-        mb = _absmax_bits(bits[a:e])
-        if mb >= _INF_BITS:  # NaN or Inf in the block
-            scales[b] = np.float32(np.nan)
-            codes[a:e] = 0
-            v[:] = np.float32(0.0)
-            continue
-        sbits[0] = mb
-        s = scratch[0] / np.float32(127.0)
-        scales[b] = s
-        if s > 0:
-            _quantize(v, s, codes[a:e])
-        else:  # all zeros, or too small for a nonzero scale: send 0, keep v as the error
-            codes[a:e] = 0
+        _encode_block(v, bits[a:e], scratch, codes[a:e], scales, b)
 
 
-@nb.njit(f"void({_I1}, {_F4}, int64, int64, {_F4}, boolean, {_F4})", **_OPTS)
-def average(codes: Any, scales: Any, w: int, block: int, err: Any, has_err: bool, out: Any) -> None:
-    """out = mean over the W rows of code * scale (+ err): the server's chunk."""
-    chunk = out.size
+@nb.njit(f"void({_I1}, {_F4}, int64, int64, {_F4}, boolean, {_F4}, {_I1}, {_F4})", **_OPTS)
+def server(
+    codes: Any,
+    scales: Any,
+    w: int,
+    block: int,
+    err: Any,
+    has_err: bool,
+    err_out: Any,
+    scodes: Any,
+    sscales: Any,
+) -> None:
+    """The server's chunk: v = mean over the W rows of code * scale (+ err), quantized again
+    into scodes/sscales, and err_out = v - scode * sscale.
+
+    Block by block, so the average never goes to memory: it is formed in err_out's block
+    (cache-resident) and quantized from there, one pass where an average kernel and then
+    an encode were two (the average written out and read back)."""
+    chunk = err_out.size
     per = chunk // block
     inv_w = np.float32(1.0) / np.float32(w)
+    bits = err_out.view(np.int32)
+    scratch = np.empty(1, np.float32)
     for b in range(per):
         a = b * block
-        o = out[a : a + block]
+        o = err_out[a : a + block]
         o[:] = np.float32(0.0)
         for j in range(w):
             s = scales[j * per + b]
@@ -134,6 +158,7 @@ def average(codes: Any, scales: Any, w: int, block: int, err: Any, has_err: bool
         else:
             for i in range(block):
                 o[i] = o[i] * inv_w
+        _encode_block(o, bits[a : a + block], scratch, scodes[a : a + block], sscales, b)
 
 
 @nb.njit(f"void({_I1}, {_F4}, int64, int64, {_F4})", **_OPTS)

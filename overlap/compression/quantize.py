@@ -264,7 +264,7 @@ class Int8(_BlockQuantized):
             *kept,
             ("codes", p, i8), ("scales", p // self.block, f32),
             ("worker_a", p, f32), ("worker_b", p, f32),
-            ("avg", chunk, f32), ("scodes", chunk, i8), ("sscales", chunk // self.block, f32),
+            ("scodes", chunk, i8), ("sscales", chunk // self.block, f32),
             ("server_a", chunk, f32), ("server_b", chunk, f32),
         ]  # fmt: skip
 
@@ -297,18 +297,13 @@ class Int8(_BlockQuantized):
             return super()._server(codes, scales, w, server, key)
         chunk = codes.numel() // w
         cpu = torch.device("cpu")
-        avg = self._buf(key, "avg", chunk, torch.float32, cpu)
-        has = server is not None
-        self._k.average(
-            codes.view(torch.int8).numpy(), scales.numpy(), w, self.block,
-            (server if server is not None else avg).numpy(), has, avg.numpy(),
-        )  # fmt: skip
         scodes = self._buf(key, "scodes", chunk, torch.int8, cpu)
         sscales = self._buf(key, "sscales", chunk // self.block, torch.float32, cpu)
         err = self._next_error(key, "server", chunk, cpu)
-        self._k.encode(
-            avg.numpy(), chunk, avg.numpy(), False, self.block, err.numpy(), scodes.numpy(),
-            sscales.numpy(),
+        self._k.server(
+            codes.view(torch.int8).numpy(), scales.numpy(), w, self.block,
+            (server if server is not None else err).numpy(), server is not None, err.numpy(),
+            scodes.numpy(), sscales.numpy(),
         )  # fmt: skip
         return scodes.view(torch.uint8), sscales, err
 

@@ -48,9 +48,12 @@ def test_int8_kernels_agree_with_the_torch_stages() -> None:
     assert torch.allclose(e1, e2, atol=float(s1.max()))
     assert torch.allclose(e1[c1 == c2], e2[c1 == c2], atol=1e-6)
     codes, scales = torch.cat([c1, c1]), torch.cat([s1, s1])
-    a1 = q._server(codes, scales, 2, None, "k")
-    a2 = _BlockQuantized._server(q, codes, scales, 2, None, "k")
-    assert torch.equal(a1[1], a2[1]) and (a1[0] != a2[0]).sum() <= 2
+    for serr in (None, torch.randn(p, generator=g) * 0.01):  # the server error, if any
+        a1 = q._server(codes, scales, 2, serr, "k")
+        a2 = _BlockQuantized._server(q, codes, scales, 2, serr, "k")
+        assert torch.equal(a1[1], a2[1]) and (a1[0] != a2[0]).sum() <= 2
+        assert torch.allclose(a1[2], a2[2], atol=float(a1[1].max()))
+        assert torch.allclose(a1[2][a1[0] == a2[0]], a2[2][a1[0] == a2[0]], atol=1e-6)
     out1, out2 = torch.empty(n), torch.empty(n)
     q._decode_into(c1, s1, out1)
     _BlockQuantized._decode_into(q, c1, s1, out2)
