@@ -19,11 +19,12 @@ from overlap.compression.onebit import (
 )
 from overlap.compression.packbits import pack_signs, unpack_signs
 from overlap.compression.powersgd import PowerSGD
-from overlap.compression.quantize import FP8, Int8
+from overlap.compression.quantize import FP8, BlockCodes, Int8
 
 __all__ = [
     "Auto",
     "BF16",
+    "BlockCodes",
     "FP16",
     "Compressor",
     "FP8",

@@ -36,6 +36,10 @@ class Compressor(ABC):
     summable: ClassVar[bool]
     writes_outputs: ClassVar[bool] = False
     reads_outputs: ClassVar[bool] = False
+    # True: reduce_steps takes a keyword ``encoded`` and, given True, may resolve to the
+    # average still in the compressor's code (Int8's BlockCodes) rather than decoded
+    # into ``flat``; see reduce(encoded=)
+    encodes_result: bool = False
 
     @abstractmethod
     def reduce_steps(
@@ -69,17 +73,25 @@ class Compressor(ABC):
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
         async_op: bool = False,
+        encoded: bool = False,
     ) -> Any:
         """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``, run to
         the end on a driver thread whatever is done with it (:mod:`overlap.comm.driver`).
 
+        ``encoded=True`` asks a compressor with ``encodes_result`` for the average in its
+        own code, not decoded (:class:`~overlap.compression.quantize.BlockCodes` for Int8):
+        a consumer that reads the average once (DiLoCo's landing) then reads a byte per
+        element where the decoded float was four, and the decode pass is never made. Its
+        ``decode()`` gives ``flat`` as a plain call would have. Other compressors ignore it.
+
         A direct call is a step of its own (:meth:`begin_step` runs first)."""
         self.begin_step()
+        kw: dict[str, Any] = {"encoded": True} if encoded and self.encodes_result else {}
         if not async_op:
-            return run(self.reduce_steps(key, flat, group=group, shapes=shapes))
+            return run(self.reduce_steps(key, flat, group=group, shapes=shapes, **kw))
         return driver.submit(
             self.name,
-            lambda twin: self.reduce_steps(key, flat, group=twin, shapes=shapes),
+            lambda twin: self.reduce_steps(key, flat, group=twin, shapes=shapes, **kw),
             group,
             nbytes=self.wire_bytes(flat, group),
             backend=comm.get_backend(),

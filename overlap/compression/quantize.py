@@ -28,6 +28,7 @@ was. Codes travel as uint8, so FP8 runs on gloo too (gloo refuses float8 tensors
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +40,28 @@ from overlap.compression.codec import kept_buffer
 from overlap.compression.codec_numba import kernel_module
 from overlap.errors import NonFiniteError
 
-__all__ = ["FP8", "Int8"]
+__all__ = ["FP8", "BlockCodes", "Int8"]
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """A block-quantized average, not yet decoded: what ``Int8.reduce(..., encoded=True)``
+    resolves to. Element i of the average is ``codes[i] (int8) * scales[i // block]``.
+
+    ``codes`` and ``scales`` are the compressor's kept buffers for the call's key: valid
+    until the next call with that key (DiLoCo's next sync of the fragment comes after its
+    landing). Every scale is finite (the call raised NonFiniteError otherwise)."""
+
+    codes: torch.Tensor  # int8 [padded]
+    scales: torch.Tensor  # float32 [padded / block]
+    block: int
+    flat: torch.Tensor  # the buffer the call averaged; decode() fills it
+    owner: _BlockQuantized
+
+    def decode(self) -> torch.Tensor:
+        """The average decoded into ``flat`` (what a call without ``encoded`` returns)."""
+        self.owner._decode_into(self.codes.view(torch.uint8), self.scales, self.flat)
+        return self.flat
 
 
 class _BlockQuantized(Compressor):
@@ -169,6 +191,7 @@ class _BlockQuantized(Compressor):
         group: Any = None,
         shapes: Sequence[torch.Size] | None = None,
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
+        encoded: bool = False,
     ) -> Steps:
         w = comm.get_world_size(group)
         n = flat.numel()
@@ -211,6 +234,8 @@ class _BlockQuantized(Compressor):
             )
         if self.error_feedback:
             self.state[key] = {"worker": new_worker, "server": new_server}
+        if encoded:
+            return BlockCodes(acodes.view(torch.int8), ascales, self.block, flat, self)
         self._decode_into(acodes, ascales, flat)
         return flat
 
@@ -246,6 +271,8 @@ class Int8(_BlockQuantized):
 
     name = "int8"
     top = 127.0
+
+    encodes_result = True  # reduce(encoded=True): BlockCodes
 
     def __init__(self, block: int = 1024, error_feedback: bool = True) -> None:
         super().__init__(block, error_feedback)

@@ -41,6 +41,7 @@ from overlap.agreement import differing_ranks, param_signature
 from overlap.comm import driver
 from overlap.compression.base import Compressor, NoCompression
 from overlap.compression.codec_numba import kernel_module
+from overlap.compression.quantize import BlockCodes
 from overlap.errors import NonFiniteError
 from overlap.ownership import claim, holder_of, release
 
@@ -374,35 +375,49 @@ class DiLoCo:
                 n = p.numel()
                 torch.sub(g.reshape(-1), p.reshape(-1), out=flat[a : a + n])
                 a += n
-        h = self.compression.reduce(i, flat, group=self.group, async_op=True)
+        # encoded: an Int8 average lands straight from its codes (the fused landing reads a
+        # byte per element, and no decode pass is made); anything else decodes it first
+        h = self.compression.reduce(
+            i, flat, group=self.group, async_op=True, encoded=self._kernels is not None
+        )
         self._inflight[i] = (self._t + self.delay, h)
         self.syncs += 1
         self.bytes_sent += self.compression.wire_bytes(flat, self.group)
 
-    def _wait(self, i: int) -> torch.Tensor:
+    def _wait(self, i: int) -> torch.Tensor | BlockCodes:
         _, h = self._inflight[i]
         try:
-            out: torch.Tensor = h if isinstance(h, torch.Tensor) else h.wait()
+            out = h if isinstance(h, (torch.Tensor, BlockCodes)) else h.wait()
         except BaseException:
             del self._inflight[i]  # the global weights are untouched
             raise
         return out
 
-    async def _await(self, i: int) -> torch.Tensor:
+    async def _await(self, i: int) -> torch.Tensor | BlockCodes:
         _, h = self._inflight[i]
         try:
-            out: torch.Tensor = h if isinstance(h, torch.Tensor) else await h
+            out = h if isinstance(h, (torch.Tensor, BlockCodes)) else await h
         except BaseException:
             del self._inflight[i]
             raise
         return out
 
-    def _land(self, i: int, avg: torch.Tensor) -> None:
+    def _land(self, i: int, res: torch.Tensor | BlockCodes) -> None:
         """Outer step on fragment ``i`` with the averaged pseudo-gradient, then the merge."""
         del self._inflight[i]
         k = self._kernels
-        fused = k is not None and self._fusable(i, avg)
-        finite = k.all_finite(avg.numpy()) if fused else bool(torch.isfinite(avg).all())
+        fused = k is not None and self._fusable(i, res)
+        if isinstance(res, BlockCodes) and not fused:
+            res = res.decode()
+        if isinstance(res, BlockCodes):
+            # Every scale is finite (the compressor raised otherwise), so every code * scale
+            # is, unless a scale is within 128x of float32's largest: check that, not the
+            # average (a read of the scales only, 1/1024 of it).
+            finite = bool(torch.isfinite(res.scales.abs().max() * 128.0))
+        elif fused:
+            finite = k.all_finite(res.numpy())
+        else:
+            finite = bool(torch.isfinite(res).all())
         if not finite:
             raise NonFiniteError(
                 f"DiLoCo: the averaged pseudo-gradient of fragment {i} holds NaN or Inf (a "
@@ -410,8 +425,10 @@ class DiLoCo:
                 ranks=[],
             )
         if fused:
-            self._land_fused(i, avg)
+            self._land_fused(i, res)
             return
+        assert isinstance(res, torch.Tensor)
+        avg = res
         pairs = list(self._fragment(i))
         saved = [p.grad for p in self.params]
         try:
@@ -435,15 +452,18 @@ class DiLoCo:
             for q, s in zip(self.params, saved, strict=True):
                 q.grad = s
 
-    def _fusable(self, i: int, avg: torch.Tensor) -> bool:
+    def _fusable(self, i: int, res: torch.Tensor | BlockCodes) -> bool:
         """Whether fragment ``i``'s landing can run as one fused kernel pass per parameter
         (:mod:`overlap.optim.outer_kernels`): a plain torch SGD without weight decay,
         dampening, maximize or hooks (an LR scheduler's patched ``step`` counts as one), over
-        contiguous float32 CPU tensors. Anything else takes ``outer.step()`` itself."""
+        contiguous float32 CPU tensors, the average float32 or Int8 codes. Anything else
+        takes ``outer.step()`` itself."""
         opt = self.outer
         if not self._fusable_outer():
             return False
-        if not (avg.device.type == "cpu" and avg.dtype == torch.float32 and avg.is_contiguous()):
+        avg = res.codes if isinstance(res, BlockCodes) else res
+        want = torch.int8 if isinstance(res, BlockCodes) else torch.float32
+        if not (avg.device.type == "cpu" and avg.dtype == want and avg.is_contiguous()):
             return False
         for p, g in self._fragment(i):
             if p.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
@@ -471,9 +491,12 @@ class DiLoCo:
             for g in opt.param_groups
         )
 
-    def _land_fused(self, i: int, avg: torch.Tensor) -> None:
-        """:meth:`_land`'s outer SGD step and merge, one kernel pass per parameter."""
+    def _land_fused(self, i: int, res: torch.Tensor | BlockCodes) -> None:
+        """:meth:`_land`'s outer SGD step and merge, one kernel pass per parameter (from the
+        Int8 codes themselves when the average came encoded)."""
         k = self._kernels
+        q = res if isinstance(res, BlockCodes) else None
+        avg = res.flat if isinstance(res, BlockCodes) else res
         group_of = {id(p): g for g in self.outer.param_groups for p in g["params"]}
         a = 0
         with torch.no_grad():
@@ -489,11 +512,15 @@ class DiLoCo:
                     if spare is None:
                         spare = torch.empty_like(p, memory_format=torch.contiguous_format)
                     buf = st["momentum_buffer"] = spare
-                k.sgd_land(
-                    avg[a : a + n].numpy(), g.view(-1).numpy(), p.detach().view(-1).numpy(),
-                    (buf if m else avg).view(-1).numpy(), has, m, bool(grp["nesterov"]),
-                    float(grp["lr"]), self.alpha,
-                )  # fmt: skip
+                hyper = (has, m, bool(grp["nesterov"]), float(grp["lr"]), self.alpha)
+                gv, pv = g.view(-1).numpy(), p.detach().view(-1).numpy()
+                bv = (buf if m else g).view(-1).numpy()  # untouched when momentum is 0
+                if q is not None:
+                    k.sgd_land_int8(
+                        q.codes.numpy(), q.scales.numpy(), q.block, a, gv, pv, bv, *hyper
+                    )
+                else:
+                    k.sgd_land(avg[a : a + n].numpy(), gv, pv, bv, *hyper)
                 a += n
 
     # ------------------------------------------------------------------ state
@@ -505,8 +532,8 @@ class DiLoCo:
         self._check_live()
         for i in sorted(self._inflight):
             at, _ = self._inflight[i]
-            avg = self._wait(i)
-            self._inflight[i] = (at, avg)
+            res = self._wait(i)
+            self._inflight[i] = (at, res.decode() if isinstance(res, BlockCodes) else res)
         return {
             "sync_every": self.sync_every,
             "fragments": self.fragments,

@@ -41,6 +41,36 @@ def all_finite(x: Any) -> bool:
     return bool(z == z)
 
 
+@nb.njit(nogil=True, boundscheck=False, inline="always")  # type: ignore[untyped-decorator]
+def _land_span(
+    src: Any,
+    scale: Any,
+    glob: Any,
+    param: Any,
+    buf: Any,
+    has_buf: bool,
+    momentum: Any,
+    nesterov: bool,
+    lr: Any,
+    alpha: Any,
+) -> None:
+    """The landing's arithmetic over a span whose gradient is d = src * scale (float32
+    values times 1, or one block's int8 codes times its scale; each loop runs over slices
+    indexed from 0, so it vectorises: see int8_kernels)."""
+    keep = np.float32(1.0) - alpha
+    for i in range(glob.size):
+        d = np.float32(src[i]) * scale
+        if momentum != 0:
+            b = momentum * buf[i] + d if has_buf else d
+            buf[i] = b
+            s = d + momentum * b if nesterov else b
+        else:
+            s = d
+        g = glob[i] - lr * s
+        glob[i] = g
+        param[i] = g if alpha == 0 else keep * g + alpha * param[i]
+
+
 @nb.njit(
     f"void({_F4}, {_F4}, {_F4}, {_F4}, boolean, float32, boolean, float32, float32)",
     nogil=True,
@@ -64,15 +94,41 @@ def sgd_land(
     b = momentum * b + d (b = d on the first step), s = d + momentum * b (Nesterov) or b,
     g = g - lr * s, local = g, or (1 - alpha) g + alpha local. ``momentum`` 0: s = d and
     ``buf`` is not touched."""
-    keep = np.float32(1.0) - alpha
-    for i in range(avg.size):
-        d = avg[i]
-        if momentum != 0:
-            b = momentum * buf[i] + d if has_buf else d
-            buf[i] = b
-            s = d + momentum * b if nesterov else b
-        else:
-            s = d
-        g = glob[i] - lr * s
-        glob[i] = g
-        param[i] = g if alpha == 0 else keep * g + alpha * param[i]
+    _land_span(avg, np.float32(1.0), glob, param, buf, has_buf, momentum, nesterov, lr, alpha)
+
+
+@nb.njit(
+    f"void(int8[::1], {_F4}, int64, int64, {_F4}, {_F4}, {_F4}, boolean, float32, boolean, "
+    "float32, float32)",
+    nogil=True,
+    cache=True,
+    boundscheck=False,
+)
+def sgd_land_int8(
+    codes: Any,
+    scales: Any,
+    block: int,
+    offset: int,
+    glob: Any,
+    param: Any,
+    buf: Any,
+    has_buf: bool,
+    momentum: float,
+    nesterov: bool,
+    lr: float,
+    alpha: float,
+) -> None:
+    """:func:`sgd_land` with the gradient still block-quantized: element i of this parameter
+    is ``codes[offset + i] * scales[(offset + i) // block]``, the very float an Int8 decode
+    writes (so the same result, bitwise, as decoding and then :func:`sgd_land`), read as one
+    byte where the decoded average was four, and never written out."""
+    n = glob.size
+    i = 0
+    while i < n:
+        b = (offset + i) // block
+        e = min(n, (b + 1) * block - offset)
+        _land_span(
+            codes[offset + i : offset + e], scales[b], glob[i:e], param[i:e],
+            buf[i:e] if momentum != 0 else buf, has_buf, momentum, nesterov, lr, alpha,
+        )  # fmt: skip
+        i = e

@@ -388,9 +388,12 @@ def quantized_in_scheduler(kind: str) -> list[float]:
     return [first, mean]
 
 
-def nonfinite_leaves_globals() -> list[Any]:
-    """A NaN on one rank: NonFiniteError on every rank, global weights unchanged."""
-    model, inner, d = _build(2)
+def nonfinite_leaves_globals(compression: str = "none") -> list[Any]:
+    """A NaN on one rank: NonFiniteError on every rank, global weights unchanged (Int8: the
+    codes never reach the landing)."""
+    model, inner, d = _build(
+        2, compression=overlap.Int8(block=8) if compression == "int8" else None
+    )
     try:
         _inner_step(model, inner, 1)
         d.step()
@@ -475,3 +478,26 @@ def peer_dies_during_sync(timeout: float) -> list[Any]:
     finally:
         d.remove()
     return ["no error"]
+
+
+def int8_lands_from_its_codes(alpha: float) -> bool:
+    """Streaming DiLoCo with Int8 lands straight from the gathered codes (the fused landing
+    reads them, nothing is decoded): bit for bit what decoding and then landing gives, on
+    parameters that start and end inside the quantizer's blocks (SHAPES, block 8)."""
+    runs = []
+    for encoded in (True, False):
+        comp = overlap.Int8(block=8)
+        if not encoded:
+            comp.encodes_result = False  # decode into the buffer, then the fused landing
+        model, inner, d = _build(4, 2, 1, compression=comp, alpha=alpha)
+        try:
+            if encoded and d._kernels is None:
+                raise AssertionError("numba is missing: the fused landing is not there")
+            for t in range(1, 14):
+                _inner_step(model, inner, t)
+                d.step()
+            d.flush()
+            runs.append([p.detach().clone() for p in model.ps] + [g.clone() for g in d.globals])
+        finally:
+            d.remove()
+    return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

@@ -69,3 +69,34 @@ def test_all_finite_is_true_for_the_largest_finite_values() -> None:
     x[::2] *= -1
     assert k.all_finite(x.numpy())
     assert k.all_finite(torch.empty(0).numpy())
+
+
+@pytest.mark.parametrize(("momentum", "alpha"), [(0.3, 0.0), (0.9, 0.5), (0.0, 0.0)])
+@pytest.mark.parametrize("offset", [0, 5, 64])
+def test_sgd_land_int8_is_decode_then_sgd_land_bitwise(
+    momentum: float, alpha: float, offset: int
+) -> None:
+    """The landing from Int8 codes reads element i as codes[offset + i] * its block's scale,
+    the float the Int8 decode writes: the same bits as decoding and then landing, for a
+    parameter that starts and ends inside a block."""
+    from overlap.compression import int8_kernels
+
+    k = _kernels()
+    gen = torch.Generator().manual_seed(1)
+    n, block = 1000, 64
+    padded = -(-(offset + n) // block) * block
+    codes = torch.randint(-127, 128, (padded,), generator=gen, dtype=torch.int8)
+    scales = torch.rand(padded // block, generator=gen)
+    avg = torch.empty(padded)
+    int8_kernels.decode(codes.numpy(), scales.numpy(), block, padded, avg.numpy())
+    start = [torch.randn(n, generator=gen) for _ in range(3)]
+    want, got = [t.clone() for t in start], [t.clone() for t in start]
+    for step in range(2):
+        hyper = (step > 0, momentum, True, 0.6, alpha)
+        g, p, b = (t.numpy() for t in want)
+        k.sgd_land(avg[offset : offset + n].numpy(), g, p, b if momentum else g, *hyper)
+        g, p, b = (t.numpy() for t in got)
+        k.sgd_land_int8(
+            codes.numpy(), scales.numpy(), block, offset, g, p, b if momentum else g, *hyper
+        )
+        assert all(torch.equal(a, c) for a, c in zip(want, got, strict=True))
