@@ -928,8 +928,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pin-heap",
         action="store_true",
         help="keep freed memory in glibc's heap in the rank processes (MALLOC_TRIM_THRESHOLD_, "
-        "MALLOC_MMAP_THRESHOLD_), so a step's gradients are not page-faulted back every step "
-        "in some phases of a run and not others; every variant runs with it",
+        "MALLOC_MMAP_THRESHOLD_) and back it with huge pages (GLIBC_TUNABLES="
+        "glibc.malloc.hugetlb=1; a value you set is kept), so a step's gradients are not "
+        "page-faulted back every step in some phases of a run and not others; every variant "
+        "runs with it",
     )
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")
