@@ -6,10 +6,12 @@ global weights copied into the parameters, the outer optimizer's momentum and Ne
 updates, the result copied back into the global weights. On a 7.3M-parameter fragment, one
 thread, this 2-core machine: 88 ms, against 6 ms for one copy of it. These kernels do the
 same arithmetic in one pass per parameter, plus one read pass for the check (docs/diloco.md,
-"Speed").
+"Speed"). An Int8 average lands from its codes (:func:`sgd_land_int8`): no decode before it
+and no check pass (the quantizer refused non-finite scales on every rank).
 
-Only :func:`sgd_land` changes state, and only after :func:`all_finite` said yes: a
-non-finite average leaves everything as it was.
+Only :func:`sgd_land` and :func:`sgd_land_int8` change state, and only after the caller's
+finiteness check (:func:`all_finite` on a float average; the largest scale on Int8 codes)
+said yes: a non-finite average leaves everything as it was.
 
 Importing the module compiles the kernels or loads them from numba's on-disk cache, so no
 training step pays for a compile (:class:`~overlap.optim.diloco.DiLoCo` imports it when it is
