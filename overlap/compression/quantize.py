@@ -234,7 +234,7 @@ class _BlockQuantized(Compressor):
             )
         if self.error_feedback:
             self.state[key] = {"worker": new_worker, "server": new_server}
-        if encoded:
+        if encoded and self.encodes_result:  # int8 codes only: FP8's are not BlockCodes'
             return BlockCodes(acodes.view(torch.int8), ascales, self.block, flat, self)
         self._decode_into(acodes, ascales, flat)
         return flat
