@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm import hooks as _hooks
+from overlap.comm import quiesce as _quiesce
 from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, forget_group, resolve_group
 from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
@@ -88,6 +89,8 @@ class TorchBackend:
         # The job's timeout (init_distributed(timeout=...)): every group made here gets it,
         # instead of torch's 30-minute default for new_group.
         self.timeout = timeout
+        # Exit waits for ops still observed on backend threads (overlap/comm/quiesce.py).
+        _quiesce.install(None if timeout is None else timeout.total_seconds())
         # (op spelling, dtype) -> (torch op, divide after?, AllreduceOptions)
         self._reductions: dict[tuple[Any, torch.dtype], tuple[Any, bool, Any]] = {}
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from overlap.comm import inflight as _inflight
+from overlap.comm import quiesce as _quiesce
 from overlap.comm import state as _state
 from overlap.comm.handle import Handle
 from overlap.errors import CommError
@@ -65,17 +66,21 @@ def _on_stream(stream: Any) -> Any:
 def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any = None) -> None:
     """Wait for ``work`` (blocking; on NCCL: order it on ``stream``), post-process, complete
     ``handle``. Never raises."""
+    _quiesce.begin(handle)
     try:
-        with contextlib.nullcontext() if stream is None else _on_stream(stream):
-            work.wait()
-            if post is not None:
-                post()
-    except BaseException as exc:
+        try:
+            with contextlib.nullcontext() if stream is None else _on_stream(stream):
+                work.wait()
+                if post is not None:
+                    post()
+        except BaseException as exc:
+            _inflight.untrack(handle)
+            handle._finish(translate_error(exc, handle, rank))
+            return
         _inflight.untrack(handle)
-        handle._finish(translate_error(exc, handle, rank))
-        return
-    _inflight.untrack(handle)
-    handle._finish(None)
+        handle._finish(None)
+    finally:
+        _quiesce.end(handle)
 
 
 class TorchOp:
@@ -133,6 +138,9 @@ class TorchOp:
         if self._stale(handle) or not self._claim():
             return
         _inflight.track(handle)
+        # Registered before the observation can start, ended by its last Python line: exit
+        # waits for it (overlap/comm/quiesce.py).
+        _quiesce.begin(handle)
         if self.future:
             fut = _future_of(self.work)
             if fut is not None:
@@ -146,12 +154,18 @@ class TorchOp:
                         f.value()
                     except BaseException as exc:
                         handle._finish(translate_error(exc, handle, rank))
-                        return
-                    handle._finish(None)
+                    else:
+                        handle._finish(None)
+                    finally:
+                        _quiesce.end(handle)
 
                 fut.add_done_callback(done)
                 return
-        get_pool().submit(self.work, handle, self.post, self.rank, self.stream)
+        try:
+            get_pool().submit(self.work, handle, self.post, self.rank, self.stream)
+        except BaseException:
+            _quiesce.end(handle)
+            raise
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
         if self._stale(handle):

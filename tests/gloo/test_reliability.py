@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -51,38 +52,58 @@ def test_sigkilled_peer_becomes_comm_error(where: str) -> None:
     assert codes[0] == 0, codes  # the survivor then exited by itself, nothing stuck
 
 
-def test_survivor_of_a_peer_death_exits_cleanly_every_time() -> None:
-    """Item 8: 4 runs; the survivor gets CommError and exits 0, with no abort at exit."""
+def _two_ranks(script: str, args: list[str], timeout: float) -> tuple[Any, float]:
+    """Run ``script`` as rank 1 (in the background) and rank 0; rank 0's result and how long
+    it took."""
     import os
     import socket
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
-    script = Path(__file__).with_name("survivor_script.py")
-    for _ in range(4):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env["WORLD_SIZE"] = "2"
-        peer = subprocess.Popen(
-            [sys.executable, str(script)],
-            env={**env, "RANK": "1", "LOCAL_RANK": "1"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+    path = Path(__file__).with_name(script)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    peer = subprocess.Popen(
+        [sys.executable, str(path), *args],
+        env={**env, "RANK": "1", "LOCAL_RANK": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    t0 = time.monotonic()
+    try:
+        out = subprocess.run(
+            [sys.executable, str(path), *args],
+            env={**env, "RANK": "0", "LOCAL_RANK": "0"},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
-        try:
-            out = subprocess.run(
-                [sys.executable, str(script)],
-                env={**env, "RANK": "0", "LOCAL_RANK": "0"},
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        finally:
-            peer.kill()
-            peer.wait()
+    finally:
+        peer.kill()
+        peer.wait()
+    return out, time.monotonic() - t0
+
+
+def test_exit_with_a_collective_in_flight_waits_for_it_and_exits_cleanly() -> None:
+    """An awaited op still in flight at exit fails while the interpreter would be finalizing:
+    exit waits for its observation to end instead of aborting (overlap/comm/quiesce.py)."""
+    out, seconds = _two_ranks("pending_at_exit_script.py", ["4"], timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 0 timed out waiting" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "terminate called" not in out.stderr, out.stderr[-2000:]
+    assert "exit waits for 1 op(s) still in flight" in out.stderr, out.stderr[-2000:]
+    assert "all_reduce" in out.stderr, out.stderr[-2000:]  # the warning names the op
+    assert seconds < 20, seconds  # it ended when the peer left, not at the job timeout
+
+
+def test_survivor_of_a_peer_death_exits_cleanly_every_time() -> None:
+    """Item 8: 4 runs; the survivor gets CommError and exits 0, with no abort at exit."""
+    for _ in range(4):
+        out, _ = _two_ranks("survivor_script.py", [], timeout=60)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "rank 0 CommError" in out.stdout, out.stdout + out.stderr[-2000:]
         assert "terminate called" not in out.stderr, out.stderr[-2000:]
