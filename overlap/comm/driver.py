@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from overlap.comm import quiesce as _quiesce
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
 
@@ -57,6 +58,9 @@ class _Driver:
         self.closed = False
 
     def submit(self, make: Callable[[Any], Steps], handle: Handle, ctx: Any) -> None:
+        # Exit waits for the whole job, not only for each phase's op: between two phases
+        # nothing else is observed (overlap/comm/quiesce.py).
+        _quiesce.begin(handle)
         with self.cv:
             self.jobs.append((make, handle, ctx))
             if self.thread is None:
@@ -83,6 +87,8 @@ class _Driver:
             else:
                 handle._result = result
                 handle._finish(None)
+            finally:
+                _quiesce.end(handle)
 
     def close(self, join: float = 0.0) -> None:
         """Stop taking jobs; the thread finishes what is queued and exits. ``join``: wait up
