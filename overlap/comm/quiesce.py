@@ -101,7 +101,14 @@ def drain(timeout: float | None) -> int:
 
 
 def _at_exit() -> None:
-    drain(None if _timeout_s is None else _timeout_s + 5.0)
+    try:
+        drain(None if _timeout_s is None else _timeout_s + 5.0)
+    except KeyboardInterrupt:  # a second Ctrl-C at exit: stop waiting, say what may follow
+        log.warning(
+            "exit stopped waiting for %d op(s) in flight; if one fails during interpreter "
+            "shutdown the process aborts (terminate called)",
+            len(_observing),
+        )
 
 
 def install(timeout_s: float | None) -> None:
