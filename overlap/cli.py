@@ -528,7 +528,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     import json
 
     from overlap.bench.harness import Table, human_bytes
-    from overlap.bench.train import ALL_VARIANTS, CUDA_VARIANTS, PIN_HEAP_ENV, VARIANTS
+    from overlap.bench.train import (
+        ALL_VARIANTS,
+        CUDA_VARIANTS,
+        DILOCO_FRAGMENTS_ENV,
+        PIN_HEAP_ENV,
+        VARIANTS,
+    )
 
     variants = args.variant or (CUDA_VARIANTS if args.device == "cuda" else VARIANTS)
     bad = [v for v in variants if v not in ALL_VARIANTS]
@@ -567,6 +573,14 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     if args.pin_heap:
         for k, v in PIN_HEAP_ENV.items():  # each rank process inherits this environment
             os.environ.setdefault(k, v)
+    if args.diloco_fragments is not None:
+        if args.diloco_fragments < 1:
+            _err(
+                f"--diloco-fragments {args.diloco_fragments}: streaming DiLoCo needs at least "
+                "one fragment; use 1 or more (default 8)"
+            )
+            return 2
+        os.environ[DILOCO_FRAGMENTS_ENV] = str(args.diloco_fragments)
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
     if args.hosts:
         world = args.hosts * args.procs_per_host
@@ -932,6 +946,13 @@ def build_parser() -> argparse.ArgumentParser:
         "glibc.malloc.hugetlb=1; a value you set is kept), so a step's gradients are not "
         "page-faulted back every step in some phases of a run and not others; every variant "
         "runs with it",
+    )
+    bt.add_argument(
+        "--diloco-fragments",
+        type=int,
+        default=None,
+        help="fragments of diloco-streaming (default 8; at most one per parameter tensor): "
+        "more fragments spread the same sync work over more steps",
     )
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")

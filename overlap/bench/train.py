@@ -47,7 +47,7 @@ HOST_VARIANTS = ["overlap-onebit-flat"]
 # communicates). Their "vs DDP" is against ddp-adamw when it runs too.
 ADAM_VARIANTS = ["ddp-adamw", "overlap-onebitadam", "onebitadam-serial"]
 # DiLoCo (run only when named): SGD inner steps, an outer sync every DILOCO_H steps: plain
-# (the whole model, fp32, waited for at the sync step) and streaming (4 fragments in turn,
+# (the whole model, fp32, waited for at the sync step) and streaming (8 fragments in turn,
 # Int8, each landing DILOCO_DELAY steps after it was issued: half of H, time for a slow
 # link).
 DILOCO_VARIANTS = ["diloco", "diloco-streaming"]
@@ -65,6 +65,13 @@ PIN_HEAP_ENV = {
 }
 DILOCO_H = 8
 DILOCO_DELAY = 4
+# --diloco-fragments: streaming DiLoCo's fragment count, passed to the rank processes in
+# their environment. 8 (one per step of H): the model's 12 tensors (six 4.2M-float weights)
+# then cut into fragments of at most one weight; 4 cut them 8.4M/4.2M/8.4M/4.2M, and the
+# steps that issued and landed an 8.4M fragment were the slowest (docs/diloco.md, tenth
+# session: slowest step 1.21-1.39x compute-only with 8, 1.32-1.71x with 4).
+DILOCO_FRAGMENTS_ENV = "OVERLAP_BENCH_DILOCO_FRAGMENTS"
+DILOCO_FRAGMENTS = 8
 ALL_VARIANTS = VARIANTS + HOST_VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
@@ -102,6 +109,11 @@ def comm_overlap(timeline: list[dict[str, Any]], t0: float, t_bwd: float) -> tup
     return _union(iv), _union(iv, t0, t_bwd)
 
 
+def diloco_fragments() -> int:
+    """Streaming DiLoCo's fragment count for this run (``--diloco-fragments``)."""
+    return int(os.environ.get(DILOCO_FRAGMENTS_ENV, DILOCO_FRAGMENTS))
+
+
 def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -121,7 +133,7 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
             model,
             v["opt"],
             sync_every=DILOCO_H,
-            fragments=min(4, len(list(model.parameters()))) if stream else 1,
+            fragments=min(diloco_fragments(), len(list(model.parameters()))) if stream else 1,
             delay=DILOCO_DELAY if stream else 0,
             compression=Int8() if stream else None,
         )
@@ -305,6 +317,8 @@ def bench_train_rank(
             row["first_compressed_ms"] = r["all"][first] * 1e3
         if "onebitadam" in n and len(r["all"]) > COMPRESS_FROM:  # frozen from this step
             row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
+        if v["diloco"] is not None:
+            row["fragments"] = v["diloco"].fragments
         if v["sched"] is not None:
             row["hierarchical"] = v["sched"].hierarchical
             if row["hierarchical"] and row["bytes_per_rank"]:  # what crosses between hosts

@@ -157,6 +157,19 @@ def test_bench_train_pin_heap_reaches_the_ranks() -> None:
     assert row["heap_pinned"] is True and row["step_ms"] > 0, row
 
 
+def test_bench_train_diloco_fragments_reach_the_ranks_and_zero_is_refused() -> None:
+    out = run(
+        "bench", "train", "--variant", "diloco-streaming", "--model-size", "0.05", "--steps",
+        "2", "--warmup", "1", "--diloco-fragments", "1", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["fragments"] == 1, row  # the default, 8, gives 2 here (one per tensor)
+    bad = run("bench", "train", "--variant", "diloco-streaming", "--diloco-fragments", "0")
+    assert bad.returncode == 2 and "--diloco-fragments 0" in bad.stderr, bad.stderr
+    assert not bad.stdout
+
+
 def test_bench_tables_round_their_floats() -> None:
     from overlap.bench.harness import Table
 
