@@ -42,7 +42,7 @@ _observing: dict[int, Any] = {}  # dict operations are atomic under the GIL: no 
 _last_end = 0.0
 _installed = False
 _install_lock = threading.Lock()
-_timeout_s: float | None = None
+_timeout_s = 1800.0  # the job's op timeout (install); torch's default until then
 
 
 _P2P = frozenset({"isend", "irecv"})
@@ -70,16 +70,16 @@ def outstanding() -> int:
     return len(_observing)
 
 
-def drain(timeout: float | None) -> int:
-    """Wait until every observation has ended, or ``timeout`` seconds pass (``None``: no
-    limit). Returns how many are left. Releases the GIL while it waits."""
+def drain(timeout: float) -> int:
+    """Wait until every observation has ended, or ``timeout`` seconds pass. Returns how
+    many are left. Releases the GIL while it waits."""
     start = time.monotonic()
-    deadline = None if timeout is None else start + timeout
+    deadline = start + timeout
     warned = False
     pause = 0.001
     while _observing:
         now = time.monotonic()
-        if deadline is not None and now >= deadline:
+        if now >= deadline:
             break
         if not warned and now - start >= WARN_AFTER_S:
             warned = True
@@ -102,7 +102,7 @@ def drain(timeout: float | None) -> int:
 
 def _at_exit() -> None:
     try:
-        drain(None if _timeout_s is None else _timeout_s + 5.0)
+        drain(_timeout_s + 5.0)
     except KeyboardInterrupt:  # a second Ctrl-C at exit: stop waiting, say what may follow
         log.warning(
             "exit stopped waiting for %d op(s) in flight; if one fails during interpreter "

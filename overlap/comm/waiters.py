@@ -68,17 +68,16 @@ def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: A
     ``handle``. Never raises."""
     _quiesce.begin(handle)
     try:
+        err: BaseException | None = None
         try:
             with contextlib.nullcontext() if stream is None else _on_stream(stream):
                 work.wait()
                 if post is not None:
                     post()
         except BaseException as exc:
-            _inflight.untrack(handle)
-            handle._finish(translate_error(exc, handle, rank))
-            return
+            err = translate_error(exc, handle, rank)
         _inflight.untrack(handle)
-        handle._finish(None)
+        handle._finish(err)
     finally:
         _quiesce.end(handle)
 
