@@ -13,11 +13,14 @@ bucket of L local ranks on N hosts is reduced in three steps:
 3. inside the host, every rank gets the L reduced chunks: the whole average.
 
 On CPU, steps 1 and 3 go through shared memory (``/dev/shm``), as NCCL's SHM transport
-does: each rank writes its bucket into its slot of a region the host's ranks all map,
-averages its chunk over the slots, and after step 2 publishes the chunk for the others to
-read; two small barriers on the host's group order it. That is three memory passes of the
-bucket per rank, where sockets on loopback (an allreduce, then an allgather) cost far more
-CPU: measured on 2 namespace hosts x 2 processes (docs/cluster.md). A region is mapped by
+does: each rank writes its bucket, less its own chunk, into its slot of a region the host's
+ranks all map, averages its own chunk from its gradients and the other slots (with two
+ranks a host, one ``lerp``), and after step 2 publishes the chunk for the others to read;
+two small barriers on the host's group order it. With L = 2 that is half a pass of the
+bucket in, one and a half for the average of the half-size chunk, and one out; sockets on
+loopback (an allreduce, then an allgather) cost far more CPU (docs/cluster.md). These
+passes run on cold memory that the host's ranks share, so on CPU they cost about as much
+as the codec work they save: docs/cluster.md has the measurements. A region is mapped by
 every rank and then unlinked, so nothing is left in /dev/shm even after a crash; without
 room there (a container's 64 MB default), the host falls back to the socket path, saying so.
 
@@ -114,6 +117,30 @@ def _gaps(n: int, outputs: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int
     if at < n:
         out.append((at, n))
     return out
+
+
+def _pieces(
+    flat: torch.Tensor,
+    outputs: Sequence[tuple[int, torch.Tensor]],
+    read_outputs: bool,
+    lo: int,
+    hi: int,
+) -> list[tuple[int, int, torch.Tensor]]:
+    """The bucket's elements [lo, hi) as (start, end, source view) pieces: from ``flat``,
+    or, with ``read_outputs``, from the outputs that cover them and ``flat`` for the rest."""
+    if hi <= lo:
+        return []
+    if not read_outputs:
+        return [(lo, hi, flat[lo:hi])]
+    out = [(a, b, flat[a:b]) for a, b in _gaps(flat.numel(), outputs)]
+    for a, t in outputs:
+        out.append((a, a + t.numel(), t.view(-1)))
+    pieces = []
+    for a, b, src in out:
+        a2, b2 = max(a, lo), min(b, hi)
+        if b2 > a2:
+            pieces.append((a2, b2, src[a2 - a : b2 - a]))
+    return pieces
 
 
 def _sweep_shm() -> None:
@@ -278,28 +305,45 @@ class Hierarchical(Compressor):
         outputs: Sequence[tuple[int, torch.Tensor]],
         read_outputs: bool,
     ) -> Steps:
-        """Inside the host through shared memory: write the bucket to this rank's slot,
-        average chunk l over the slots, reduce it across hosts, publish it, read them all.
+        """Inside the host through shared memory: write the bucket, but for this rank's own
+        chunk, to this rank's slot; average the own chunk over this rank's values and the
+        others' slots; reduce it across hosts, publish it, read them all.
 
-        The outputs' elements go into the slot from the outputs themselves (``read_outputs``)
-        and come back into them from the result; ``flat`` carries only the rest."""
+        The own chunk is never written to the slot: only this rank reads it, so it averages
+        it straight from its gradients (a copy of 1/L of the bucket saved), and with two
+        ranks per host the average is one ``lerp`` (the sum and the division were a pass
+        and a half of the chunk). The outputs' elements are read from the outputs themselves
+        (``read_outputs``) and come back into them from the result; ``flat`` carries only
+        the rest."""
         buf, per = region
         n, L, mine = flat.numel(), self.local, self.local_rank
         slots, result = buf[:L], buf[L]
         slot = slots[mine]
-        if read_outputs:
-            for a, b in _gaps(n, outputs):
-                slot[a:b].copy_(flat[a:b])
-            gather_sources(slot, outputs)
-        else:
-            slot[:n].copy_(flat)
-        yield self._barrier()  # every slot written
         lo, hi = mine * per, (mine + 1) * per
+        mine_n = min(hi, n)  # the own chunk's end within the bucket (padding past it)
+        for a, b, src in _pieces(flat, outputs, read_outputs, 0, min(lo, n)):
+            slot[a:b].copy_(src)
+        for a, b, src in _pieces(flat, outputs, read_outputs, hi, n):
+            slot[a:b].copy_(src)
+        yield self._barrier()  # every slot written
         chunk = self.state.get(("chunk", key))
         if chunk is None or chunk.numel() != per or chunk.dtype != flat.dtype:
             chunk = self.state[("chunk", key)] = torch.empty(per, dtype=flat.dtype)
-        torch.sum(slots[:, lo:hi], dim=0, out=chunk)
-        chunk.div_(L)
+        others = [slots[j] for j in range(L) if j != mine]
+        for a, b, src in _pieces(flat, outputs, read_outputs, lo, mine_n):
+            out = chunk[a - lo : b - lo]
+            if not others:  # one rank per host: its own values
+                out.copy_(src)
+            elif L == 2:  # the mean of two, in one pass
+                torch.lerp(src, others[0][a:b], 0.5, out=out)
+            else:
+                torch.add(src, others[0][a:b], out=out)
+        if mine_n < hi:
+            chunk[max(mine_n - lo, 0) :].zero_()  # padding: every slot holds 0 there
+        if L > 2:
+            for other in others[1:]:
+                chunk.add_(other[lo:hi])
+            chunk.div_(L)
         # a compressor that writes outputs rebuilds straight into the published result
         mine_out = result[lo:hi]
         direct = self.inner.current().writes_outputs

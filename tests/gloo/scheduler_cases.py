@@ -501,22 +501,34 @@ def nonfinite_step_leaves_the_scheduler_usable(mode: str) -> list[Any]:
     return out
 
 
-def hierarchical_pipelined_equals_the_average() -> list[Any]:
-    """A Hierarchical reduction (each rank its own "host": a 1-rank group inside, the world
-    between) with several buckets in flight at once: every bucket makes its own shared
-    region as it starts, so the pipeline names regions for later buckets before earlier
-    ones have stored theirs. The gradients go into the slots and come back from the result
-    without a copy into or out of the bucket. Returns [max error against the plain average
-    over two steps, buckets, distinct region files the buckets mapped, gradients written
-    straight into .grad, gradients read where backward left them]."""
+def hierarchical_pipelined_equals_the_average(
+    layout: str = "hosts", as_view: bool = False
+) -> list[Any]:
+    """A Hierarchical reduction with several buckets in flight at once: every bucket makes
+    its own shared region as it starts, so the pipeline names regions for later buckets
+    before earlier ones have stored theirs. ``layout`` "hosts": each rank its own "host" (a
+    1-rank group inside, the world between); "local": one host of all the ranks (the mean
+    inside it is the whole reduction: 2 ranks take the two-rank path, 3 the general one).
+    The gradients go into the slots and come back from the result without a copy into or
+    out of the bucket (``as_view``: .grad is the bucket, and the bucket is read instead).
+    Returns [max error against the plain average over two steps, buckets, distinct region
+    files the buckets mapped, gradients written straight into .grad, gradients read where
+    backward left them]."""
     from overlap.scheduler.hierarchy import Hierarchical
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Linear(64, 4))
     plain = copy.deepcopy(model)
-    comp = Hierarchical(NoCompression(), hosts=comm.get_world_size(), local=1)
+    w = comm.get_world_size()
+    hosts, local = (w, 1) if layout == "hosts" else (1, w)
+    comp = Hierarchical(NoCompression(), hosts=hosts, local=local)
     sched = BucketScheduler(
-        model, compression=comp, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
+        model,
+        compression=comp,
+        hierarchy="flat",
+        bucket_cap_mb=0.004,
+        first_bucket_mb=0.004,
+        gradient_as_bucket_view=as_view,
     )
     err = 0.0
     try:
