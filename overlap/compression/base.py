@@ -63,7 +63,13 @@ class Compressor(ABC):
         outputs also hold the *input* for their elements and ``flat``'s copy of them is
         stale from the start (the copy into the bucket is saved as well). Such a compressor
         must read the outputs before it writes any of them, and fill ``flat`` from them
-        itself on any path that reduces ``flat`` (e.g. an uncompressed warm-up)."""
+        itself on any path that reduces ``flat`` (e.g. an uncompressed warm-up).
+
+        The phases (yields) and collectives must not depend on the values, also when they
+        are not finite: raise NonFiniteError only after the last phase. The scheduler
+        pipelines buckets by phase count, and under a hierarchical reduction a host's ranks
+        reduce different chunks, so a rank that left early would pair its next collectives
+        with another bucket's on its peers (overlap.scheduler.hierarchy)."""
 
     def reduce(
         self,

@@ -209,6 +209,11 @@ def onebit_steps(
     m.scales_bytes.copy_(m.recv_scales)  # (w, nseg) floats: every rank's worker scales
     bad = [comm.get_global_rank(group, i) for i, ok in enumerate(_finite_rows(m.scales)) if not ok]
     if bad:
+        # Phase 2 is still issued (its result unused), so the collectives a rank issues do
+        # not depend on the values: under a hierarchical reduction a host's ranks reduce
+        # different chunks and only some of them see the NaN, and the host's own
+        # collectives are pipelined among the buckets' phases by phase count.
+        yield [comm.all_gather_into_tensor(m.rows, m.mine, group=group, async_op=True)]
         raise NonFiniteError(
             f"compressed_allreduce: the input on rank(s) {bad} holds NaN or Inf; the buffer "
             "and the error-feedback state were left unchanged on every rank. Skip this step "

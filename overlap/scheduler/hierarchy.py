@@ -25,7 +25,15 @@ every rank and then unlinked, so nothing is left in /dev/shm even after a crash;
 room there (a container's 64 MB default), the host falls back to the socket path, saying so.
 
 Every rank ends with the same buffer: step 2 gives one result per chunk to every member of
-its group (the wrapped compressor's contract), step 3 copies it to every rank. The average
+its group (the wrapped compressor's contract), step 3 copies it to every rank. A non-finite
+chunk is seen only by the ranks that reduce it (a NaN on one rank reaches one chunk), so the
+host's ranks agree on it before step 3, in the barrier that orders it (a max over their
+outcomes, no extra collective on the shared-memory path): with ``on_nonfinite="raise"``
+every rank raises NonFiniteError together, with ``"skip"`` every rank keeps its bucket as it
+was and its compressor's ``last_skipped`` is set, as a flat reduction does. Without that, the
+owner of the chunk left the step one barrier early: the others read a result it never
+wrote (different gradients on each rank, silently, with "skip"), or the host's barriers
+paired across buckets until gloo failed. The average
 is the mean over hosts of the host means, which is the mean over all ranks when every host
 has L ranks (required).
 
@@ -49,6 +57,7 @@ from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
 from overlap.compression.codec import gather_sources, write_outputs
+from overlap.errors import NonFiniteError
 from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
 
@@ -56,6 +65,8 @@ __all__ = ["Hierarchical", "check_hierarchy", "node_layout", "resolve"]
 
 log = logging.getLogger(__name__)
 _SHM = "/dev/shm"
+# How a rank's chunk ended (the host takes the max of its ranks'): see Hierarchical._agree
+_OK, _SKIPPED, _RAISED = 0, 1, 2
 
 
 def node_layout(ctrl: Any, device: torch.device) -> tuple[int, int] | None:
@@ -200,6 +211,8 @@ class Hierarchical(Compressor):
                 self.cross_group = g
         self.local_rank = rank % local
         self.state: dict[Any, Any] = {}
+        # this rank's NonFiniteError per bucket, from step 2 until the host agrees on it
+        self._nonfinite: dict[Hashable, NonFiniteError] = {}
         # Shared memory for the exchange inside a host (module docstring), named by a token
         # that local rank 0 draws and shares: a job's hosts never collide.
         token = torch.tensor(list(secrets.token_bytes(8)), dtype=torch.uint8)
@@ -242,6 +255,45 @@ class Hierarchical(Compressor):
 
     def _barrier(self) -> list[Any]:
         return [comm.all_reduce(torch.zeros(1), group=self.local_group, async_op=True)]
+
+    def _inner_chunk(self, key: Hashable, chunk: torch.Tensor, kw: dict[str, Any]) -> Steps:
+        """Reduce this rank's chunk across hosts; its outcome: _OK, _SKIPPED (the inner
+        compressor kept a non-finite chunk as it was) or _RAISED (it raised NonFiniteError,
+        kept per bucket for :meth:`_agree`). The inner compressor's own
+        contract makes the outcome the same on every rank of the cross group."""
+        cur = self.inner.current()
+        before = getattr(cur, "skipped_steps", None)
+        try:
+            yield from self.inner.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
+        except NonFiniteError as exc:
+            self._nonfinite[key] = exc
+            return _RAISED
+        return _OK if getattr(cur, "skipped_steps", None) == before else _SKIPPED
+
+    def _agree(self, key: Hashable, outcome: int) -> Steps:
+        """The host's barrier after step 2, carrying each rank's chunk outcome: every rank
+        learns the worst one. Raises NonFiniteError on every rank of the host if any chunk
+        raised; marks this rank's compressor skipped if any chunk was skipped."""
+        vote = torch.tensor([outcome], dtype=torch.int32)
+        yield [comm.all_reduce(vote, op="max", group=self.local_group, async_op=True)]
+        worst = int(vote)
+        if worst == _RAISED:
+            own = self._nonfinite.pop(key, None)
+            if outcome == _RAISED and own is not None:
+                raise own
+            raise NonFiniteError(
+                "hierarchical reduction: a chunk of this bucket reduced by another rank of "
+                "this host held NaN or Inf; the buffer and the error-feedback state are left "
+                "as they were",
+                ranks=[],
+            )
+        if worst == _SKIPPED and outcome != _SKIPPED:
+            cur = self.inner.current()  # as if this rank's own chunk had been skipped
+            if hasattr(cur, "skipped_steps"):
+                cur.skipped_steps += 1
+            if hasattr(cur, "last_skipped"):
+                cur.last_skipped = True
+        return worst
 
     def _region(self, key: Hashable, flat: torch.Tensor) -> Steps:
         """This key's shared memory (L input slots and one result, each a padded bucket),
@@ -348,10 +400,14 @@ class Hierarchical(Compressor):
         mine_out = result[lo:hi]
         direct = self.inner.current().writes_outputs
         kw: dict[str, Any] = {"outputs": [(0, mine_out)]} if direct else {}
-        yield from self.inner.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
-        if not direct:
+        outcome = yield from self._inner_chunk(key, chunk, kw)
+        if outcome == _OK and not direct:
             mine_out.copy_(chunk)
-        yield self._barrier()  # every chunk published
+        # every chunk published, and the host agrees on how its chunks ended
+        if (yield from self._agree(key, outcome)) != _OK:
+            if not read_outputs:  # else the outputs are the (unchanged) input already
+                write_outputs(flat, outputs)
+            return flat  # skipped: the bucket stays as it was, as a flat reduction leaves it
         if outputs:
             for a, b in _gaps(n, outputs):
                 flat[a:b].copy_(result[a:b])
@@ -370,7 +426,9 @@ class Hierarchical(Compressor):
         buf[:n].copy_(flat)
         chunks = list(buf.view(L, per).unbind(0))
         mine = chunks[self.local_rank]
-        yield from self.inner.reduce_steps((key, "chunk"), mine, group=self.cross_group)
+        outcome = yield from self._inner_chunk(key, mine, {})
+        if (yield from self._agree(key, outcome)) != _OK:
+            return flat  # skipped: flat still holds this host's average, the input here
         yield [comm.all_gather(chunks, mine.clone(), group=self.local_group, async_op=True)]
         flat.copy_(buf[:n])
         return flat
@@ -394,6 +452,7 @@ class Hierarchical(Compressor):
 
     def reset(self) -> None:
         self.state.clear()  # the shared regions are unmapped with their tensors
+        self._nonfinite.clear()
         self.inner.reset()
 
     def state_dict(self) -> dict[str, Any]:

@@ -462,23 +462,42 @@ def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
     }
 
 
-def nonfinite_step_leaves_the_scheduler_usable(mode: str) -> list[Any]:
-    """A NaN gradient on rank 1, in a middle bucket of a pipelined 1-bit step: synchronize()
-    (or await wait()) raises NonFiniteError on every rank, every other bucket settles, and
-    the next steps train on with finite, rank-identical gradients."""
+def _nan_at_00(g: torch.Tensor) -> torch.Tensor:
+    """The gradient with one NaN, at [0, 0]: inside one chunk of a hierarchical bucket."""
+    g = g.clone()
+    g[0, 0] = float("nan")
+    return g
+
+
+def nonfinite_step_leaves_the_scheduler_usable(
+    mode: str, hierarchical: bool = False, on_nonfinite: str = "raise"
+) -> list[Any]:
+    """A NaN in rank 1's gradient, in a middle bucket of a pipelined 1-bit step:
+    synchronize() (or await wait()) raises NonFiniteError on every rank (or, with
+    on_nonfinite="skip", every rank's OneBit says last_skipped), every other bucket settles,
+    and the next steps train on with finite, rank-identical gradients. ``hierarchical``:
+    through a Hierarchical reduction, all ranks on one host, where the NaN reaches only the
+    chunk that one rank reduces (the host must agree on it)."""
     from overlap.errors import NonFiniteError
+    from overlap.scheduler.hierarchy import Hierarchical
 
     r = comm.get_rank()
     torch.manual_seed(5)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
-    sched = BucketScheduler(model, compression=OneBit(), bucket_cap_mb=0.005, first_bucket_mb=0.005)
+    onebit = OneBit(on_nonfinite=on_nonfinite)
+    comp: Compressor = onebit
+    if hierarchical:
+        comp = Hierarchical(onebit, hosts=1, local=comm.get_world_size())
+    sched = BucketScheduler(
+        model, compression=comp, hierarchy="flat", bucket_cap_mb=0.005, first_bucket_mb=0.005
+    )
     assert len(sched.buckets) >= 3
     gen = torch.Generator().manual_seed(r)
     out: list[Any] = []
     for step in range(4):
         hook = None
         if step == 1 and r == 1:
-            hook = model[3][0].weight.register_hook(lambda g: g * float("nan"))
+            hook = model[3][0].weight.register_hook(_nan_at_00)
         model.zero_grad()
         loss = model(torch.randn(8, 32, generator=gen)).pow(2).mean()
         try:
@@ -487,16 +506,16 @@ def nonfinite_step_leaves_the_scheduler_usable(mode: str) -> list[Any]:
                 sched.synchronize()
             else:
                 overlap.run(sched.backward(loss), loop=mode)  # type: ignore[arg-type]
-            out.append("ok")
+            out.append("skipped" if onebit.last_skipped else "ok")
         except NonFiniteError as e:
-            out.append(f"NonFiniteError {e.ranks}")
+            out.append("NonFiniteError" if hierarchical else f"NonFiniteError {e.ranks}")
         if hook is not None:
             hook.remove()
         if out[-1] == "ok":
             grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
             assert torch.isfinite(grads).all()
             everyone = comm.all_gather(grads)
-            assert torch.equal(everyone[0], everyone[1])
+            assert all(torch.equal(everyone[0], g) for g in everyone)
     sched.remove()
     return out
 

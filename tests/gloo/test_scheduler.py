@@ -139,6 +139,23 @@ def test_a_nonfinite_step_leaves_the_scheduler_usable(
 
 
 @pytest.mark.parametrize(
+    ("ranks", "on_nonfinite", "step1"),
+    [(2, "raise", "NonFiniteError"), (2, "skip", "skipped"), (3, "raise", "NonFiniteError")],
+)
+def test_a_nonfinite_chunk_of_a_hierarchical_bucket_is_agreed_by_the_host(
+    pools: Callable[[int], RankPool], ranks: int, on_nonfinite: str, step1: str
+) -> None:
+    """Regression: the NaN reached one rank's chunk only; that rank raised and left the step
+    a barrier early (the others then failed with CommError, and every later step too), or,
+    with "skip", it alone said last_skipped while the others stepped on gradients it had
+    never published."""
+    out = pools(ranks).run(
+        sc.nonfinite_step_leaves_the_scheduler_usable, "blocking", True, on_nonfinite, timeout=120
+    )
+    assert out == [["ok", step1, "ok", "ok"]] * ranks, out
+
+
+@pytest.mark.parametrize(
     ("ranks", "layout", "as_view"),
     [(2, "hosts", False), (2, "local", False), (3, "local", False), (3, "local", True)],
 )

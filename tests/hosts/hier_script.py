@@ -4,6 +4,8 @@ Checks, reported by rank 0 as ``RESULT {...}``:
 * hierarchy="node" with NoCompression gives the flat average of every rank's gradients;
 * hierarchy="auto" picks node here, and with OneBit (several buckets, pipelined) every rank
   ends with the same gradients;
+* a NaN on one rank raises NonFiniteError on every rank of both hosts, and the next step
+  trains on;
 * hierarchy="flat" is not wrapped.
 """
 
@@ -34,6 +36,17 @@ def _same(t: torch.Tensor) -> bool:
     return bool(torch.equal(lo, hi))
 
 
+def _onebit_buckets(model: nn.Module, hierarchy: str) -> overlap.BucketScheduler:
+    """OneBit over several small buckets, so their reductions are pipelined."""
+    return overlap.BucketScheduler(
+        model,
+        compression=overlap.OneBit(),
+        hierarchy=hierarchy,
+        bucket_cap_mb=0.002,
+        first_bucket_mb=0.002,
+    )
+
+
 def main() -> None:
     overlap.init_distributed()
     rank = comm.get_rank()
@@ -58,13 +71,7 @@ def main() -> None:
 
     model = _model()
     # several buckets: their reductions are pipelined, 1-bit phases between hosts included
-    sched = overlap.BucketScheduler(
-        model,
-        compression=overlap.OneBit(),
-        hierarchy="auto",
-        bucket_cap_mb=0.002,
-        first_bucket_mb=0.002,
-    )
+    sched = _onebit_buckets(model, "auto")
     out["auto_wrapped"] = sched.hierarchical
     out["auto_stats"] = sched.statistics()["compression"]
     same = True
@@ -75,6 +82,24 @@ def main() -> None:
         same &= _same(_grads(model))
     out["auto_onebit_same"] = same
     out["auto_buckets"] = len(sched.buckets)
+    sched.remove()
+
+    # a NaN on one rank reaches one chunk, reduced by one rank per host: every rank on both
+    # hosts raises NonFiniteError together, and the next step trains on
+    model = _model()
+    sched = _onebit_buckets(model, "node")
+    nan: list[object] = []
+    for step in range(3):
+        model.zero_grad()
+        model(x * (step + 1)).pow(2).mean().backward()
+        if step == 1 and rank == comm.get_world_size() - 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        try:
+            sched.synchronize()
+            nan.append("ok" if _same(_grads(model)) else "differ")
+        except overlap.NonFiniteError:
+            nan.append("NonFiniteError")
+    out["node_nan"] = nan
     sched.remove()
 
     sched = overlap.BucketScheduler(_model(), hierarchy="flat")
