@@ -243,7 +243,7 @@ class Hierarchical(Compressor):
         read_outputs: bool = False,
     ) -> Steps:
         """``outputs`` and ``read_outputs`` as in :meth:`Compressor.reduce_steps`."""
-        if flat.device.type == "cpu" and self._shm_ok:
+        if flat.device.type == "cpu":
             region = yield from self._region(key, flat)
             if region is not None:
                 return (yield from self._shm_steps(key, flat, region, outputs, read_outputs))
@@ -304,6 +304,18 @@ class Hierarchical(Compressor):
         have = self.state.get(("shm", key))
         if have is not None and have[0].shape == (L + 1, per * L) and have[0].dtype == flat.dtype:
             return have
+        if not self._shm_ok:
+            # This host went to sockets. A host with room makes a region here, in three
+            # phases (the vote and two barriers): take as many, empty. The pipeline
+            # interleaves the buckets' phases by count; an offset that every bucket of a
+            # step shares keeps the exchanges between hosts in the same order on every
+            # host, but when only some buckets make a region (a bucket that changed size
+            # at a rebuild) the hosts' orders would differ.
+            if self.state.get(("sockets", key)) != (n, flat.dtype):
+                self.state[("sockets", key)] = (n, flat.dtype)
+                for _ in range(3):
+                    yield []
+            return None
         need = (L + 1) * per * L * flat.element_size()
         try:
             st = os.statvfs(_SHM)
@@ -320,6 +332,9 @@ class Hierarchical(Compressor):
                 _SHM,
                 need / 2**20,
             )
+            self.state[("sockets", key)] = (n, flat.dtype)
+            yield []  # the two barriers a host with room takes (above)
+            yield []
             return None
         # Regions are named in the order this line runs, the same on every rank of the host
         # (the pipeline's order is fixed). A count of its own, not len(self.state): with

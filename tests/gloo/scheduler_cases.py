@@ -521,7 +521,7 @@ def nonfinite_step_leaves_the_scheduler_usable(
 
 
 def hierarchical_pipelined_equals_the_average(
-    layout: str = "hosts", as_view: bool = False
+    layout: str = "hosts", as_view: bool = False, no_room: int | None = None
 ) -> list[Any]:
     """A Hierarchical reduction with several buckets in flight at once: every bucket makes
     its own shared region as it starts, so the pipeline names regions for later buckets
@@ -532,7 +532,9 @@ def hierarchical_pipelined_equals_the_average(
     out of the bucket (``as_view``: .grad is the bucket, and the bucket is read instead).
     Returns [max error against the plain average over two steps, buckets, distinct region
     files the buckets mapped, gradients written straight into .grad, gradients read where
-    backward left them]."""
+    backward left them]. ``no_room``: on that rank /dev/shm has no room (its "host" goes
+    through sockets, the others through shared memory)."""
+    from overlap.scheduler import hierarchy
     from overlap.scheduler.hierarchy import Hierarchical
 
     torch.manual_seed(0)
@@ -549,6 +551,9 @@ def hierarchical_pipelined_equals_the_average(
         first_bucket_mb=0.004,
         gradient_as_bucket_view=as_view,
     )
+    shm = hierarchy._SHM
+    if comm.get_rank() == no_room:
+        hierarchy._SHM = "/nonexistent-overlap-test"  # statvfs fails: no room
     err = 0.0
     try:
         for step in range(2):
@@ -573,3 +578,4 @@ def hierarchical_pipelined_equals_the_average(
         return [err, len(sched.buckets), len(regions), st["direct"], st["read_in_place"]]
     finally:
         sched.remove()
+        hierarchy._SHM = shm

@@ -174,3 +174,16 @@ def test_hierarchical_pipelines_buckets_each_in_its_own_region(
         # every parameter: no bucket copy either way (with .grad the bucket, none needed)
         want = 0 if as_view else 6
         assert direct == in_place == want, out
+
+
+def test_hierarchical_hosts_with_and_without_shared_memory_stay_in_step(
+    pools: Callable[[int], RankPool],
+) -> None:
+    """A host without room in /dev/shm goes through sockets while the others use shared
+    memory (each rank its own host here, so every reduction is an exchange between hosts):
+    the pipelined buckets' exchanges stay paired and the result is the average. The socket
+    host takes as many phases as a region costs the others (empty ones)."""
+    out = pools(2).run(sc.hierarchical_pipelined_equals_the_average, "hosts", False, 0, timeout=120)
+    (err0, buckets, regions0, _, _), (err1, _, regions1, _, _) = out
+    assert err0 < 1e-6 and err1 < 1e-6 and buckets >= 3, out
+    assert regions0 == 0 and regions1 == buckets, out
