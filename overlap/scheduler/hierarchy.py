@@ -270,11 +270,11 @@ class Hierarchical(Compressor):
             return _RAISED
         return _OK if getattr(cur, "skipped_steps", None) == before else _SKIPPED
 
-    def _agree(self, key: Hashable, outcome: int) -> Steps:
+    def _agree(self, key: Hashable, outcome: int, device: torch.device) -> Steps:
         """The host's barrier after step 2, carrying each rank's chunk outcome: every rank
         learns the worst one. Raises NonFiniteError on every rank of the host if any chunk
         raised; marks this rank's compressor skipped if any chunk was skipped."""
-        vote = torch.tensor([outcome], dtype=torch.int32)
+        vote = torch.tensor([outcome], dtype=torch.int32, device=device)  # NCCL: on the GPU
         yield [comm.all_reduce(vote, op="max", group=self.local_group, async_op=True)]
         worst = int(vote)
         if worst == _RAISED:
@@ -419,7 +419,7 @@ class Hierarchical(Compressor):
         if outcome == _OK and not direct:
             mine_out.copy_(chunk)
         # every chunk published, and the host agrees on how its chunks ended
-        if (yield from self._agree(key, outcome)) != _OK:
+        if (yield from self._agree(key, outcome, flat.device)) != _OK:
             if not read_outputs:  # else the outputs are the (unchanged) input already
                 write_outputs(flat, outputs)
             return flat  # skipped: the bucket stays as it was, as a flat reduction leaves it
@@ -442,7 +442,7 @@ class Hierarchical(Compressor):
         chunks = list(buf.view(L, per).unbind(0))
         mine = chunks[self.local_rank]
         outcome = yield from self._inner_chunk(key, mine, {})
-        if (yield from self._agree(key, outcome)) != _OK:
+        if (yield from self._agree(key, outcome, flat.device)) != _OK:
             return flat  # skipped: flat still holds this host's average, the input here
         yield [comm.all_gather(chunks, mine.clone(), group=self.local_group, async_op=True)]
         flat.copy_(buf[:n])
