@@ -4,8 +4,8 @@ Checks, reported by rank 0 as ``RESULT {...}``:
 * hierarchy="node" with NoCompression gives the flat average of every rank's gradients;
 * hierarchy="auto" picks node here, and with OneBit (several buckets, pipelined) every rank
   ends with the same gradients;
-* a NaN on one rank raises NonFiniteError on every rank of both hosts, and the next step
-  trains on;
+* a NaN on one rank raises NonFiniteError on every rank of both hosts (with "skip": every
+  rank's OneBit says last_skipped), and the next step trains on;
 * hierarchy="flat" is not wrapped.
 """
 
@@ -36,11 +36,13 @@ def _same(t: torch.Tensor) -> bool:
     return bool(torch.equal(lo, hi))
 
 
-def _onebit_buckets(model: nn.Module, hierarchy: str) -> overlap.BucketScheduler:
+def _onebit_buckets(
+    model: nn.Module, hierarchy: str, onebit: overlap.OneBit | None = None
+) -> overlap.BucketScheduler:
     """OneBit over several small buckets, so their reductions are pipelined."""
     return overlap.BucketScheduler(
         model,
-        compression=overlap.OneBit(),
+        compression=onebit or overlap.OneBit(),
         hierarchy=hierarchy,
         bucket_cap_mb=0.002,
         first_bucket_mb=0.002,
@@ -85,22 +87,31 @@ def main() -> None:
     sched.remove()
 
     # a NaN on one rank reaches one chunk, reduced by one rank per host: every rank on both
-    # hosts raises NonFiniteError together, and the next step trains on
-    model = _model()
-    sched = _onebit_buckets(model, "node")
-    nan: list[object] = []
-    for step in range(3):
-        model.zero_grad()
-        model(x * (step + 1)).pow(2).mean().backward()
-        if step == 1 and rank == comm.get_world_size() - 1:
-            model[0].weight.grad[0, 0] = float("nan")
-        try:
-            sched.synchronize()
-            nan.append("ok" if _same(_grads(model)) else "differ")
-        except overlap.NonFiniteError:
-            nan.append("NonFiniteError")
-    out["node_nan"] = nan
-    sched.remove()
+    # hosts raises NonFiniteError together (or, with "skip", says last_skipped), and the
+    # next step trains on
+    for mode in ("raise", "skip"):
+        model = _model()
+        onebit = overlap.OneBit(on_nonfinite=mode)
+        sched = _onebit_buckets(model, "node", onebit)
+        nan: list[object] = []
+        for step in range(3):
+            model.zero_grad()
+            model(x * (step + 1)).pow(2).mean().backward()
+            if step == 1 and rank == comm.get_world_size() - 1:
+                model[0].weight.grad[0, 0] = float("nan")
+            try:
+                sched.synchronize()
+                flags = torch.tensor([float(onebit.last_skipped)])
+                if not _same(flags):
+                    nan.append("skipped on some ranks only")
+                elif onebit.last_skipped:
+                    nan.append("skipped")  # on every rank
+                else:
+                    nan.append("ok" if _same(_grads(model)) else "differ")
+            except overlap.NonFiniteError:
+                nan.append("NonFiniteError")
+        out[f"node_nan_{mode}"] = nan
+        sched.remove()
 
     sched = overlap.BucketScheduler(_model(), hierarchy="flat")
     out["flat_wrapped"] = sched.hierarchical
