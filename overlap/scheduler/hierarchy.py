@@ -189,7 +189,17 @@ class Hierarchical(Compressor):
     writes_outputs = True
     reads_outputs = True
 
-    def __init__(self, inner: Compressor, hosts: int, local: int, group: Any = None) -> None:
+    def __init__(
+        self,
+        inner: Compressor,
+        hosts: int,
+        local: int,
+        group: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """``device``: where the host's small control collectives run (the shared-memory
+        token, each chunk's outcome vote); by default the backend's (CUDA on NCCL, which
+        reduces only CUDA tensors; else the CPU)."""
         if hosts * local != comm.get_world_size(group):
             raise ValueError(f"{hosts} hosts x {local} ranks is not the world size")
         self.inner = inner
@@ -210,15 +220,22 @@ class Hierarchical(Compressor):
             if rank in ranks:
                 self.cross_group = g
         self.local_rank = rank % local
+        if device is None:
+            nccl = comm.get_backend() == "nccl"
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            )
+        self.device = device
         self.state: dict[Any, Any] = {}
         # this rank's NonFiniteError per bucket, from step 2 until the host agrees on it
         self._nonfinite: dict[Hashable, NonFiniteError] = {}
         # Shared memory for the exchange inside a host (module docstring), named by a token
         # that local rank 0 draws and shares: a job's hosts never collide.
-        token = torch.tensor(list(secrets.token_bytes(8)), dtype=torch.uint8)
+        token = torch.tensor(list(secrets.token_bytes(8)), dtype=torch.uint8, device=self.device)
         comm.broadcast(token, src=rank - self.local_rank, group=self.local_group)
-        self._token = token.numpy().tobytes().hex()
-        pid0 = torch.tensor([os.getpid()], dtype=torch.int64)  # local rank 0 names the files
+        self._token = token.cpu().numpy().tobytes().hex()
+        # local rank 0 names the files
+        pid0 = torch.tensor([os.getpid()], dtype=torch.int64, device=self.device)
         comm.broadcast(pid0, src=rank - self.local_rank, group=self.local_group)
         self._pid0 = int(pid0)
         if self.local_rank == 0:
@@ -270,11 +287,11 @@ class Hierarchical(Compressor):
             return _RAISED
         return _OK if getattr(cur, "skipped_steps", None) == before else _SKIPPED
 
-    def _agree(self, key: Hashable, outcome: int, device: torch.device) -> Steps:
+    def _agree(self, key: Hashable, outcome: int) -> Steps:
         """The host's barrier after step 2, carrying each rank's chunk outcome: every rank
         learns the worst one. Raises NonFiniteError on every rank of the host if any chunk
         raised; marks this rank's compressor skipped if any chunk was skipped."""
-        vote = torch.tensor([outcome], dtype=torch.int32, device=device)  # NCCL: on the GPU
+        vote = torch.tensor([outcome], dtype=torch.int32, device=self.device)
         yield [comm.all_reduce(vote, op="max", group=self.local_group, async_op=True)]
         worst = int(vote)
         if worst == _RAISED:
@@ -419,7 +436,7 @@ class Hierarchical(Compressor):
         if outcome == _OK and not direct:
             mine_out.copy_(chunk)
         # every chunk published, and the host agrees on how its chunks ended
-        if (yield from self._agree(key, outcome, flat.device)) != _OK:
+        if (yield from self._agree(key, outcome)) != _OK:
             if not read_outputs:  # else the outputs are the (unchanged) input already
                 write_outputs(flat, outputs)
             return flat  # skipped: the bucket stays as it was, as a flat reduction leaves it
@@ -442,7 +459,7 @@ class Hierarchical(Compressor):
         chunks = list(buf.view(L, per).unbind(0))
         mine = chunks[self.local_rank]
         outcome = yield from self._inner_chunk(key, mine, {})
-        if (yield from self._agree(key, outcome, flat.device)) != _OK:
+        if (yield from self._agree(key, outcome)) != _OK:
             return flat  # skipped: flat still holds this host's average, the input here
         yield [comm.all_gather(chunks, mine.clone(), group=self.local_group, async_op=True)]
         flat.copy_(buf[:n])

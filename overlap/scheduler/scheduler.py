@@ -351,7 +351,7 @@ class BucketScheduler:
         if not resolve(hierarchy, layout, world):
             return False
         assert layout is not None
-        self.compression = Hierarchical(self.compression, *layout)
+        self.compression = Hierarchical(self.compression, *layout, device=self._ctrl_device)
         return True
 
     def _compressors(self) -> list[Compressor]:

@@ -407,3 +407,52 @@ def ds_comm_on_cuda() -> dict[str, Any]:
         "logged": summary is not None and summary["summary"]["all_reduce"][1024]["count"] == 1,
         "mesh": mesh is not None and mesh.device_type == "cuda",
     }
+
+
+def hierarchical_on_nccl() -> dict[str, Any]:
+    """A Hierarchical reduction on NCCL (one rank: one host of one rank), which the CUDA
+    buckets take through its socket path. Its control collectives (the shared-memory token
+    at construction, each chunk's outcome vote) must be CUDA tensors there: they were CPU
+    ones, and the constructor raised. With NoCompression inside, the gradients are the
+    plain ones; with OneBit, a NaN in step 1 gives NonFiniteError ("raise") or
+    last_skipped ("skip"), and the next step trains on."""
+    from overlap.errors import NonFiniteError
+    from overlap.scheduler.hierarchy import Hierarchical
+
+    def nan_at_00(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g[0, 0] = float("nan")
+        return g
+
+    model = _model()
+    x = _batches(1)[0]
+    sched = BucketScheduler(model, compression=Hierarchical(NoCompression(), 1, 1))
+    model(x).pow(2).mean().backward()
+    sched.synchronize()
+    ours = [p.grad.clone() for p in model.parameters()]
+    sched.remove()
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    plain = [p.grad for p in model.parameters()]
+    out: dict[str, Any] = {
+        "none_err": max(float((a - b).abs().max()) for a, b in zip(ours, plain, strict=True))
+    }
+    for mode in ("raise", "skip"):
+        onebit = OneBit(on_nonfinite=mode)
+        sched = BucketScheduler(model, compression=Hierarchical(onebit, 1, 1))
+        steps = []
+        for step, x in enumerate(_batches(3)):
+            model.zero_grad()
+            hook = model[0].weight.register_hook(nan_at_00) if step == 1 else None
+            model(x).pow(2).mean().backward()
+            if hook is not None:
+                hook.remove()
+            try:
+                sched.synchronize()
+                finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+                steps.append("skipped" if onebit.last_skipped else f"ok finite={finite}")
+            except NonFiniteError:
+                steps.append("NonFiniteError")
+        out[mode] = steps
+        sched.remove()
+    return out

@@ -71,3 +71,11 @@ def test_onebitadam_overlapped_on_cuda_matches_the_reference(nccl: RankPool) -> 
 
     (parts,) = nccl.run(oc.overlapped_matches_reference, "blocking", "cuda", timeout=120)
     assert len(parts) > 1
+
+
+def test_hierarchical_reduction_runs_on_nccl(nccl: RankPool) -> None:
+    """Regression: Hierarchical made its control tensors on the CPU, which NCCL refuses."""
+    (r,) = nccl.run(nc.hierarchical_on_nccl, timeout=120)
+    assert r["none_err"] == 0.0, r
+    assert r["raise"] == ["ok finite=True", "NonFiniteError", "ok finite=True"], r
+    assert r["skip"] == ["ok finite=True", "skipped", "ok finite=True"], r
