@@ -65,8 +65,8 @@ def _on_stream(stream: Any) -> Any:
 
 def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any = None) -> None:
     """Wait for ``work`` (blocking; on NCCL: order it on ``stream``), post-process, complete
-    ``handle``. Never raises."""
-    _quiesce.begin(handle)
+    ``handle``. Never raises. The caller has registered the observation for the exit hook
+    (``_quiesce.begin``); this ends it."""
     try:
         err: BaseException | None = None
         try:
@@ -170,6 +170,7 @@ class TorchOp:
         if self._stale(handle):
             return True
         if timeout is None and self._claim():
+            _quiesce.begin(handle)
             observe(self.work, handle, self.post, self.rank, self.stream)
             return True
         self.start(handle)

@@ -130,24 +130,24 @@ def _gaps(n: int, outputs: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int
     return out
 
 
-def _pieces(
-    flat: torch.Tensor,
-    outputs: Sequence[tuple[int, torch.Tensor]],
-    read_outputs: bool,
-    lo: int,
-    hi: int,
+def _sources(
+    flat: torch.Tensor, outputs: Sequence[tuple[int, torch.Tensor]], read_outputs: bool
 ) -> list[tuple[int, int, torch.Tensor]]:
-    """The bucket's elements [lo, hi) as (start, end, source view) pieces: from ``flat``,
-    or, with ``read_outputs``, from the outputs that cover them and ``flat`` for the rest."""
-    if hi <= lo:
-        return []
+    """Where the bucket's input lives, as (start, end, flat view) pieces: ``flat``, or, with
+    ``read_outputs``, the outputs that cover their elements and ``flat`` for the rest (and,
+    the other way, where its result goes)."""
     if not read_outputs:
-        return [(lo, hi, flat[lo:hi])]
+        return [(0, flat.numel(), flat.reshape(-1))]
     out = [(a, b, flat[a:b]) for a, b in _gaps(flat.numel(), outputs)]
-    for a, t in outputs:
-        out.append((a, a + t.numel(), t.view(-1)))
+    return out + [(a, a + t.numel(), t.view(-1)) for a, t in outputs]
+
+
+def _pieces(
+    sources: list[tuple[int, int, torch.Tensor]], lo: int, hi: int
+) -> list[tuple[int, int, torch.Tensor]]:
+    """The elements [lo, hi) of :func:`_sources`' pieces, as (start, end, source view)."""
     pieces = []
-    for a, b, src in out:
+    for a, b, src in sources:
         a2, b2 = max(a, lo), min(b, hi)
         if b2 > a2:
             pieces.append((a2, b2, src[a2 - a : b2 - a]))
@@ -285,6 +285,8 @@ class Hierarchical(Compressor):
         except NonFiniteError as exc:
             self._nonfinite[key] = exc
             return _RAISED
+        # Another pipelined bucket's skip in between counts too: harmless, as that step is
+        # skipped anyway, and the count moves at the same phase on every rank.
         return _OK if getattr(cur, "skipped_steps", None) == before else _SKIPPED
 
     def _agree(self, key: Hashable, outcome: int) -> Steps:
@@ -405,16 +407,15 @@ class Hierarchical(Compressor):
         slot = slots[mine]
         lo, hi = mine * per, (mine + 1) * per
         mine_n = min(hi, n)  # the own chunk's end within the bucket (padding past it)
-        for a, b, src in _pieces(flat, outputs, read_outputs, 0, min(lo, n)):
-            slot[a:b].copy_(src)
-        for a, b, src in _pieces(flat, outputs, read_outputs, hi, n):
+        sources = _sources(flat, outputs, read_outputs)
+        for a, b, src in _pieces(sources, 0, lo) + _pieces(sources, hi, n):
             slot[a:b].copy_(src)
         yield self._barrier()  # every slot written
         chunk = self.state.get(("chunk", key))
         if chunk is None or chunk.numel() != per or chunk.dtype != flat.dtype:
             chunk = self.state[("chunk", key)] = torch.empty(per, dtype=flat.dtype)
         others = [slots[j] for j in range(L) if j != mine]
-        for a, b, src in _pieces(flat, outputs, read_outputs, lo, mine_n):
+        for a, b, src in _pieces(sources, lo, mine_n):
             out = chunk[a - lo : b - lo]
             if not others:  # one rank per host: its own values
                 out.copy_(src)
@@ -440,12 +441,9 @@ class Hierarchical(Compressor):
             if not read_outputs:  # else the outputs are the (unchanged) input already
                 write_outputs(flat, outputs)
             return flat  # skipped: the bucket stays as it was, as a flat reduction leaves it
-        if outputs:
-            for a, b in _gaps(n, outputs):
-                flat[a:b].copy_(result[a:b])
-            write_outputs(result, outputs)
-        else:
-            flat.copy_(result[:n])
+        # into the outputs (whether or not they held the input) and flat for the rest
+        for a, b, dst in _sources(flat, outputs, bool(outputs)):
+            dst.copy_(result[a:b])
         return flat
 
     def _socket_steps(self, key: Hashable, flat: torch.Tensor) -> Steps:
