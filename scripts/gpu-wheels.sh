@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with PyPI (the development machine): fetch the wheels that the GPU machine
 # lacks into .whl/ (git-ignored), for scripts/gpu-check.sh to install there without network.
+# Being git-ignored, .whl/ travels to a lent device machine only when the run carries it.
 # The GPU image has torch, numpy, uvloop, rich, pytest and pytest-timeout, but its mpi4py is
 # built for Open MPI and it has no mpiexec to match and no pytest-asyncio: the mpich wheel and
 # an mpi4py built for its ABI travel instead, as in the development venv.
