@@ -23,6 +23,7 @@ from overlap.errors import (
     CommTimeoutError,
     NonFiniteError,
     NotInitializedError,
+    OutOfStepError,
     OverlapError,
     RankError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "OneBit",
     "OneBitAdam",
     "OverlapReport",
+    "OutOfStepError",
     "OverlapError",
     "PowerSGD",
     "RankError",

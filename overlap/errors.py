@@ -14,6 +14,7 @@ __all__ = [
     "CommTimeoutError",
     "NonFiniteError",
     "NotInitializedError",
+    "OutOfStepError",
     "OverlapError",
     "RankError",
 ]
@@ -69,3 +70,21 @@ class CollectiveMismatchError(CommError):
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.ranks = list(ranks or [])
+
+
+class OutOfStepError(CommError):
+    """A BucketScheduler stopped issuing collectives, because its ranks' no longer match.
+
+    A bucket's reduction failed on this rank with an error of its own (a bug in a user's
+    compressor on one rank, a local OS error): this rank issued fewer collectives than its
+    peers, and any further one would pair with a different op on them (data summed across
+    the wrong buckets and returned as a result, or a size mismatch that aborts the
+    process). Or a collective of the scheduler failed (a peer stopped, was lost or timed
+    out): the peers may never issue the rest. So the scheduler issues nothing more: the
+    step where it happens raises the error that stopped it, and every later step on that
+    rank raises this error before anything is sent. A peer still in step waits for the
+    stopped rank's collectives until the backend's timeout, gets a CommError, and stops the
+    same way: every rank raises within the timeout, none hangs, none returns a wrong
+    gradient. The parameters are untouched; ``.grad`` of the failed step is undefined. To go
+    on, make new process groups and a new scheduler (e.g. restart from a checkpoint).
+    """

@@ -36,6 +36,7 @@ from overlap.agreement import differing_ranks, param_signature
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
+from overlap.errors import CommError, OutOfStepError
 from overlap.ownership import claim, holder_of, release
 from overlap.scheduler.buckets import Bucket, assign_buckets
 from overlap.scheduler.streams import Launcher
@@ -276,6 +277,7 @@ class BucketScheduler:
         self._inline = False
         self._prescale: float | None = None
         self._launcher = Launcher(self.device)
+        self._origin_raised = False  # this rank's own out-of-step error was raised once
         self._lock = threading.Lock()
         self._no_sync = False
         self._step = 0
@@ -413,7 +415,7 @@ class BucketScheduler:
 
     # -------------------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
-        if self._no_sync:
+        if self._no_sync or self._launcher.broken is not None:
             return
         grad = p.grad
         if grad is not None and grad.is_sparse:
@@ -460,6 +462,8 @@ class BucketScheduler:
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self._launcher.broken is not None:
+            return  # out of step: nothing more is issued (synchronize() raises)
         if self._next == 0 and self.buckets and self.buckets[0].ready:
             self.compression.begin_step()
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
@@ -667,13 +671,18 @@ class BucketScheduler:
         t_wait = time.perf_counter_ns()
         if tracer is not None and self._bwd:
             tracer.record("backward", "compute", self._bwd[0], self._bwd[1])
+        if self._launcher.broken is not None:
+            raise self._stop_here(None)  # before any collective (streams.py, "Out of step")
         mask = torch.zeros(len(self.params), dtype=torch.uint8)
         mask[self._order] = 1
         mask = mask.to(self._ctrl_device)
         try:
             yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
-        except BaseException:
-            # The vote failed (e.g. a peer lost): the buckets launched in backward are still
+        except BaseException as exc:
+            if isinstance(exc, CommError) or self._launcher.broken is not None:
+                # a peer lost or out of step: stop too (re-raises exc itself, whose cause is kept)
+                raise self._stop_here(exc)  # noqa: B904
+            # The vote failed (e.g. cancelled): the buckets launched in backward are still
             # in flight, some pipelined on the worker, which advances them only on a flush.
             # Drive them to their end too, so none is left suspended (a hierarchical bucket
             # holding a shared-memory file, a write into .grad) when the caller gives up.
@@ -717,7 +726,9 @@ class BucketScheduler:
                         )
             else:
                 yield handles
-        except BaseException:
+        except BaseException as exc:
+            if self._launcher.broken is not None:
+                raise self._stop_here(None if isinstance(exc, OutOfStepError) else exc)  # noqa: B904
             # A bucket failed (e.g. NonFiniteError on every rank): skip this step, train on.
             yield from self._abandon(handles)
             raise
@@ -758,6 +769,33 @@ class BucketScheduler:
             yield from at_end
         self._new_step()
         return None
+
+    def _stop_here(self, exc: BaseException | None) -> BaseException:
+        """This rank stopped issuing the buckets' collectives (streams.py, "Out of step"),
+        or ``exc`` (a failed collective) stops it now: return what to raise, now and at
+        every later step, where it is raised before anything is sent. The error that
+        stopped it is raised once (``exc``, or the launcher's: a bug of this rank's own, or
+        a CommError from a collective whose peer stopped); later steps raise the launcher's
+        OutOfStepError. The vote is not cast any more: a peer still in step waits for it
+        until its timeout, as for the buckets' collectives, and stops in turn.
+
+        Nothing is waited for: a collective this rank issued past the point where a peer
+        stopped never completes (it ends at the backend's timeout), and no reduction writes
+        into ``.grad`` once stopped (the worker runs no reduction's code after the phase it
+        is in, and nothing is copied back)."""
+        launcher = self._launcher
+        if exc is not None:
+            launcher.stop_for(exc)
+        launcher.flush()  # the worker ends what is in flight, issuing nothing more
+        self._new_step()
+        assert launcher.broken is not None
+        if not self._origin_raised:
+            self._origin_raised = True
+            if exc is not None:
+                return exc
+            if launcher.origin is not None:
+                return launcher.origin
+        return launcher.broken
 
     def _ready_order(self) -> list[int]:
         order = list(dict.fromkeys(self._order))

@@ -15,6 +15,19 @@
   completion event is recorded there, and ``wait_compute()`` makes the compute stream wait on
   it before anything reads the gradients.
 
+**Out of step.** A reduction that fails with an error of this rank's own (not a
+``NonFiniteError``, which the Compressor contract raises on every rank at the same phase)
+issued fewer collectives than its peers' reductions do; one whose collective failed
+(``CommError``: a peer lost or timed out) leaves peers that may never issue the rest. If
+the worker went on with the other buckets, their collectives would pair with different ops
+on the peers (gloo matches by issue count): data summed across the wrong buckets, returned
+as a normal result, or a size mismatch that aborts the process. So the launcher *stops*:
+the buckets in flight end with :class:`~overlap.errors.OutOfStepError` after the phase
+they are in, and nothing is issued again (:attr:`Launcher.broken`). What this rank did
+issue is a prefix of what its peers issue, so nothing can pair wrongly: a peer's next
+collective waits until the backend's timeout, fails with CommError, and stops that peer
+the same way.
+
 The completion event is recorded *before* the bucket's handle is finished. The order matters:
 ``synchronize()`` calls ``wait_compute()`` once every handle is done, and a CUDA stream that
 waits on an event not yet recorded does not wait at all, so finishing first would let the
@@ -34,6 +47,7 @@ from typing import Any
 import torch
 
 from overlap.comm.steps import Steps, run
+from overlap.errors import CommError, NonFiniteError, OutOfStepError
 
 __all__ = ["Launcher"]
 
@@ -54,33 +68,66 @@ def _attempt(job: Job) -> BaseException | None:
     return None
 
 
+def in_step(exc: BaseException) -> bool:
+    """True for a reduction's error that leaves the ranks' collectives paired: a
+    NonFiniteError, which every rank raises after the same phase (the Compressor contract).
+    Any other error (this rank's own, or a failed collective) may leave this rank's issued
+    collectives short of its peers': see the module docstring."""
+    return isinstance(exc, NonFiniteError)
+
+
 class _InFlight:
     """One reduction in the CPU pipeline: its generator and the handles it waits for."""
 
-    __slots__ = ("finish", "pending", "steps")
+    __slots__ = ("finish", "out_of_step", "pending", "steps")
 
-    def __init__(self, steps: Steps, finish: Finish) -> None:
+    def __init__(
+        self, steps: Steps, finish: Finish, out_of_step: Callable[[BaseException], None]
+    ) -> None:
         self.steps = steps
         self.finish = finish
+        # called with an error that puts this rank out of step, before ``finish``: whoever
+        # sees the bucket fail then sees the launcher stopped too
+        self.out_of_step = out_of_step
         self.pending: list[Any] = []
 
     def start(self) -> bool:
         """Run the first phase; True while phases remain."""
         return self._step(lambda: next(self.steps))
 
-    def advance(self) -> bool:
+    def advance(self, stopped: Callable[[], OutOfStepError | None]) -> bool:
         """Wait for this phase's handles, run the next phase; True while phases remain. A
-        failed handle is thrown into the generator, as :func:`overlap.comm.steps.run` does."""
-
-        def nxt() -> list[Any]:
+        failed handle is thrown into the generator, as :func:`overlap.comm.steps.run` does.
+        If ``stopped()`` says the launcher stopped meanwhile (a peer out of step, learned on
+        the main thread), end instead of issuing the next phase."""
+        failed: BaseException | None = None
+        for h in self.pending:
             try:
-                for h in self.pending:
-                    h.wait()
+                h.wait()
             except BaseException as exc:
-                return self.steps.throw(exc)
-            return self.steps.send(None)
+                failed = exc
+                break
+        if failed is not None:
+            thrown = failed
+            return self._step(lambda: self.steps.throw(thrown))
+        err = stopped()
+        if err is not None:
+            self.abandon(err)
+            return False
+        return self._step(lambda: self.steps.send(None))
 
-        return self._step(nxt)
+    def abandon(self, err: BaseException) -> None:
+        """End without issuing anything more: close the generator, finish with ``err``.
+
+        What it issued is not waited for. On a peer of the rank that stopped, an op past
+        the point where that rank stopped never completes: it fails at the backend's
+        timeout, and gloo runs a group's ops in turn, so waiting for each would take a
+        timeout apiece. Such an op writes only into the reduction's own buffers (its
+        handle keeps them alive), never into ``.grad``: nothing is copied back once
+        stopped."""
+        self.pending = []
+        self.steps.close()
+        self.finish(err)
 
     def _step(self, fn: Callable[[], list[Any]]) -> bool:
         try:
@@ -90,15 +137,10 @@ class _InFlight:
             self.finish(None)
         except BaseException as exc:
             self.steps.close()
+            if not in_step(exc):
+                self.out_of_step(exc)
             self.finish(exc)
         return False
-
-
-def _advance(inflight: deque[_InFlight], items: list[_InFlight]) -> None:
-    """Advance each of ``items`` by one phase, in order; drop the finished from ``inflight``."""
-    for item in items:
-        if not item.advance():
-            inflight.remove(item)
 
 
 class Launcher:
@@ -113,17 +155,46 @@ class Launcher:
         self._events: list[Any] = []
         self._events_lock = threading.Lock()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Set once, never cleared: the error that every reduction submitted from now on ends
+        # with, unissued (see the module docstring, "Out of step").
+        self.broken: OutOfStepError | None = None
+        # The error of this rank's own that put it out of step (None when a peer's did).
+        self.origin: BaseException | None = None
+        self._stop_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="overlap-bucket-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job, finish: Finish, flat: torch.Tensor) -> None:
-        """Run ``job`` on the worker, then ``finish(error or None)``.
+    def stop_for(self, exc: BaseException) -> None:
+        """Stop: a reduction (or the scheduler's vote) failed with ``exc``, which leaves
+        this rank out of step with its peers. The first call wins; logged once."""
+        with self._stop_lock:
+            if self.broken is not None:
+                return
+            if isinstance(exc, CommError):
+                why = f"a collective of the scheduler's failed ({type(exc).__name__}: {exc})"
+            else:
+                why = (
+                    "a bucket's reduction raised an error on this rank only "
+                    f"({type(exc).__name__}: {exc})"
+                )
+            log.error("%s; the scheduler issues no more collectives", why)
+            self.origin = exc  # before ``broken``: whoever sees broken sees its origin
+            self.broken = OutOfStepError(
+                f"this BucketScheduler stopped issuing collectives: {why}, so this rank's "
+                "collectives no longer match its peers' (any further one could pair with a "
+                "different op on them). Create new process groups and a new BucketScheduler "
+                "to go on (e.g. restart the job from a checkpoint)"
+            )
 
-        On CUDA the job runs on the side stream after the compute stream's current work, and
-        its completion event is recorded before ``finish`` is called.
-        """
+    def submit_steps(self, steps: Steps, finish: Finish, flat: torch.Tensor) -> None:
+        """Run a reduction written as a steps generator, then ``finish(error or None)``.
+
+        CPU: pipelined with the other buckets (see the module docstring); call
+        :meth:`flush` once the step's last bucket is submitted. CUDA: run to the end on the
+        side stream, one bucket after the other, after the compute stream's current work;
+        its completion event is recorded before ``finish`` is called."""
         if not self.cuda:
-            self._queue.put(lambda: finish(_attempt(job)))
+            self._queue.put(_InFlight(steps, finish, self.stop_for))
             return
 
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -135,27 +206,22 @@ class Launcher:
         stream = self.stream
 
         def on_stream() -> None:
+            if self.broken is not None:
+                steps.close()
+                finish(self.broken)
+                return
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                err = _attempt(job)
+                err = _attempt(lambda: run(steps))
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
             with self._events_lock:
                 self._events.append(done)
+            if err is not None and not in_step(err):
+                self.stop_for(err)
             finish(err)
 
         self._queue.put(on_stream)
-
-    def submit_steps(self, steps: Steps, finish: Finish, flat: torch.Tensor) -> None:
-        """Run a reduction written as a steps generator, then ``finish(error or None)``.
-
-        CPU: pipelined with the other buckets (see the module docstring); call
-        :meth:`flush` once the step's last bucket is submitted. CUDA: run to the end on the
-        side stream, one bucket after the other, as :meth:`submit`."""
-        if self.cuda:
-            self.submit(lambda: run(steps), finish, flat)
-            return
-        self._queue.put(_InFlight(steps, finish))
 
     def flush(self) -> None:
         """Drive every submitted reduction to the end (the step's buckets are all in)."""
@@ -171,20 +237,32 @@ class Launcher:
             for ev in events:
                 cur.wait_event(ev)
 
+    def _advance(self, inflight: deque[_InFlight], items: list[_InFlight]) -> None:
+        """Advance each of ``items`` by one phase, in order; drop the finished from
+        ``inflight``. Once out of step, end every one instead, issuing nothing."""
+        for item in items:
+            if self.broken is not None:
+                item.abandon(self.broken)
+                inflight.remove(item)
+            elif not item.advance(lambda: self.broken):
+                inflight.remove(item)
+
     def _run(self) -> None:
         inflight: deque[_InFlight] = deque()
         while True:
             job: Any = self._queue.get()
             if job is None or job is _FLUSH:
                 while inflight:  # oldest first, one phase each per round: a fixed order
-                    _advance(inflight, list(inflight))
+                    self._advance(inflight, list(inflight))
                 if job is None:
                     return
             elif isinstance(job, _InFlight):
                 older = list(inflight)
-                if job.start():
+                if self.broken is not None:
+                    job.abandon(self.broken)
+                elif job.start():
                     inflight.append(job)
-                _advance(inflight, older)
+                self._advance(inflight, older)
             else:
                 job()
             # Drop the closure now, not at the next get(): it holds the bucket, and the

@@ -579,3 +579,85 @@ def hierarchical_pipelined_equals_the_average(
     finally:
         sched.remove()
         hierarchy._SHM = shm
+
+
+class _FailsOnOneRank(Compressor):
+    """Two summing all_reduces a bucket (then the average); on ``rank``, at ``step``, bucket
+    ``key`` raises a RuntimeError of its own, ``where`` "start" (before its first
+    collective: during backward) or "between" (after its first: in the step's flush)."""
+
+    name = "fails-on-one-rank"
+    summable = True
+
+    def __init__(self, rank: int, step: int, key: int, where: str) -> None:
+        self.fail = (rank, step, key)
+        self.where = where
+        self.step = -1
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    def reduce_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> Steps:
+        failing = (comm.get_rank(), self.step, key) == self.fail
+        if failing and self.where == "start":
+            raise RuntimeError(f"a local failure in bucket {key}")
+        yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
+        if failing:
+            raise RuntimeError(f"a local failure in bucket {key}")
+        yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
+        flat.div_(comm.get_world_size(group) ** 2)
+        return flat
+
+
+def one_rank_failure_stops_every_rank(where: str, timeout: float) -> list[Any]:
+    """Rank 0's compressor raises inside a middle bucket of step 1 (see _FailsOnOneRank).
+    Returns per step what synchronize() did and how long it took. Before, rank 0 went on
+    with the other buckets, whose collectives paired with different buckets' on rank 1:
+    rank 1's step 1 returned gradients summed across the wrong buckets as a normal result,
+    and rank 0's step 2 did the same."""
+    from overlap.errors import OutOfStepError
+
+    r = comm.get_rank()
+    torch.manual_seed(5)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(6)])
+    comp = _FailsOnOneRank(rank=0, step=1, key=2 if where == "start" else 1, where=where)
+    sched = BucketScheduler(
+        model, compression=comp, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
+    )
+    assert len(sched.buckets) == 6
+    gen = torch.Generator().manual_seed(r)
+    out: list[Any] = []
+    for _ in range(4):
+        model.zero_grad()
+        t = time.monotonic()
+        try:
+            model(torch.randn(8, 32, generator=gen)).pow(2).mean().backward()
+            sched.synchronize()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            everyone = comm.all_gather(grads)
+            out.append("ok" if all(torch.equal(everyone[0], g) for g in everyone) else "differ")
+        except OutOfStepError:
+            out.append("OutOfStepError")
+        except overlap.CommError:
+            out.append("CommError")
+        except RuntimeError as e:
+            assert "a local failure in bucket" in str(e), e
+            out.append("RuntimeError")
+        assert time.monotonic() - t < timeout + 5, (out, time.monotonic() - t)
+    sched.remove()
+    # The job's own group is untouched: the ranks still talk. Rank 0 gets here a timeout
+    # ahead of rank 1 (which waited that long for it in step 1): let its wait not expire.
+    if r == 0:
+        time.sleep(timeout)
+    x = torch.ones(1)
+    comm.all_reduce(x)
+    assert x.item() == comm.get_world_size()
+    return out
