@@ -40,6 +40,18 @@ def pools() -> Iterator[Callable[[int], RankPool]]:
         pool.close()
 
 
+SHORT_TIMEOUT = 5.0
+
+
+@pytest.fixture(scope="session")
+def short_pool() -> Iterator[RankPool]:
+    """Two gloo ranks whose job timeout is SHORT_TIMEOUT seconds: for tests where a rank
+    waits for a peer that stopped, and the backend's timeout is what ends the wait."""
+    pool = RankPool(2, timeout=SHORT_TIMEOUT).start()
+    yield pool
+    pool.close()
+
+
 _SHM = "/dev/shm"
 
 

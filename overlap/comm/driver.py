@@ -21,6 +21,20 @@ every rank gets its twin on first use (every rank is a member and calls the op),
 subgroup when :func:`overlap.comm.new_group` makes it. (torch's member-only group creation,
 ``use_local_synchronization=True``, hangs once a subgroup exists: measured, torch 2.13.)
 
+Because the twin's sequence is fixed, a job that ends early on one rank (an error of that
+rank's own, say a user compressor's bug there) would leave that rank's next job pairing its
+collectives with the rest of this job's on its peers: measured, two
+``Compressor.reduce(async_op=True)`` calls after one that failed on rank 0 only returned
+averages of the wrong calls' tensors on both ranks, as normal results. So a job that fails
+with anything but ``NonFiniteError`` (which every rank raises after the same phase) or a
+failed collective **stops the twin**: every later job on it fails with
+:class:`~overlap.errors.OutOfStepError` without issuing anything. What the rank issued is a
+prefix of its peers' sequence, so nothing pairs wrongly; a peer's next collective waits
+until the backend's timeout, fails with CommError and stops that peer's twin the same way.
+Bad arguments raise on the caller's thread before a job is submitted, so they never stop
+a twin. A stopped twin stays stopped: async multi-phase ops on that group then need a new
+group (:func:`overlap.comm.new_group`).
+
 The cost: a thread hop at the start, no pipelining between two such ops on one group, and a
 second group per subgroup. Blocking calls (``async_op=False``) still run on the caller's
 thread and group.
@@ -38,6 +52,7 @@ from typing import Any
 from overlap.comm import quiesce as _quiesce
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
+from overlap.errors import NonFiniteError, OutOfStepError
 
 __all__ = ["clear", "ensure_twin", "forget", "make_twin", "submit"]
 
@@ -56,6 +71,8 @@ class _Driver:
         self.cv = threading.Condition()
         self.thread: threading.Thread | None = None
         self.closed = False
+        # Set once, never cleared: every later job fails with it, unissued (module docstring)
+        self.broken: OutOfStepError | None = None
 
     def submit(self, make: Callable[[Any], Steps], handle: Handle, ctx: Any) -> None:
         # Exit waits for the whole job, not only for each phase's op: between two phases
@@ -80,15 +97,31 @@ class _Driver:
                     return
                 make, handle, ctx = self.jobs.popleft()
             try:
+                if self.broken is not None:
+                    raise self.broken
                 with ctx():
                     result = run(make(self.group))
             except BaseException as exc:
+                if self.broken is None and not isinstance(exc, NonFiniteError):
+                    self._stop(handle.op, exc)
                 handle._finish(exc)
             else:
                 handle._result = result
                 handle._finish(None)
             finally:
                 _quiesce.end(handle)
+
+    def _stop(self, op: str, exc: BaseException) -> None:
+        why = f"an async {op} failed on this rank ({type(exc).__name__}: {exc})"
+        log.error("%s; group %s's async multi-phase ops issue no more collectives", why, self.name)
+        self.broken = OutOfStepError(
+            f"async multi-phase ops on group {self.name} stopped issuing collectives: {why}, "
+            "so this rank's collectives on the group's private twin no longer match its "
+            "peers' (any further one could pair with a different op on them). Make a new "
+            "group with overlap.comm.new_group for further async compressed_allreduce, "
+            "Compressor.reduce, coalesced or ring/naive ops (blocking calls, async_op=False, "
+            "are unaffected)"
+        )
 
     def close(self, join: float = 0.0) -> None:
         """Stop taking jobs; the thread finishes what is queued and exits. ``join``: wait up

@@ -91,6 +91,8 @@ class Compressor(ABC):
         ``decode()`` gives ``flat`` as a plain call would have. Other compressors ignore it.
 
         A direct call is a step of its own (:meth:`begin_step` runs first)."""
+        if async_op:  # bad input raises here, not from the handle (it would stop the twin)
+            comm.state.active()._t(flat, "flat")
         self.begin_step()
         kw: dict[str, Any] = {"encoded": True} if encoded and self.encodes_result else {}
         if not async_op:

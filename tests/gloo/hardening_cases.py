@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 import overlap
 from overlap import CommError, comm
 from overlap.comm import waiters
+from overlap.compression.base import Compressor, Steps
 from tests.gloo.catching import catcher
 
 
@@ -365,4 +367,72 @@ def multiphase_progress_without_waiter() -> dict[str, Any]:
     t = torch.ones(2)
     comm.all_reduce(t)  # still in step
     out["after"] = t.tolist()
+    return out
+
+
+class _TwoPhases(Compressor):
+    """Two summing all_reduces, then the average; raises before its first on rank 0 at its
+    ``fail_at``-th call."""
+
+    name = "two-phases"
+    summable = True
+
+    def __init__(self, fail_at: int) -> None:
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def reduce_steps(
+        self,
+        key: Hashable,
+        flat: torch.Tensor,
+        *,
+        group: Any = None,
+        shapes: Sequence[torch.Size] | None = None,
+        outputs: Sequence[tuple[int, torch.Tensor]] = (),
+    ) -> Steps:
+        self.calls += 1
+        if comm.get_rank() == 0 and self.calls == self.fail_at:
+            raise RuntimeError("a local failure")
+        yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
+        yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
+        return flat.div_(comm.get_world_size(group) ** 2)
+
+
+def async_multiphase_failure_on_one_rank(timeout: float) -> list[str]:
+    """A bad argument (alike on every rank), then three async Compressor.reduce calls on
+    a group of its own, the first failing on rank 0 only; each must raise, none may return
+    a result (before, the later two returned averages of the wrong calls' tensors)."""
+    from overlap.errors import OutOfStepError
+
+    r = comm.get_rank()
+    group = comm.new_group([0, 1])
+    comp = _TwoPhases(fail_at=1)
+    out: list[str] = []
+    try:
+        comp.reduce("bad", torch.ones(4, 2).t(), group=group, async_op=True)
+    except ValueError as e:
+        assert "not contiguous" in str(e), e
+        out.append("ValueError")
+    for i in range(3):
+        t = torch.full((4,), float(r + 1 + 10 * i))
+        t0 = time.monotonic()
+        try:
+            comp.reduce(i, t, group=group, async_op=True).wait()
+            out.append(f"ok {t[0].item()}")
+        except OutOfStepError:
+            out.append("OutOfStepError")
+        except overlap.CommError:
+            out.append("CommError")
+        except RuntimeError as e:
+            assert str(e) == "a local failure", e
+            out.append("RuntimeError")
+        assert time.monotonic() - t0 < timeout + 5, (out, time.monotonic() - t0)
+    comm.destroy_process_group(group)
+    # The job's own group is untouched. Rank 0 gets here a timeout ahead of rank 1 (which
+    # waited that long for it): let its wait not expire.
+    if r == 0:
+        time.sleep(timeout)
+    x = torch.ones(1)
+    comm.all_reduce(x)
+    assert x.item() == 2
     return out

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from overlap.testing import RankPool, spawn_ranks
+from tests.conftest import SHORT_TIMEOUT
 from tests.gloo import hardening_cases as hc
 
 
@@ -99,3 +100,17 @@ def test_multiphase_handles_finish_without_a_waiter(
 ) -> None:
     for out in pools(world_size).run(hc.multiphase_progress_without_waiter, timeout=120):
         assert out == {"polled": True, "callback": True, "after": [float(world_size)] * 2}
+
+
+def test_an_async_multiphase_op_that_fails_on_one_rank_stops_its_group(
+    short_pool: RankPool,
+) -> None:
+    """Regression: async multi-phase ops run one after another on the group's private twin;
+    one that raised on rank 0 only left rank 0's next op pairing its collectives with this
+    op's on rank 1: both ranks returned averages of the wrong calls' tensors as normal
+    results. Now the twin stops: the failing rank raises its error, its peer a CommError
+    at the timeout, and later async ops on the group raise OutOfStepError, sending nothing.
+    Bad arguments raise on the caller's thread and stop nothing."""
+    out = short_pool.run(hc.async_multiphase_failure_on_one_rank, SHORT_TIMEOUT, timeout=90)
+    assert out[0] == ["ValueError", "RuntimeError", "OutOfStepError", "OutOfStepError"], out
+    assert out[1] == ["ValueError", "CommError", "OutOfStepError", "OutOfStepError"], out

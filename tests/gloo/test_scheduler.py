@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from overlap.testing import RankPool
+from tests.conftest import SHORT_TIMEOUT
 from tests.gloo import scheduler_cases as sc
 
 
@@ -190,18 +191,14 @@ def test_hierarchical_hosts_with_and_without_shared_memory_stay_in_step(
 
 
 @pytest.mark.parametrize("where", ["start", "between"])
-def test_an_error_on_one_rank_stops_every_rank_with_no_wrong_gradient(where: str) -> None:
+def test_an_error_on_one_rank_stops_every_rank_with_no_wrong_gradient(
+    short_pool: RankPool, where: str
+) -> None:
     """Regression: one rank's own error inside a bucket's reduction ended that bucket there,
     and the rank went on with the other buckets, whose collectives then paired with other
     buckets' on its peer: the peer's synchronize() returned gradients summed across the
     wrong buckets as a normal result. Now the failing rank issues nothing more, its peer
-    fails at the timeout, and every later step raises OutOfStepError at once. A pool of its
-    own, with a short timeout (the peer's wait for the stopped rank)."""
-    timeout = 5.0
-    pool = RankPool(2, timeout=timeout).start()
-    try:
-        out = pool.run(sc.one_rank_failure_stops_every_rank, where, timeout, timeout=90)
-    finally:
-        pool.close()
+    fails at the (short) timeout, and every later step raises OutOfStepError at once."""
+    out = short_pool.run(sc.one_rank_failure_stops_every_rank, where, SHORT_TIMEOUT, timeout=90)
     assert out[0] == ["ok", "RuntimeError", "OutOfStepError", "OutOfStepError"], out
     assert out[1] == ["ok", "CommError", "OutOfStepError", "OutOfStepError"], out
