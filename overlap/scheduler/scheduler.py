@@ -26,7 +26,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -672,7 +672,8 @@ class BucketScheduler:
         if tracer is not None and self._bwd:
             tracer.record("backward", "compute", self._bwd[0], self._bwd[1])
         if self._launcher.broken is not None:
-            raise self._stop_here(None)  # before any collective (streams.py, "Out of step")
+            # before any collective (streams.py, "Out of step")
+            raise (yield from self._stop_here(None))
         mask = torch.zeros(len(self.params), dtype=torch.uint8)
         mask[self._order] = 1
         mask = mask.to(self._ctrl_device)
@@ -681,7 +682,7 @@ class BucketScheduler:
         except BaseException as exc:
             if isinstance(exc, CommError) or self._launcher.broken is not None:
                 # a peer lost or out of step: stop too (re-raises exc itself, whose cause is kept)
-                raise self._stop_here(exc)  # noqa: B904
+                raise (yield from self._stop_here(exc))  # noqa: B904
             # The vote failed (e.g. cancelled): the buckets launched in backward are still
             # in flight, some pipelined on the worker, which advances them only on a flush.
             # Drive them to their end too, so none is left suspended (a hierarchical bucket
@@ -728,7 +729,9 @@ class BucketScheduler:
                 yield handles
         except BaseException as exc:
             if self._launcher.broken is not None:
-                raise self._stop_here(None if isinstance(exc, OutOfStepError) else exc)  # noqa: B904
+                raise (  # noqa: B904
+                    yield from self._stop_here(None if isinstance(exc, OutOfStepError) else exc)
+                )
             # A bucket failed (e.g. NonFiniteError on every rank): skip this step, train on.
             yield from self._abandon(handles)
             raise
@@ -770,7 +773,7 @@ class BucketScheduler:
         self._new_step()
         return None
 
-    def _stop_here(self, exc: BaseException | None) -> BaseException:
+    def _stop_here(self, exc: BaseException | None) -> Generator[list[Handle], None, BaseException]:
         """This rank stopped issuing the buckets' collectives (streams.py, "Out of step"),
         or ``exc`` (a failed collective) stops it now: return what to raise, now and at
         every later step, where it is raised before anything is sent. The error that
@@ -779,14 +782,15 @@ class BucketScheduler:
         OutOfStepError. The vote is not cast any more: a peer still in step waits for it
         until its timeout, as for the buckets' collectives, and stops in turn.
 
-        Nothing is waited for: a collective this rank issued past the point where a peer
-        stopped never completes (it ends at the backend's timeout), and no reduction writes
-        into ``.grad`` once stopped (the worker runs no reduction's code after the phase it
-        is in, and nothing is copied back)."""
+        Waits until the worker has ended every reduction (none issues more, none writes
+        into ``.grad`` later, a hierarchical bucket's shared-memory file is gone), which
+        takes no longer than the phase it is in: the collectives already issued are not
+        waited for (on a peer, one past the point where the other rank stopped ends only at
+        the backend's timeout), and nothing is copied back."""
         launcher = self._launcher
         if exc is not None:
             launcher.stop_for(exc)
-        launcher.flush()  # the worker ends what is in flight, issuing nothing more
+        yield [launcher.drained()]
         self._new_step()
         assert launcher.broken is not None
         if not self._origin_raised:

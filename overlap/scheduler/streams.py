@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
 from overlap.errors import CommError, NonFiniteError, OutOfStepError
 
@@ -227,6 +228,15 @@ class Launcher:
         """Drive every submitted reduction to the end (the step's buckets are all in)."""
         if not self.cuda:
             self._queue.put(_FLUSH)
+
+    def drained(self) -> Handle:
+        """Flush, and a handle that completes once the worker has handled everything
+        submitted so far: once stopped, every reduction has ended (its generator closed, so
+        a hierarchical bucket's shared-memory file is gone) without issuing more."""
+        self.flush()
+        h = Handle("drained", result=None)
+        self._queue.put(lambda: h._finish(None))
+        return h
 
     def wait_compute(self) -> None:
         """Make the compute stream wait for every finished reduction (CUDA; no-op on CPU)."""
