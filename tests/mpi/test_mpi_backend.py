@@ -187,3 +187,22 @@ def test_ready_calls_make_exactly_the_full_paths_call() -> None:
     out = mpiexec(2, "-m", "tests.mpi.ready_calls", timeout=120)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("READY")]
     assert lines == ["READY ok", "READY ok"], out.stdout + out.stderr
+
+
+def test_an_error_on_one_rank_stops_every_rank_on_mpi() -> None:
+    """The one-rank-failure cases of tests/gloo (a scheduler's bucket, before its first
+    collective and between its two; an async multi-phase op) on MPI: the failing rank
+    raises its error, its peer CommError at the 5 s job timeout, later steps and ops
+    OutOfStepError; no wrong result, and the processes exit."""
+    t0 = time.monotonic()
+    out = mpiexec(2, "-m", "tests.mpi.out_of_step", timeout=120)
+    lines = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and len(lines) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads(lines[0])
+    for where in ("start", "between"):
+        assert results[0][where] == ["ok", "RuntimeError", "OutOfStepError", "OutOfStepError"]
+        assert results[1][where] == ["ok", "CommError", "OutOfStepError", "OutOfStepError"]
+    stopped = ["OutOfStepError", "OutOfStepError"]
+    assert results[0]["driver"] == ["ValueError", "RuntimeError", *stopped]
+    assert results[1]["driver"] == ["ValueError", "CommError", *stopped]
+    assert time.monotonic() - t0 < 90
