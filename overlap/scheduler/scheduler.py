@@ -49,7 +49,10 @@ MB = 1024 * 1024
 
 def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
     """``steps`` unchanged, with the local compute between its comm phases recorded (the
-    tracer observes the stages; the reduction knows nothing of it)."""
+    tracer observes the stages; the reduction knows nothing of it). An error thrown in (a
+    failed handle) goes on into ``steps``, as without a tracer, so the reduction sees it
+    and its cleanup (a hierarchical bucket's shared-memory file) runs then, not at garbage
+    collection."""
     t = time.perf_counter_ns()
     try:
         pending = next(steps)
@@ -59,11 +62,15 @@ def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
     tracer.record(f"compress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index)
     phase = 0
     while True:
-        yield pending
+        thrown: BaseException | None = None
+        try:
+            yield pending
+        except BaseException as exc:  # a failed handle: the reduction's to handle, as run()
+            thrown = exc
         phase += 1
         t = time.perf_counter_ns()
         try:
-            pending = steps.send(None)
+            pending = steps.send(None) if thrown is None else steps.throw(thrown)
         except StopIteration as stop:
             tracer.record(
                 f"decompress bucket {index}", "user", t, time.perf_counter_ns(), bucket=index

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,30 @@ def test_plots_write_pngs_and_refuse_empty_steps(tmp_path: Path) -> None:
     assert Path(both).read_bytes()[:4] == b"\x89PNG"
     bars = plot_step_bars([("ddp", 300.0), ("overlap", 120.0)], str(tmp_path / "b.png"), 100.0)
     assert Path(bars).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_traced_reduction_sees_an_error_thrown_into_it() -> None:
+    """The scheduler's tracing wrapper forwards a failed handle's error into the reduction
+    (as the untraced path does), so the reduction's own handling and cleanup run at once;
+    before, the error stopped at the wrapper and the reduction stayed suspended."""
+    from overlap.scheduler.scheduler import _traced
+
+    seen: list[BaseException] = []
+    closed: list[bool] = []
+
+    def reduction() -> Iterator[list[str]]:
+        try:
+            yield ["phase 1"]
+            yield ["phase 2"]
+        except RuntimeError as exc:
+            seen.append(exc)
+            raise
+        finally:
+            closed.append(True)
+
+    steps = _traced(reduction(), Tracer(), 0)
+    assert next(steps) == ["phase 1"]
+    boom = RuntimeError("a handle failed")
+    with pytest.raises(RuntimeError, match="a handle failed"):
+        steps.throw(boom)
+    assert seen == [boom] and closed == [True]
