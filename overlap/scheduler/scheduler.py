@@ -287,6 +287,10 @@ class BucketScheduler:
         self._origin_raised = False  # this rank's own out-of-step error was raised once
         self._lock = threading.Lock()
         self._no_sync = False
+        # An awaited end of step whose awaiter was cancelled goes on as a task, and the
+        # next wait() takes it up: (the task, the step's number); see wait()
+        self._finishing: tuple[asyncio.Task[None], int] | None = None
+        self._steps_begun = 0  # _new_step() calls: which step a _finishing task ends
         self._step = 0
         self._rebuilt = False
         self._stats: dict[str, Any] = {}
@@ -394,6 +398,7 @@ class BucketScheduler:
                     p.grad = view
 
     def _new_step(self) -> None:
+        self._steps_begun += 1
         self._inline = (
             type(self.compression.current()) is NoCompression and self.device.type == "cpu"
         )
@@ -424,6 +429,12 @@ class BucketScheduler:
     def _hook(self, p: torch.Tensor) -> None:
         if self._no_sync or self._launcher.broken is not None:
             return
+        if self._finishing is not None and not self._finishing[0].done():
+            raise RuntimeError(
+                "a backward produced a gradient while the previous step was still ending in "
+                "the background (its `await sched.wait()` was cancelled): `await "
+                "sched.wait()` again to finish it before the next backward"
+            )
         grad = p.grad
         if grad is not None and grad.is_sparse:
             raise TypeError(
@@ -830,11 +841,51 @@ class BucketScheduler:
     # ------------------------------------------------------------------------ the API
     def synchronize(self) -> None:
         """End the step: every parameter's .grad holds the averaged (decompressed) gradient."""
+        if self._taken_up() is not None:
+            raise RuntimeError(
+                "the previous step is still ending in the background (its `await "
+                "sched.wait()` was cancelled): `await sched.wait()` again to finish it "
+                "before calling synchronize()"
+            )
         run(self._finish_steps())
 
     async def wait(self) -> None:
-        """``synchronize()`` without blocking the event loop (for a backward run elsewhere)."""
-        await run_async(self._finish_steps())
+        """``synchronize()`` without blocking the event loop (for a backward run elsewhere).
+
+        Cancelling it (``asyncio.wait_for`` timing out, a task cancelled) cancels the wait,
+        not the step, as for any Handle: the end of the step (the vote, the buckets, the
+        copy back, the compressor's end of step) goes on as a task on this loop, because
+        the peers go through it in step with this rank; a rank that dropped it halfway
+        would leave them out of step (measured: with OneBit, the next steps failed on
+        every rank). The next ``wait()`` takes that task up and returns its outcome; a
+        backward before it raises (the step has not ended)."""
+        task = self._taken_up()
+        if task is None:
+            task = asyncio.ensure_future(run_async(self._finish_steps()))
+            self._finishing = (task, self._steps_begun)
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._finishing = None
+
+    def _taken_up(self) -> asyncio.Task[None] | None:
+        """The end-of-step task a cancelled wait() left, if the next wait() is to take it
+        up: still running, or done with no backward since (a retry after a timeout). Once
+        a later step has begun, its outcome is no longer anyone's: dropped (logged)."""
+        if self._finishing is None:
+            return None
+        task, begun = self._finishing
+        if not task.done() or (self._steps_begun == begun + 1 and not self._order):
+            return task
+        self._finishing = None
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "BucketScheduler: a step whose wait() was cancelled ended with %r, and a new "
+                "step began before anyone awaited it",
+                task.exception(),
+            )
+        return None
 
     async def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Run ``loss.backward()`` off the event loop, then ``await wait()``."""

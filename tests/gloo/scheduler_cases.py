@@ -661,3 +661,46 @@ def one_rank_failure_stops_every_rank(where: str, timeout: float) -> list[Any]:
     comm.all_reduce(x)
     assert x.item() == comm.get_world_size()
     return out
+
+
+def cancelled_wait_leaves_the_step_running(loop: str) -> list[Any]:
+    """Rank 0 cancels its ``await sched.wait()`` (asyncio.wait_for times out) in step 1 and
+    awaits it again; in step 2 it cancels and lets the step end in the background while it
+    sleeps, then goes on with step 3. Every step must end with rank-identical gradients.
+    Before, the cancelled rank dropped the end of its step halfway (the compressor's end of
+    step included): with OneBit the next steps failed with CommError on both ranks."""
+    import asyncio
+
+    r = comm.get_rank()
+    torch.manual_seed(5)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    sched = BucketScheduler(
+        model, compression=OneBit(), hierarchy="flat", bucket_cap_mb=0.02, first_bucket_mb=0.02
+    )
+    gen = torch.Generator().manual_seed(r)
+    out: list[Any] = []
+
+    async def main() -> None:
+        for step in range(5):
+            model.zero_grad()
+            model(torch.randn(16, 64, generator=gen)).pow(2).mean().backward()
+            if r == 0 and step in (1, 2):
+                try:
+                    await asyncio.wait_for(sched.wait(), timeout=1e-4)
+                    out.append("done at once")
+                except TimeoutError:
+                    out.append("timeout")
+                if step == 1:
+                    await sched.wait()  # take the step up again
+                else:
+                    while sched._finishing is not None and not sched._finishing[0].done():
+                        await asyncio.sleep(0.01)  # ends in the background, never awaited
+            else:
+                await sched.wait()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            everyone = comm.all_gather(grads)
+            out.append("ok" if all(torch.equal(everyone[0], g) for g in everyone) else "differ")
+
+    overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+    sched.remove()
+    return out

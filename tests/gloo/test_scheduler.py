@@ -202,3 +202,12 @@ def test_an_error_on_one_rank_stops_every_rank_with_no_wrong_gradient(
     out = short_pool.run(sc.one_rank_failure_stops_every_rank, where, SHORT_TIMEOUT, timeout=90)
     assert out[0] == ["ok", "RuntimeError", "OutOfStepError", "OutOfStepError"], out
     assert out[1] == ["ok", "CommError", "OutOfStepError", "OutOfStepError"], out
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_cancelled_wait_cancels_the_wait_not_the_step(
+    pools: Callable[[int], RankPool], loop: str
+) -> None:
+    out = pools(2).run(sc.cancelled_wait_leaves_the_step_running, loop, timeout=120)
+    assert out[0] == ["ok", "timeout", "ok", "timeout", "ok", "ok", "ok"], out
+    assert out[1] == ["ok"] * 5, out
