@@ -27,6 +27,7 @@ them whole.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import logging
@@ -235,7 +236,8 @@ class DiLoCo:
         self.bytes_sent = 0
         self._removed = False
         self._swapped = False  # inside global_weights(): the model holds the globals
-        self._awaiting = False  # an astep() is waiting for a landing
+        # the task of the last astep(), while it runs (or a cancelled one's, until taken up)
+        self._astepping: asyncio.Task[None] | None = None
         self._start()
         self.globals = [p.detach().clone() for p in self.params]
         self._prepare()
@@ -293,6 +295,7 @@ class DiLoCo:
     def step(self) -> None:
         """Count one inner step; land and issue what is due (blocking for what lands)."""
         self._check_live()
+        self._check_no_astep()
         self._t += 1
         land, issue = self._due_now()
         for i in land:
@@ -304,25 +307,72 @@ class DiLoCo:
 
     async def astep(self) -> None:
         """As :meth:`step`, awaiting each landing on the event loop; with a delay it returns
-        while the issued reductions are in flight."""
+        while the issued reductions are in flight.
+
+        Cancelling it (``asyncio.wait_for`` timing out) cancels the wait, not the step: its
+        landings and issues go on as a task on this loop, because the peers land and issue
+        the same fragments in step with this rank (a rank that dropped a landing halfway
+        would keep other global weights than its peers, and one that skipped an issue would
+        pair its later reductions with other fragments'). The next call waits for that task
+        first (``astep``) or refuses while it runs (``step``, ``flush``, ``state_dict``), and
+        raises its error if it failed."""
         self._check_live()
+        prev = self._astepping
+        # The task is made before anything is awaited: every call counts its inner step, in
+        # order, even one cancelled at once
+        task = asyncio.ensure_future(self._astep(prev))
+        self._astepping = task
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and self._astepping is task:
+                self._astepping = None
+
+    def _astep_running(self) -> bool:
+        task = self._astepping
+        return task is not None and not task.done()
+
+    def _check_no_astep(self) -> None:
+        """A blocking call: refuse while a cancelled astep()'s task runs; raise its error."""
+        task = self._astepping
+        if task is None:
+            return
+        if not task.done():
+            raise RuntimeError(
+                "an astep() whose await was cancelled is still landing or issuing its "
+                "fragments in the background: `await diloco.astep()` (which waits for it "
+                "first) or let the loop run until it is done"
+            )
+        self._astepping = None
+        if not task.cancelled():
+            task.result()  # its error, once
+
+    async def _astep(self, prev: asyncio.Task[None] | None) -> None:
+        """One astep()'s work, after the previous one's (a cancelled astep() leaves its task
+        running); that one's error is raised after this step's work, which the peers do
+        too."""
+        earlier: BaseException | None = None
+        if prev is not None:
+            try:
+                await asyncio.shield(prev)
+            except BaseException as exc:
+                earlier = exc
         self._t += 1
         land, issue = self._due_now()
-        self._awaiting = True  # global_weights() refuses meanwhile (a landing would be undone)
-        try:
-            for i in land:
+        for i in land:
+            self._land(i, await self._await(i))
+        for i in issue:
+            self._issue(i)
+            if self.delay == 0:
                 self._land(i, await self._await(i))
-            for i in issue:
-                self._issue(i)
-                if self.delay == 0:
-                    self._land(i, await self._await(i))
-        finally:
-            self._awaiting = False
+        if earlier is not None:
+            raise earlier
 
     def flush(self) -> None:
         """Land every in-flight fragment now (at the end of training, before evaluating or
         saving the final weights). Every rank must call it at the same step."""
         self._check_live()
+        self._check_no_astep()
         for i in sorted(self._inflight):
             self._land(i, self._wait(i))
 
@@ -345,7 +395,7 @@ class DiLoCo:
         refuses while an :meth:`astep` of another task is waiting for a landing.
         """
         self._check_live()
-        if self._awaiting:
+        if self._astep_running():
             raise RuntimeError(
                 "an astep() is waiting for a fragment to land, and the landing would write "
                 "the weights this block swaps out: await that astep() first"
@@ -530,6 +580,7 @@ class DiLoCo:
         collective: every rank calls it at the same step). The inner optimizer's state and
         the model's weights are yours to save alongside."""
         self._check_live()
+        self._check_no_astep()
         for i in sorted(self._inflight):
             at, _ = self._inflight[i]
             res = self._wait(i)
@@ -553,6 +604,7 @@ class DiLoCo:
         """Restore :meth:`state_dict`'s output; ValueError (nothing changed) if it is for
         another model or schedule."""
         self._check_live()
+        self._check_no_astep()
         for k in ("sync_every", "fragments", "delay", "alpha"):
             if state.get(k) != getattr(self, k):
                 raise ValueError(
@@ -605,6 +657,10 @@ class DiLoCo:
         Reductions in flight are waited for (they are collectives), their results dropped."""
         if self._removed:
             return
+        task = self._astepping
+        if task is not None and not task.done():
+            self._check_no_astep()  # raises: its landings still use the model
+        self._astepping = None
         for i in sorted(self._inflight):
             try:
                 self._wait(i)

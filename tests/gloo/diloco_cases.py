@@ -501,3 +501,38 @@ def int8_lands_from_its_codes(alpha: float) -> bool:
         finally:
             d.remove()
     return all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def cancelled_astep_keeps_the_globals_agreed(frags: int, delay: int) -> list[Any]:
+    """Rank 0 cancels its ``await d.astep()`` (asyncio.wait_for times out) at every sync
+    step and goes on training; the global weights must stay the same on every rank, and
+    equal to a rank that never cancelled. Before, the cancelled rank dropped the landing
+    it was waiting for: its global weights missed that outer step for good."""
+    r = comm.get_rank()
+    model, inner, d = _build(4, frags, delay)
+    out: list[Any] = []
+
+    async def main() -> None:
+        for t in range(1, 17):
+            _inner_step(model, inner, t)
+            nxt = d.inner_steps + 1
+            due = any(nxt % d.sync_every == o for o in d.offsets) or any(
+                at == nxt for at, _ in d._inflight.values()
+            )
+            if r == 0 and due:
+                try:
+                    await asyncio.wait_for(d.astep(), timeout=1e-4)
+                    out.append(f"{t} at once")
+                except TimeoutError:
+                    out.append(f"{t} timeout")
+            else:
+                await d.astep()
+        await d.astep()  # the last cancelled one is taken up first
+
+    overlap.run(main())
+    d.flush()
+    flat = torch.cat([g.reshape(-1) for g in d.globals])
+    every = comm.all_gather(flat)
+    out.append(all(torch.equal(x, every[0]) for x in every))
+    d.remove()
+    return out

@@ -169,3 +169,12 @@ def test_int8_lands_from_its_codes_as_the_decoded_average_does(
     pools: Callable[[int], RankPool], alpha: float
 ) -> None:
     assert pools(2).run(dc.int8_lands_from_its_codes, alpha, timeout=120) == [True, True]
+
+
+@pytest.mark.parametrize(("frags", "delay"), [(1, 0), (2, 1)])
+def test_a_cancelled_astep_keeps_the_global_weights_agreed(
+    pools: Callable[[int], RankPool], frags: int, delay: int
+) -> None:
+    out = pools(2).run(dc.cancelled_astep_keeps_the_globals_agreed, frags, delay, timeout=120)
+    assert out[0][-1] is True and out[1][-1] is True, out
+    assert any("timeout" in str(x) for x in out[0]), out  # it did cancel
