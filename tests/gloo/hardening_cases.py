@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +11,6 @@ import torch
 import overlap
 from overlap import CommError, comm
 from overlap.comm import waiters
-from overlap.compression.base import Compressor, Steps
 from tests.gloo.catching import catcher
 
 
@@ -370,43 +368,17 @@ def multiphase_progress_without_waiter() -> dict[str, Any]:
     return out
 
 
-class _TwoPhases(Compressor):
-    """Two summing all_reduces, then the average; raises before its first on rank 0 at its
-    ``fail_at``-th call."""
-
-    name = "two-phases"
-    summable = True
-
-    def __init__(self, fail_at: int) -> None:
-        self.calls = 0
-        self.fail_at = fail_at
-
-    def reduce_steps(
-        self,
-        key: Hashable,
-        flat: torch.Tensor,
-        *,
-        group: Any = None,
-        shapes: Sequence[torch.Size] | None = None,
-        outputs: Sequence[tuple[int, torch.Tensor]] = (),
-    ) -> Steps:
-        self.calls += 1
-        if comm.get_rank() == 0 and self.calls == self.fail_at:
-            raise RuntimeError("a local failure")
-        yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
-        yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
-        return flat.div_(comm.get_world_size(group) ** 2)
-
-
 def async_multiphase_failure_on_one_rank(timeout: float) -> list[str]:
     """A bad argument (alike on every rank), then three async Compressor.reduce calls on
     a group of its own, the first failing on rank 0 only; each must raise, none may return
     a result (before, the later two returned averages of the wrong calls' tensors)."""
     from overlap.errors import OutOfStepError
+    from tests.gloo.scheduler_cases import FailsOnOneRank
 
     r = comm.get_rank()
     group = comm.new_group([0, 1])
-    comp = _TwoPhases(fail_at=1)
+    # a direct call is a step of its own: calls 0, 1, 2 (the bad one raises before it counts)
+    comp = FailsOnOneRank(rank=0, step=0, key=0, where="start")
     out: list[str] = []
     try:
         comp.reduce("bad", torch.ones(4, 2).t(), group=group, async_op=True)
@@ -424,7 +396,7 @@ def async_multiphase_failure_on_one_rank(timeout: float) -> list[str]:
         except overlap.CommError:
             out.append("CommError")
         except RuntimeError as e:
-            assert str(e) == "a local failure", e
+            assert str(e) == "a local failure in bucket 0", e
             out.append("RuntimeError")
         assert time.monotonic() - t0 < timeout + 5, (out, time.monotonic() - t0)
     comm.destroy_process_group(group)

@@ -581,7 +581,7 @@ def hierarchical_pipelined_equals_the_average(
         hierarchy._SHM = shm
 
 
-class _FailsOnOneRank(Compressor):
+class FailsOnOneRank(Compressor):
     """Two summing all_reduces a bucket (then the average); on ``rank``, at ``step``, bucket
     ``key`` raises a RuntimeError of its own, ``where`` "start" (before its first
     collective: during backward) or "between" (after its first: in the step's flush)."""
@@ -618,7 +618,7 @@ class _FailsOnOneRank(Compressor):
 
 
 def one_rank_failure_stops_every_rank(where: str, timeout: float) -> list[Any]:
-    """Rank 0's compressor raises inside a middle bucket of step 1 (see _FailsOnOneRank).
+    """Rank 0's compressor raises inside a middle bucket of step 1 (see FailsOnOneRank).
     Returns per step what synchronize() did and how long it took. Before, rank 0 went on
     with the other buckets, whose collectives paired with different buckets' on rank 1:
     rank 1's step 1 returned gradients summed across the wrong buckets as a normal result,
@@ -628,7 +628,7 @@ def one_rank_failure_stops_every_rank(where: str, timeout: float) -> list[Any]:
     r = comm.get_rank()
     torch.manual_seed(5)
     model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(6)])
-    comp = _FailsOnOneRank(rank=0, step=1, key=2 if where == "start" else 1, where=where)
+    comp = FailsOnOneRank(rank=0, step=1, key=2 if where == "start" else 1, where=where)
     sched = BucketScheduler(
         model, compression=comp, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
     )
