@@ -606,7 +606,8 @@ class FailsOnOneRank(Compressor):
         shapes: Sequence[torch.Size] | None = None,
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> Steps:
-        failing = (comm.get_rank(), self.step, key) == self.fail
+        bucket = key[0] if isinstance(key, tuple) else key  # (bucket, "chunk") if hierarchical
+        failing = (comm.get_rank(), self.step, bucket) == self.fail
         if failing and self.where == "start":
             raise RuntimeError(f"a local failure in bucket {key}")
         yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
@@ -617,18 +618,25 @@ class FailsOnOneRank(Compressor):
         return flat
 
 
-def one_rank_failure_stops_every_rank(where: str, timeout: float) -> list[Any]:
+def one_rank_failure_stops_every_rank(
+    where: str, timeout: float, hierarchical: bool = False
+) -> list[Any]:
     """Rank 0's compressor raises inside a middle bucket of step 1 (see FailsOnOneRank).
     Returns per step what synchronize() did and how long it took. Before, rank 0 went on
     with the other buckets, whose collectives paired with different buckets' on rank 1:
     rank 1's step 1 returned gradients summed across the wrong buckets as a normal result,
-    and rank 0's step 2 did the same."""
+    and rank 0's step 2 did the same. ``hierarchical``: through a Hierarchical reduction of
+    one host of both ranks (shared memory; the error in rank 0's chunk)."""
     from overlap.errors import OutOfStepError
 
     r = comm.get_rank()
     torch.manual_seed(5)
     model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(6)])
-    comp = FailsOnOneRank(rank=0, step=1, key=2 if where == "start" else 1, where=where)
+    comp: Compressor = FailsOnOneRank(rank=0, step=1, key=2 if where == "start" else 1, where=where)
+    if hierarchical:
+        from overlap.scheduler.hierarchy import Hierarchical
+
+        comp = Hierarchical(comp, hosts=1, local=comm.get_world_size())
     sched = BucketScheduler(
         model, compression=comp, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
     )

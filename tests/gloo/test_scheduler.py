@@ -190,16 +190,20 @@ def test_hierarchical_hosts_with_and_without_shared_memory_stay_in_step(
     assert regions0 == 0 and regions1 == buckets, out
 
 
-@pytest.mark.parametrize("where", ["start", "between"])
+@pytest.mark.parametrize(
+    ("where", "hierarchical"), [("start", False), ("between", False), ("start", True)]
+)
 def test_an_error_on_one_rank_stops_every_rank_with_no_wrong_gradient(
-    short_pool: RankPool, where: str
+    short_pool: RankPool, where: str, hierarchical: bool
 ) -> None:
     """Regression: one rank's own error inside a bucket's reduction ended that bucket there,
     and the rank went on with the other buckets, whose collectives then paired with other
     buckets' on its peer: the peer's synchronize() returned gradients summed across the
     wrong buckets as a normal result. Now the failing rank issues nothing more, its peer
     fails at the (short) timeout, and every later step raises OutOfStepError at once."""
-    out = short_pool.run(sc.one_rank_failure_stops_every_rank, where, SHORT_TIMEOUT, timeout=90)
+    out = short_pool.run(
+        sc.one_rank_failure_stops_every_rank, where, SHORT_TIMEOUT, hierarchical, timeout=90
+    )
     assert out[0] == ["ok", "RuntimeError", "OutOfStepError", "OutOfStepError"], out
     assert out[1] == ["ok", "CommError", "OutOfStepError", "OutOfStepError"], out
 
