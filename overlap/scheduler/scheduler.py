@@ -777,17 +777,31 @@ class BucketScheduler:
             "timeline": list(self._timeline),
         }
         self._step += 1
-        if self.rebuild and not self._rebuilt:
-            order = torch.tensor(self._ready_order(), dtype=torch.int64, device=self._ctrl_device)
-            yield [
-                comm.broadcast(
-                    order, src=comm.get_global_rank(self.ctrl, 0), group=self.ctrl, async_op=True
+        try:
+            if self.rebuild and not self._rebuilt:
+                order = torch.tensor(
+                    self._ready_order(), dtype=torch.int64, device=self._ctrl_device
                 )
-            ]
-            self._rebuild([self.params[i] for i in order.cpu().tolist()])
-        at_end = self.compression.step_end_steps(self.ctrl, self._ctrl_device)
-        if at_end is not None:  # e.g. Auto agreeing on its choice: before the next step
-            yield from at_end
+                yield [
+                    comm.broadcast(
+                        order,
+                        src=comm.get_global_rank(self.ctrl, 0),
+                        group=self.ctrl,
+                        async_op=True,
+                    )
+                ]
+                self._rebuild([self.params[i] for i in order.cpu().tolist()])
+            at_end = self.compression.step_end_steps(self.ctrl, self._ctrl_device)
+            if at_end is not None:  # e.g. Auto agreeing on its choice: before the next step
+                yield from at_end
+        except BaseException as exc:
+            # A peer that stopped after its last bucket collective (it issued them all)
+            # never joins these: stop too. Anything else: a fresh step, then the error
+            # (before, the next backward said "a second backward" instead).
+            if isinstance(exc, CommError):
+                raise (yield from self._stop_here(exc))  # noqa: B904
+            self._new_step()
+            raise
         self._new_step()
         return None
 

@@ -584,7 +584,8 @@ def hierarchical_pipelined_equals_the_average(
 class FailsOnOneRank(Compressor):
     """Two summing all_reduces a bucket (then the average); on ``rank``, at ``step``, bucket
     ``key`` raises a RuntimeError of its own, ``where`` "start" (before its first
-    collective: during backward) or "between" (after its first: in the step's flush)."""
+    collective: during backward), "between" (after its first: in the step's flush) or
+    "after" (after its last: every collective issued)."""
 
     name = "fails-on-one-rank"
     summable = True
@@ -611,9 +612,11 @@ class FailsOnOneRank(Compressor):
         if failing and self.where == "start":
             raise RuntimeError(f"a local failure in bucket {key}")
         yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
-        if failing:
+        if failing and self.where == "between":
             raise RuntimeError(f"a local failure in bucket {key}")
         yield [comm.all_reduce(flat, op="sum", group=group, async_op=True)]
+        if failing and self.where == "after":
+            raise RuntimeError(f"a local failure in bucket {key}")
         flat.div_(comm.get_world_size(group) ** 2)
         return flat
 
@@ -626,21 +629,27 @@ def one_rank_failure_stops_every_rank(
     with the other buckets, whose collectives paired with different buckets' on rank 1:
     rank 1's step 1 returned gradients summed across the wrong buckets as a normal result,
     and rank 0's step 2 did the same. ``hierarchical``: through a Hierarchical reduction of
-    one host of both ranks (shared memory; the error in rank 0's chunk)."""
+    one host of both ranks (shared memory; the error in rank 0's chunk). ``where="after"``:
+    one bucket, failing in step 0 after its last collective."""
     from overlap.errors import OutOfStepError
 
     r = comm.get_rank()
     torch.manual_seed(5)
     model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(6)])
-    comp: Compressor = FailsOnOneRank(rank=0, step=1, key=2 if where == "start" else 1, where=where)
+    after = where == "after"  # one bucket, step 0: the peer ends its step, then the
+    # step's rebuild broadcast waits for rank 0, which no longer sends anything
+    comp: Compressor = FailsOnOneRank(
+        rank=0, step=0 if after else 1, key={"start": 2, "between": 1}.get(where, 0), where=where
+    )
     if hierarchical:
         from overlap.scheduler.hierarchy import Hierarchical
 
         comp = Hierarchical(comp, hosts=1, local=comm.get_world_size())
+    cap = 1.0 if after else 0.004
     sched = BucketScheduler(
-        model, compression=comp, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
+        model, compression=comp, hierarchy="flat", bucket_cap_mb=cap, first_bucket_mb=cap
     )
-    assert len(sched.buckets) == 6
+    assert len(sched.buckets) == (1 if after else 6)
     gen = torch.Generator().manual_seed(r)
     out: list[Any] = []
     for _ in range(4):
