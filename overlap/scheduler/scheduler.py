@@ -984,6 +984,12 @@ class BucketScheduler:
         (their sockets and threads); the parameters are left as they are. The parameters and
         the compressor (or optimizer) can then be given to a new scheduler. Idempotent.
         Every rank calls it (freeing a group is collective), at a step boundary."""
+        if self._finishing is not None and not self._finishing[0].done():
+            raise RuntimeError(
+                "the step is still ending in the background (its `await sched.wait()` was "
+                "cancelled) and uses the scheduler's groups: `await sched.wait()` first, "
+                "then remove()"
+            )
         for h in self._hooks:
             h.remove()
         self._hooks = []
