@@ -51,8 +51,8 @@ from typing import Any
 
 from overlap.comm import quiesce as _quiesce
 from overlap.comm.handle import Handle
-from overlap.comm.steps import Steps, run
-from overlap.errors import NonFiniteError, OutOfStepError
+from overlap.comm.steps import Steps, in_step, run
+from overlap.errors import OutOfStepError
 
 __all__ = ["clear", "ensure_twin", "forget", "make_twin", "submit"]
 
@@ -98,11 +98,12 @@ class _Driver:
                 make, handle, ctx = self.jobs.popleft()
             try:
                 if self.broken is not None:
-                    raise self.broken
+                    # a fresh traceback each time: re-raising one instance would chain them
+                    raise self.broken.with_traceback(None)
                 with ctx():
                     result = run(make(self.group))
             except BaseException as exc:
-                if self.broken is None and not isinstance(exc, NonFiniteError):
+                if self.broken is None and not in_step(exc):
                     self._stop(handle.op, exc)
                 handle._finish(exc)
             else:

@@ -30,11 +30,20 @@ from collections.abc import Generator
 from typing import Any
 
 from overlap.comm.handle import Handle
-from overlap.errors import CommTimeoutError
+from overlap.errors import CommTimeoutError, NonFiniteError
 
-__all__ = ["Steps", "run", "run_async", "steps_handle"]
+__all__ = ["Steps", "in_step", "run", "run_async", "steps_handle"]
 
 Steps = Generator[list[Handle], None, Any]
+
+
+def in_step(exc: BaseException) -> bool:
+    """True for an error of a steps generator that leaves the ranks' collectives paired: a
+    NonFiniteError, which every rank raises after the same phase (the Compressor contract).
+    Any other error (this rank's own, or a failed collective) may leave this rank's issued
+    collectives short of its peers', so whoever runs several such generators in a fixed
+    order on one group (the scheduler's launcher, a group's driver) must issue no more."""
+    return isinstance(exc, NonFiniteError)
 
 
 def run(steps: Steps) -> Any:

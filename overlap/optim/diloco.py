@@ -657,8 +657,7 @@ class DiLoCo:
         Reductions in flight are waited for (they are collectives), their results dropped."""
         if self._removed:
             return
-        task = self._astepping
-        if task is not None and not task.done():
+        if self._astep_running():
             self._check_no_astep()  # raises: its landings still use the model
         self._astepping = None
         for i in sorted(self._inflight):

@@ -429,7 +429,7 @@ class BucketScheduler:
     def _hook(self, p: torch.Tensor) -> None:
         if self._no_sync or self._launcher.broken is not None:
             return
-        if self._finishing is not None and not self._finishing[0].done():
+        if self._ending_in_background():
             raise RuntimeError(
                 "a backward produced a gradient while the previous step was still ending in "
                 "the background (its `await sched.wait()` was cancelled): `await "
@@ -831,7 +831,8 @@ class BucketScheduler:
                 return exc
             if launcher.origin is not None:
                 return launcher.origin
-        return launcher.broken
+        # a fresh traceback each step: re-raising one instance would chain them
+        return launcher.broken.with_traceback(None)
 
     def _ready_order(self) -> list[int]:
         order = list(dict.fromkeys(self._order))
@@ -882,6 +883,10 @@ class BucketScheduler:
         finally:
             if task.done():
                 self._finishing = None
+
+    def _ending_in_background(self) -> bool:
+        """A cancelled wait()'s end of step still runs (see wait())."""
+        return self._finishing is not None and not self._finishing[0].done()
 
     def _taken_up(self) -> asyncio.Task[None] | None:
         """The end-of-step task a cancelled wait() left, if the next wait() is to take it
@@ -984,7 +989,7 @@ class BucketScheduler:
         (their sockets and threads); the parameters are left as they are. The parameters and
         the compressor (or optimizer) can then be given to a new scheduler. Idempotent.
         Every rank calls it (freeing a group is collective), at a step boundary."""
-        if self._finishing is not None and not self._finishing[0].done():
+        if self._ending_in_background():
             raise RuntimeError(
                 "the step is still ending in the background (its `await sched.wait()` was "
                 "cancelled) and uses the scheduler's groups: `await sched.wait()` first, "

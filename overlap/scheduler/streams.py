@@ -37,6 +37,7 @@ wait with a delayed side-stream kernel).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -47,8 +48,8 @@ from typing import Any
 import torch
 
 from overlap.comm.handle import Handle
-from overlap.comm.steps import Steps, run
-from overlap.errors import CommError, NonFiniteError, OutOfStepError
+from overlap.comm.steps import Steps, in_step, run
+from overlap.errors import CommError, OutOfStepError
 
 __all__ = ["Launcher"]
 
@@ -69,27 +70,19 @@ def _attempt(job: Job) -> BaseException | None:
     return None
 
 
-def in_step(exc: BaseException) -> bool:
-    """True for a reduction's error that leaves the ranks' collectives paired: a
-    NonFiniteError, which every rank raises after the same phase (the Compressor contract).
-    Any other error (this rank's own, or a failed collective) may leave this rank's issued
-    collectives short of its peers': see the module docstring."""
-    return isinstance(exc, NonFiniteError)
-
-
 class _InFlight:
     """One reduction in the CPU pipeline: its generator and the handles it waits for."""
 
-    __slots__ = ("finish", "out_of_step", "pending", "steps")
+    __slots__ = ("failed", "finish", "pending", "steps")
 
     def __init__(
-        self, steps: Steps, finish: Finish, out_of_step: Callable[[BaseException], None]
+        self, steps: Steps, finish: Finish, failed: Callable[[BaseException], None]
     ) -> None:
         self.steps = steps
         self.finish = finish
-        # called with an error that puts this rank out of step, before ``finish``: whoever
-        # sees the bucket fail then sees the launcher stopped too
-        self.out_of_step = out_of_step
+        # called with the reduction's error before ``finish`` (Launcher.failed): whoever sees
+        # the bucket fail then sees the launcher stopped too
+        self.failed = failed
         self.pending: list[Any] = []
 
     def start(self) -> bool:
@@ -101,16 +94,11 @@ class _InFlight:
         failed handle is thrown into the generator, as :func:`overlap.comm.steps.run` does.
         If ``stopped()`` says the launcher stopped meanwhile (a peer out of step, learned on
         the main thread), end instead of issuing the next phase."""
-        failed: BaseException | None = None
         for h in self.pending:
             try:
                 h.wait()
             except BaseException as exc:
-                failed = exc
-                break
-        if failed is not None:
-            thrown = failed
-            return self._step(lambda: self.steps.throw(thrown))
+                return self._step(functools.partial(self.steps.throw, exc))
         err = stopped()
         if err is not None:
             self.abandon(err)
@@ -138,8 +126,7 @@ class _InFlight:
             self.finish(None)
         except BaseException as exc:
             self.steps.close()
-            if not in_step(exc):
-                self.out_of_step(exc)
+            self.failed(exc)
             self.finish(exc)
         return False
 
@@ -164,6 +151,12 @@ class Launcher:
         self._stop_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="overlap-bucket-worker", daemon=True)
         self._thread.start()
+
+    def failed(self, exc: BaseException) -> None:
+        """A reduction failed with ``exc``: stop unless every rank raises it alike
+        (:func:`overlap.comm.steps.in_step`)."""
+        if not in_step(exc):
+            self.stop_for(exc)
 
     def stop_for(self, exc: BaseException) -> None:
         """Stop: a reduction (or the scheduler's vote) failed with ``exc``, which leaves
@@ -195,7 +188,7 @@ class Launcher:
         side stream, one bucket after the other, after the compute stream's current work;
         its completion event is recorded before ``finish`` is called."""
         if not self.cuda:
-            self._queue.put(_InFlight(steps, finish, self.stop_for))
+            self._queue.put(_InFlight(steps, finish, self.failed))
             return
 
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -218,8 +211,8 @@ class Launcher:
                 done.record(stream)
             with self._events_lock:
                 self._events.append(done)
-            if err is not None and not in_step(err):
-                self.stop_for(err)
+            if err is not None:
+                self.failed(err)
             finish(err)
 
         self._queue.put(on_stream)
