@@ -856,13 +856,18 @@ class BucketScheduler:
     # ------------------------------------------------------------------------ the API
     def synchronize(self) -> None:
         """End the step: every parameter's .grad holds the averaged (decompressed) gradient."""
-        if self._taken_up() is not None:
+        task = self._taken_up()
+        if task is None:
+            run(self._finish_steps())
+            return
+        if not task.done():
             raise RuntimeError(
                 "the previous step is still ending in the background (its `await "
                 "sched.wait()` was cancelled): `await sched.wait()` again to finish it "
                 "before calling synchronize()"
             )
-        run(self._finish_steps())
+        self._finishing = None
+        task.result()  # the step a cancelled wait() left has ended: its outcome, as wait()'s
 
     async def wait(self) -> None:
         """``synchronize()`` without blocking the event loop (for a backward run elsewhere).

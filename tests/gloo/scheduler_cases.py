@@ -683,7 +683,8 @@ def one_rank_failure_stops_every_rank(
 def cancelled_wait_leaves_the_step_running(loop: str) -> list[Any]:
     """Rank 0 cancels its ``await sched.wait()`` (asyncio.wait_for times out) in step 1 and
     awaits it again; in step 2 it cancels and lets the step end in the background while it
-    sleeps, then goes on with step 3. Every step must end with rank-identical gradients.
+    sleeps, then goes on with step 3, where it does the same and takes the ended step up
+    with synchronize(). Every step must end with rank-identical gradients.
     Before, the cancelled rank dropped the end of its step halfway (the compressor's end of
     step included): with OneBit the next steps failed with CommError on both ranks."""
     import asyncio
@@ -701,7 +702,7 @@ def cancelled_wait_leaves_the_step_running(loop: str) -> list[Any]:
         for step in range(5):
             model.zero_grad()
             model(torch.randn(16, 64, generator=gen)).pow(2).mean().backward()
-            if r == 0 and step in (1, 2):
+            if r == 0 and step in (1, 2, 3):
                 try:
                     await asyncio.wait_for(sched.wait(), timeout=1e-4)
                     out.append("done at once")
@@ -718,7 +719,9 @@ def cancelled_wait_leaves_the_step_running(loop: str) -> list[Any]:
                             assert "await sched.wait()` first" in str(e), e
                             out.append("remove refused")
                     while sched._finishing is not None and not sched._finishing[0].done():
-                        await asyncio.sleep(0.01)  # ends in the background, never awaited
+                        await asyncio.sleep(0.01)  # ends in the background
+                    if step == 3:
+                        sched.synchronize()  # takes the ended step up (step 2: never taken)
             else:
                 await sched.wait()
             grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
