@@ -21,6 +21,7 @@ from overlap.compression import (
 from overlap.errors import (
     CommError,
     CommTimeoutError,
+    IncompleteBackwardError,
     NonFiniteError,
     NotInitializedError,
     OutOfStepError,
@@ -44,6 +45,7 @@ __all__ = [
     "DiLoCo",
     "FP8",
     "Handle",
+    "IncompleteBackwardError",
     "Int8",
     "NoCompression",
     "NonFiniteError",

@@ -12,6 +12,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
+    "IncompleteBackwardError",
     "NonFiniteError",
     "NotInitializedError",
     "OutOfStepError",
@@ -54,6 +55,25 @@ class NonFiniteError(OverlapError, FloatingPointError):
     Raised on every rank alike (the ranks learn it from the exchanged scales, with no extra
     collective), before any error-feedback state is touched: the buffers are left as they
     were. ``ranks`` lists the ranks whose input was not finite.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
+class IncompleteBackwardError(OverlapError, RuntimeError):
+    """A BucketScheduler step ended after a backward that raised before it finished.
+
+    A backward that raises halfway (an out-of-memory error, a bug in one rank's loss) has
+    already handed some gradients to the scheduler, and may have sent some buckets; its
+    peers' backwards sent all of theirs. Ending the step (``synchronize()`` or ``await
+    wait()`` on the rank that failed, after catching its error) keeps every rank in step:
+    the rest of the buckets are sent (zeros where that rank has no gradient) and every rank
+    then raises this error, with no gradient written back, instead of returning an average
+    that mixes one rank's partial gradient in. The scheduler is ready for the next step;
+    ``.grad`` of the failed step is undefined (zero it and skip ``optimizer.step()``).
+    ``ranks`` lists the ranks whose backward did not finish.
     """
 
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:

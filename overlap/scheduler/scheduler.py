@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -30,13 +31,14 @@ from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.autograd.variable import Variable
 
 from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
-from overlap.errors import CommError, OutOfStepError
+from overlap.errors import CommError, IncompleteBackwardError, OutOfStepError
 from overlap.ownership import claim, holder_of, release
 from overlap.scheduler.buckets import Bucket, assign_buckets
 from overlap.scheduler.streams import Launcher
@@ -84,6 +86,12 @@ def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
             bucket=index,
             phase=phase,
         )
+
+
+def _graph_task_id() -> int:
+    """The running backward's graph task id (-1 outside one, or on a torch without it)."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if get is None else int(get())
 
 
 def _settled(h: Handle) -> Handle:
@@ -273,6 +281,7 @@ class BucketScheduler:
             if current() is None:
                 tracer.attach()
         self._pidx = {id(p): i for i, p in enumerate(self.params)}
+        self._ranks = ranks  # for naming the ranks whose backward did not finish
         self._set_buckets(
             assign_buckets(list(reversed(self.params)), self.cap, self.first_cap, reduce_dtype)
         )
@@ -290,6 +299,8 @@ class BucketScheduler:
         # An awaited end of step whose awaiter was cancelled goes on as a task, and the
         # next wait() takes it up: (the task, the step's number); see wait()
         self._finishing: tuple[asyncio.Task[None], int] | None = None
+        # the backward a cancelled `await backward()` left running in its thread; see backward()
+        self._running: asyncio.Future[None] | None = None
         self._steps_begun = 0  # _new_step() calls: which step a _finishing task ends
         self._step = 0
         self._rebuilt = False
@@ -424,6 +435,9 @@ class BucketScheduler:
         self._order: list[int] = []
         self._timeline: list[dict[str, Any]] = []
         self._bwd: list[int] = []  # first and last gradient-hook time (ns) of this step
+        # The backwards (autograd graph tasks) that gave this step a gradient and have not
+        # finished: one left at the vote raised halfway (see _backward_began)
+        self._open: set[int] = set()
 
     # -------------------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
@@ -442,13 +456,23 @@ class BucketScheduler:
                 "it reduces dense gradients only: use sparse=False or exclude the parameter"
             )
         with self._lock:
+            task = _graph_task_id()
             b, pos = self._where[id(p)]
             if pos not in b.pending:
+                if self._open - {task}:
+                    raise RuntimeError(
+                        "a backward raised before it finished and its step was not ended: "
+                        "after a failed backward call sched.synchronize() (or await "
+                        "sched.wait()), which raises IncompleteBackwardError on every rank "
+                        "and readies the scheduler, then run the next backward"
+                    )
                 raise RuntimeError(
                     "a second backward produced a gradient before synchronize(); call "
                     "sched.synchronize() (or await sched.wait()) after each backward, or wrap "
                     "accumulation steps in `with sched.no_sync():`"
                 )
+            if task >= 0 and task not in self._open:
+                self._backward_began(task)
             view = b.view_of(pos)
             if grad is not None and not (self.grad_as_view and grad.data_ptr() == view.data_ptr()):
                 if self._reads and _direct_ok(grad, b.flat):
@@ -478,6 +502,19 @@ class BucketScheduler:
             if not b.pending:
                 b.ready = True
                 self._launch_ready()
+
+    def _backward_began(self, task: int) -> None:
+        """Note that backward ``task`` gave this step a gradient, until it finishes.
+
+        Autograd runs a graph task's final callbacks only when it finishes without error,
+        so a task still here at the vote raised halfway: some of its gradients reached the
+        buckets (some maybe sent), the rest never will. A set, not one id: a reentrant
+        checkpoint runs a nested backward inside the outer one, and a step may take two
+        backwards over disjoint parameters."""
+        self._open.add(task)
+        Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+            functools.partial(self._open.discard, task)
+        )
 
     def _launch_ready(self) -> None:
         if self._launcher.broken is not None:
@@ -692,8 +729,11 @@ class BucketScheduler:
         if self._launcher.broken is not None:
             # before any collective (streams.py, "Out of step")
             raise (yield from self._stop_here(None))
-        mask = torch.zeros(len(self.params), dtype=torch.uint8)
+        n = len(self.params)
+        mask = torch.zeros(n + self.world, dtype=torch.uint8)
         mask[self._order] = 1
+        if self._open:  # this rank's backward raised halfway: every rank drops the step
+            mask[n + comm.get_rank(self.ctrl)] = 1
         mask = mask.to(self._ctrl_device)
         try:
             yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
@@ -711,6 +751,8 @@ class BucketScheduler:
             yield from self._abandon(issued)
             raise
         mask = mask.cpu()
+        incomplete = [self._ranks[i] for i in mask[n:].nonzero().flatten().tolist()]
+        mask = mask[:n]
         if not bool(mask.any()):
             self._new_step()
             raise RuntimeError(
@@ -737,6 +779,8 @@ class BucketScheduler:
             if early:
                 for b, hs in launched:
                     yield hs
+                    if incomplete:
+                        continue  # the step is dropped: nothing is copied back
                     t = time.perf_counter_ns()
                     self._copy_back(b, used)
                     if tracer is not None:
@@ -753,6 +797,19 @@ class BucketScheduler:
             # A bucket failed (e.g. NonFiniteError on every rank): skip this step, train on.
             yield from self._abandon(handles)
             raise
+        if incomplete:
+            # every bucket was sent (the ranks stay in step) but one rank's gradient is only
+            # partly in them: drop the step on every rank, as a failed bucket's
+            self._close_inline()
+            yield from self._abandon(handles)
+            raise IncompleteBackwardError(
+                f"the backward of rank{'s' if len(incomplete) > 1 else ''} "
+                f"{', '.join(map(str, incomplete))} raised before it finished, so this step's "
+                "gradients are dropped on every rank (the buckets were still sent, so that "
+                "the ranks stay in step): zero the gradients, skip optimizer.step() and go on "
+                "with the next batch; the scheduler is ready for it",
+                ranks=incomplete,
+            )
         self._close_inline()
         self._launcher.wait_compute()
         self.compression.end_step()
@@ -856,6 +913,12 @@ class BucketScheduler:
     # ------------------------------------------------------------------------ the API
     def synchronize(self) -> None:
         """End the step: every parameter's .grad holds the averaged (decompressed) gradient."""
+        if self._running is not None and not self._running.done():
+            raise RuntimeError(
+                "the backward of a cancelled `await sched.backward(loss)` is still running in "
+                "its thread: `await sched.wait()` to let it finish and end the step"
+            )
+        self._running = None
         task = self._taken_up()
         if task is None:
             run(self._finish_steps())
@@ -879,6 +942,7 @@ class BucketScheduler:
         would leave them out of step (measured: with OneBit, the next steps failed on
         every rank). The next ``wait()`` takes that task up and returns its outcome; a
         backward before it raises (the step has not ended)."""
+        await self._backward_done()
         task = self._taken_up()
         if task is None:
             task = asyncio.ensure_future(run_async(self._finish_steps()))
@@ -912,10 +976,47 @@ class BucketScheduler:
         return None
 
     async def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Run ``loss.backward()`` off the event loop, then ``await wait()``."""
+        """Run ``loss.backward()`` off the event loop, then ``await wait()``.
+
+        If the backward raises after some of its gradients reached the buckets, the step
+        is ended anyway (its peers are in it): every other rank raises
+        IncompleteBackwardError, this one the backward's own error, and the scheduler is
+        ready for the next step. Cancelling this call cancels the wait: the backward goes
+        on in its thread (a thread cannot be stopped), and the next ``wait()`` waits for
+        it before it ends the step."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, lambda: loss.backward(**kwargs))  # type: ignore[no-untyped-call]
+        running = loop.run_in_executor(None, functools.partial(loss.backward, **kwargs))
+        self._running = running
+        try:
+            await asyncio.shield(running)
+        except Exception:
+            if not self._open:
+                raise  # none of its gradients reached the scheduler: the step is untouched
+            try:
+                await self.wait()
+            except IncompleteBackwardError:
+                pass  # the peers raise it; this rank raises the backward's own error
+            raise
+        finally:
+            if running.done():
+                self._running = None
         await self.wait()
+
+    async def _backward_done(self) -> None:
+        """Wait for a backward that a cancelled ``backward()`` left running (its error,
+        if it failed, shows at the vote as IncompleteBackwardError on every rank)."""
+        running = self._running
+        if running is None:
+            return
+        try:
+            await asyncio.shield(running)
+        except Exception:
+            log.warning(
+                "BucketScheduler: the backward of a cancelled backward() raised", exc_info=True
+            )
+        finally:
+            if running.done() and self._running is running:
+                self._running = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -731,3 +731,167 @@ def cancelled_wait_leaves_the_step_running(loop: str) -> list[Any]:
     overlap.run(main(), loop=loop)  # type: ignore[arg-type]
     sched.remove()
     return out
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (an OOM, a bug on one rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in backward")
+
+
+def failed_backward_drops_the_step(mode: str, compression: str, skip: bool = False) -> list[Any]:
+    """Rank 0's backward raises halfway through step 1, after the later layers' gradients
+    reached their buckets (some of them sent). ``mode`` "blocking": rank 0 catches it and
+    calls synchronize(), or with ``skip`` first runs step 2's backward (refused, naming the
+    failed one) and then synchronize(); "uvloop": ``await sched.backward(loss)``, which ends
+    the step itself. Every rank must raise for step 1 (IncompleteBackwardError naming rank
+    0; in uvloop rank 0 its own error) and train on: each other step's gradients are the
+    average of the ranks' own (exactly, uncompressed; rank-identical with OneBit). The
+    middle blocks run under a reentrant checkpoint, a nested backward inside each one: it
+    must not count as a failed backward. Before, step 1 returned gradients that mixed rank
+    0's partial ones in (zeros for what it never reached) on both ranks, as a normal
+    result; with ``skip`` the next backward said "a second backward"."""
+    from torch.utils.checkpoint import checkpoint
+
+    from overlap.errors import IncompleteBackwardError
+
+    r = comm.get_rank()
+    torch.manual_seed(5)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6))
+    ref = copy.deepcopy(blocks)
+
+    def forward(m: nn.ModuleList, x: torch.Tensor, fail: bool) -> torch.Tensor:
+        h = m[1](m[0](x))
+        if fail:
+            h = _FailsInBackward.apply(h)
+        h = checkpoint(lambda t: m[3](m[2](t)), h, use_reentrant=True)
+        return m[5](m[4](h)).pow(2).mean()  # type: ignore[no-any-return]
+
+    comp = OneBit() if compression == "onebit" else None
+    sched = BucketScheduler(
+        blocks, compression=comp, hierarchy="flat", bucket_cap_mb=0.005, first_bucket_mb=0.005
+    )
+    assert len(sched.buckets) >= 4
+    gen = torch.Generator().manual_seed(r)
+    out: list[Any] = []
+
+    def end(loss: torch.Tensor) -> None:
+        if mode == "blocking":
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                out.append(str(e))
+            sched.synchronize()
+        else:
+            overlap.run(sched.backward(loss), loop=mode)  # type: ignore[arg-type]
+
+    for step in range(4):
+        x = torch.randn(8, 32, generator=gen)
+        blocks.zero_grad()
+        fail = step == 1 and r == 0
+        try:
+            if fail and skip:
+                try:
+                    forward(blocks, x, fail).backward()
+                except RuntimeError as e:
+                    out.append(str(e))
+                blocks.zero_grad()
+                try:
+                    forward(blocks, x, False).backward()  # step 1 was never ended
+                except RuntimeError as e:
+                    out.append("refused" if "its step was not ended" in str(e) else str(e))
+                sched.synchronize()
+            else:
+                end(forward(blocks, x, fail))
+        except IncompleteBackwardError as e:
+            out.append(f"IncompleteBackwardError {e.ranks}")
+            continue
+        except RuntimeError as e:
+            out.append(str(e))
+            continue
+        grads = torch.cat([p.grad.reshape(-1) for p in blocks.parameters()])
+        everyone = comm.all_gather(grads)
+        same = all(torch.equal(everyone[0], g) for g in everyone)
+        if compression == "onebit":
+            out.append("ok" if same and bool(torch.isfinite(grads).all()) else "differ")
+            continue
+        ref.zero_grad()
+        forward(ref, x, False).backward()
+        want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        want = comm.all_reduce(want, op="avg")
+        out.append("ok" if same and torch.allclose(grads, want, atol=1e-6) else "wrong")
+    sched.remove()
+    return out
+
+
+class _SlowInBackward(torch.autograd.Function):
+    """Identity; its backward takes 0.3 s (a long backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)
+        return g
+
+
+def cancelled_backward_finishes_the_step(loop: str) -> list[Any]:
+    """Rank 0's ``await sched.backward(loss)`` is cancelled (asyncio.wait_for times out)
+    while its backward runs in the executor, halfway through the model; it then awaits
+    ``sched.wait()``. The backward goes on in its thread, and the wait must end the step
+    only after it: every step's gradients the exact average of the ranks' own. Before,
+    the wait voted at once, with the gradients not yet produced counted as unused (zeros),
+    and the backward's later gradients were refused inside its thread."""
+    import asyncio
+
+    r = comm.get_rank()
+    torch.manual_seed(5)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+    ref = copy.deepcopy(blocks)
+
+    def forward(m: nn.ModuleList, x: torch.Tensor, slow: bool) -> torch.Tensor:
+        h = m[1](m[0](x))
+        if slow:
+            h = _SlowInBackward.apply(h)
+        return m[3](m[2](h)).pow(2).mean()  # type: ignore[no-any-return]
+
+    sched = BucketScheduler(blocks, hierarchy="flat", bucket_cap_mb=0.005, first_bucket_mb=0.005)
+    gen = torch.Generator().manual_seed(r)
+    out: list[Any] = []
+
+    async def main() -> None:
+        for step in range(3):
+            x = torch.randn(8, 32, generator=gen)
+            blocks.zero_grad()
+            loss = forward(blocks, x, r == 0 and step == 1)
+            if r == 0 and step == 1:
+                try:
+                    await asyncio.wait_for(sched.backward(loss), timeout=0.05)
+                    out.append("done at once")
+                except TimeoutError:
+                    out.append("timeout")
+                try:
+                    sched.synchronize()
+                except RuntimeError as e:
+                    out.append("refused" if "still running in its thread" in str(e) else str(e))
+                await sched.wait()
+            else:
+                await sched.backward(loss)
+            grads = torch.cat([p.grad.reshape(-1) for p in blocks.parameters()])
+            ref.zero_grad()
+            forward(ref, x, False).backward()
+            want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+            want = comm.all_reduce(want, op="avg")
+            out.append("ok" if torch.allclose(grads, want, atol=1e-6) else "wrong")
+
+    overlap.run(main(), loop=loop)  # type: ignore[arg-type]
+    sched.remove()
+    return out

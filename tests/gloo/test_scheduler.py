@@ -224,3 +224,36 @@ def test_a_cancelled_wait_cancels_the_wait_not_the_step(
     want = ["ok", "timeout", "ok", "timeout", "remove refused", "ok"]
     assert out[0] == [*want, "timeout", "remove refused", "ok", "ok"], out
     assert out[1] == ["ok"] * 5, out
+
+
+@pytest.mark.parametrize(
+    ("mode", "compression", "skip"),
+    [
+        ("blocking", "none", False),
+        ("blocking", "onebit", False),
+        ("blocking", "none", True),
+        ("uvloop", "onebit", False),
+    ],
+)
+def test_a_backward_that_raises_on_one_rank_drops_the_step_on_every_rank(
+    pools: Callable[[int], RankPool], mode: str, compression: str, skip: bool
+) -> None:
+    out = pools(2).run(sc.failed_backward_drops_the_step, mode, compression, skip, timeout=120)
+    dropped = "IncompleteBackwardError [0]"
+    if skip:
+        first = ["boom in backward", "refused", dropped]
+    elif mode == "blocking":
+        first = ["boom in backward", dropped]
+    else:
+        first = ["boom in backward"]  # await sched.backward() raises the backward's own error
+    assert out[0] == ["ok", *first, "ok", "ok"], out
+    assert out[1] == ["ok", dropped, "ok", "ok"], out
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_cancelled_backward_goes_on_and_the_next_wait_ends_its_step(
+    pools: Callable[[int], RankPool], loop: str
+) -> None:
+    out = pools(2).run(sc.cancelled_backward_finishes_the_step, loop, timeout=120)
+    assert out[0] == ["ok", "timeout", "refused", "ok", "ok"], out
+    assert out[1] == ["ok"] * 3, out
