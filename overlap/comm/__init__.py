@@ -20,6 +20,7 @@ logger (:mod:`overlap.comm.comms_logger`); while it is off they cost one attribu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,6 +148,27 @@ _LOG = _logger.LOGGER
 def _check(op: str, group: Any, tensors: list[Any]) -> None:
     if _debug.enabled():
         _debug.check(op, group, tensors)
+
+
+def _split_counts(t: Any, splits: Sequence[int] | None, w: int) -> list[int]:
+    """Elements an all_to_all_single sends to (or expects from) each rank; -1s where the
+    arguments are bad (the backend's own check raises, after the debug exchange)."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return [-1] * w
+    row = math.prod(t.shape[1:])
+    if splits is None:
+        return [t.shape[0] // w * row] * w if t.shape[0] % w == 0 else [-1] * w
+    sizes = list(splits)
+    if len(sizes) != w or sum(sizes) != t.shape[0] or min(sizes, default=0) < 0:
+        return [-1] * w
+    return [s * row for s in sizes]
+
+
+def _list_counts(ts: Any, w: int) -> list[int]:
+    """Elements an all_to_all sends to (or expects from) each rank (-1s if ``ts`` is bad)."""
+    if not isinstance(ts, (list, tuple)) or len(ts) != w:
+        return [-1] * w
+    return [t.numel() if isinstance(t, torch.Tensor) else -1 for t in ts]
 
 
 def _opname(op: Any) -> str:
@@ -641,7 +663,11 @@ def all_to_all_single(
             ),
             async_op,
         )
-    _check("all_to_all_single", group, [output, tensor])
+    if _debug.enabled():
+        w = get_world_size(group)
+        sends = _split_counts(tensor, input_split_sizes, w)
+        expects = _split_counts(output, output_split_sizes, w)
+        _debug.check("all_to_all_single", group, [output, tensor], (sends, expects))
     return state.active().all_to_all_single(
         output, tensor, output_split_sizes, input_split_sizes, group, async_op
     )
@@ -663,7 +689,10 @@ def all_to_all(
 
 
 def _all_to_all(outs: Any, ins: Any, group: Any, async_op: bool) -> Any:
-    _check("all_to_all", group, [outs, ins])
+    if _debug.enabled():
+        w = get_world_size(group)
+        counts = (_list_counts(ins, w), _list_counts(outs, w))
+        _debug.check("all_to_all", group, [outs, ins], counts)
     return state.active().all_to_all(outs, ins, group, async_op)
 
 

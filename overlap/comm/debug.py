@@ -19,6 +19,12 @@ otherwise (before debug mode was on, or by torch directly) is not checked.
 
 The fingerprint holds the reduce op and the root (src/dst) as well as the shapes, so
 ``sum`` on one rank and ``max`` on another, or two broadcast roots, are caught too.
+
+All-to-all ops are the exception to "every rank issues the same shapes": with uneven
+splits each rank sends and receives its own amounts. Their fingerprint holds the dtypes
+and the shapes past the first dimension, and a second all_gather exchanges each rank's
+send and receive counts (elements per peer): rank i's count for j must be what j expects
+from i. 0.1.0 compared whole shapes, and so flagged every correct uneven all-to-all.
 """
 
 from __future__ import annotations
@@ -83,26 +89,40 @@ def forget(group: Any = None) -> list[Any]:
     return [] if dbg is None else [dbg]
 
 
-def _describe(op: str, tensors: Sequence[Any]) -> str:
+def _one(t: torch.Tensor, uneven: bool) -> str:
+    dtype = str(t.dtype).replace("torch.", "")
+    if uneven:  # an all-to-all: the first dimension may differ by rank
+        return f"{dtype}[{', '.join(['*', *map(str, t.shape[1:])])}]" if t.dim() else dtype
+    return f"{dtype}{list(t.shape)}"
+
+
+def _describe(op: str, tensors: Sequence[Any], uneven: bool = False) -> str:
+    """``op(dtype[shape], ...)``; ``uneven`` (an all-to-all): a tensor's first dimension
+    as ``*`` and a list's tensors by dtype alone, since their sizes may differ by rank."""
     parts = []
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            parts.append(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}")
+            parts.append(_one(t, uneven))
         elif isinstance(t, (list, tuple)):
-            parts.append(
-                "["
-                + ",".join(
-                    f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
-                    for x in t
-                    if isinstance(x, torch.Tensor)
-                )
-                + "]"
-            )
+            xs = [x for x in t if isinstance(x, torch.Tensor)]
+            if uneven:
+                parts.append("[" + ",".join(str(x.dtype).replace("torch.", "") for x in xs) + "]")
+            else:
+                parts.append("[" + ",".join(_one(x, False) for x in xs) + "]")
     return f"{op}({', '.join(parts)})"
 
 
-def check(op: str, group: Any, tensors: Sequence[Any]) -> None:
-    """Raise CollectiveMismatchError on every rank if the ranks of ``group`` disagree."""
+def check(
+    op: str,
+    group: Any,
+    tensors: Sequence[Any],
+    counts: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> None:
+    """Raise CollectiveMismatchError on every rank if the ranks of ``group`` disagree.
+
+    ``counts``: an all-to-all's (elements sent to, elements expected from) each rank of the
+    group, in group order (-1 where this rank's own arguments are bad: its backend call
+    raises); then sizes are checked pairwise, not for equality (module docstring)."""
     if getattr(_inside, "active", False):
         return  # the check's own all_gather
     from overlap import comm
@@ -131,7 +151,7 @@ def check(op: str, group: Any, tensors: Sequence[Any]) -> None:
         _seq[key] = seq + 1
     _inside.active = True
     try:
-        desc = _describe(op, tensors)
+        desc = _describe(op, tensors, uneven=counts is not None)
         raw = desc.encode()[:_DESC]
         mine = torch.zeros(_DESC + 16, dtype=torch.uint8)
         head = torch.tensor([seq, zlib.crc32(desc.encode())], dtype=torch.int64)
@@ -154,4 +174,38 @@ def check(op: str, group: Any, tensors: Sequence[Any]) -> None:
             f"something other than rank {ranks[0]} ({detail}). Every rank must issue the "
             "same collectives, with the same shapes and dtypes, in the same order",
             ranks=differ,
+        )
+    if counts is not None:
+        _check_counts(op, ranks, dbg, counts)
+
+
+def _check_counts(
+    op: str, ranks: tuple[int, ...], dbg: Any, counts: tuple[Sequence[int], Sequence[int]]
+) -> None:
+    """Every rank i's count for rank j equals what j expects from i (see :func:`check`)."""
+    from overlap import comm
+
+    mine = torch.tensor([*counts[0], *counts[1]], dtype=torch.int64)
+    _inside.active = True
+    try:
+        everyone = [t.tolist() for t in comm.all_gather(mine, group=dbg)]
+    finally:
+        _inside.active = False
+    w = len(ranks)
+    bad = [
+        (i, j, everyone[i][j], everyone[j][w + i])
+        for i in range(w)
+        for j in range(w)
+        if everyone[i][j] >= 0 and everyone[j][w + i] >= 0 and everyone[i][j] != everyone[j][w + i]
+    ]
+    if bad:
+        detail = "; ".join(
+            f"rank {ranks[i]} sends {s} elements to rank {ranks[j]}, which expects {e}"
+            for i, j, s, e in bad[:8]
+        )
+        raise CollectiveMismatchError(
+            f"collective mismatch on the group of ranks {list(ranks)}: {op} sizes do not "
+            f"pair up ({detail}{'; ...' if len(bad) > 8 else ''}). Rank i's input split for "
+            "rank j must equal rank j's output split for rank i",
+            ranks=sorted({ranks[k] for i, j, _, _ in bad for k in (i, j)}),
         )

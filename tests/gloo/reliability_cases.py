@@ -39,6 +39,8 @@ def mismatch_is_detected() -> dict[str, Any]:
             ),
             ("reduce_op", lambda: comm.all_reduce(torch.ones(4), op="sum" if r == 0 else "max")),
             ("root", lambda: comm.broadcast(torch.ones(4), src=r)),
+            # rank 1 expects a row less from rank 0 than it sends, and one more from itself
+            ("splits", lambda: _all_to_all(wrong=True)),
         ):
             try:
                 fn()
@@ -48,10 +50,28 @@ def mismatch_is_detected() -> dict[str, Any]:
         t = torch.ones(3)
         comm.all_reduce(t, op=ReduceOp.SUM if r == 0 else "sum")  # both spellings agree
         out["after"] = t.tolist()
+        out["uneven"] = _all_to_all(wrong=False)  # each rank its own sizes: 0.1.0 flagged it
         out["scheduler"] = _correct_scheduler_loop()  # never flagged
     finally:
         debug.set_enabled(False)
     return out
+
+
+def _all_to_all(wrong: bool) -> bool:
+    """An uneven all_to_all_single of rows of 2: rank i sends i + j + 1 rows to rank j. With
+    ``wrong``, rank 1 expects one row less from rank 0 and one more from itself (the same
+    total). Returns whether every received row is the one sent."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    sends = [[i + j + 1 for j in range(w)] for i in range(w)]
+    expects = [sends[i][r] for i in range(w)]
+    if wrong and r == 1:
+        expects[0] -= 1
+        expects[1] += 1
+    x = (torch.arange(2 * sum(sends[r]), dtype=torch.float32) + 1000 * r).view(-1, 2)
+    o = torch.zeros(sum(expects), 2)
+    comm.all_to_all_single(o, x, expects, sends[r])
+    want = [2 * (sum(sends[i][:r]) + k) + 1000 * i for i in range(w) for k in range(sends[i][r])]
+    return bool(o[:, 0].tolist() == want)
 
 
 def _correct_scheduler_loop() -> str:

@@ -25,6 +25,10 @@ def test_debug_mode_names_the_mismatch(pools: Callable[[int], RankPool]) -> None
         assert "broadcast" in res[r]["op"][1]
         assert "op=sum" in res[r]["reduce_op"][1] and "op=max" in res[r]["reduce_op"][1]
         assert "src=0" in res[r]["root"][1] and "src=1" in res[r]["root"][1]
+        ranks, msg = res[r]["splits"]
+        assert ranks == [0, 1], (r, msg)
+        assert "rank 0 sends 4 elements to rank 1, which expects 2" in msg, (r, msg)
+        assert res[r]["uneven"] is True
 
 
 def test_10000_concurrent_awaited_ops(pools: Callable[[int], RankPool]) -> None:

@@ -64,14 +64,18 @@ def _int8_bounded(res: list[float]) -> None:
 
 
 def _debug_mode() -> None:
-    """Debug mode on MPI: a correct scheduler loop passes; wrong shapes, ops, dtypes, reduce
-    ops and roots are flagged on every rank, and the group stays in step."""
+    """Debug mode on MPI: a correct scheduler loop and a correct uneven all_to_all_single
+    pass; wrong shapes, ops, dtypes, reduce ops, roots and all-to-all splits are flagged on
+    every rank, and the group stays in step."""
     out = rc.mismatch_is_detected()
     w = comm.get_world_size()
     assert out["after"] == [float(w)] * 3 and out["scheduler"] == "ok", out
     for case in ("shape", "op", "dtype", "reduce_op", "root"):
         ranks, msg = out[case]
         assert ranks and "collective mismatch" in msg, (case, out[case])
+    ranks, msg = out["splits"]
+    assert ranks == [0, 1] and "rank 0 sends 4 elements to rank 1, which expects 2" in msg, msg
+    assert out["uneven"] is True, out
 
 
 def main() -> None:
