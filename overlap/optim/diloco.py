@@ -611,8 +611,17 @@ class DiLoCo:
                     f"this state has {k}={state.get(k)!r} but this DiLoCo has "
                     f"{k}={getattr(self, k)!r}: build the DiLoCo as it was saved"
                 )
-        if state.get("sizes") != [p.numel() for p in self.params]:
+        if state.get("sizes") != [p.numel() for p in self.params] or [
+            tuple(g.shape) for g in state["globals"]
+        ] != [tuple(g.shape) for g in self.globals]:
             raise ValueError("this state is for another model (its parameter sizes differ)")
+        theirs = [len(g["params"]) for g in state["outer"]["param_groups"]]
+        mine = [len(g["params"]) for g in self.outer.param_groups]
+        if theirs != mine:
+            raise ValueError(
+                f"this state's outer optimizer has parameter groups of {theirs} parameters but "
+                f"this DiLoCo's has {mine}: build the outer optimizer as it was saved"
+            )
         self.compression.check_state(state["compression"])
         for i in sorted(self._inflight):  # let collectives in flight finish everywhere
             self._wait(i)

@@ -441,6 +441,17 @@ def refusals() -> dict[str, str]:
     other = DiLoCo(m2, torch.optim.AdamW(m2.parameters()), sync_every=8)
     catch("load_other", lambda: d.load_state_dict(other.state_dict()))
     other.remove()
+    # the same model, an outer optimizer of two groups: refused before anything changes
+    ps = list(m2.parameters())
+    outer2 = torch.optim.SGD([{"params": ps[:2]}, {"params": ps[2:]}], lr=0.7, momentum=0.9)
+    other = DiLoCo(m2, torch.optim.AdamW(ps), outer2)
+    with torch.no_grad():
+        for g in other.globals:
+            g.add_(1.0)
+    before = [g.clone() for g in d.globals]
+    catch("load_outer_groups", lambda: d.load_state_dict(other.state_dict()))
+    assert all(torch.equal(a, b) for a, b in zip(before, d.globals, strict=True))
+    other.remove()
     d.remove()
     catch("removed", d.step)
     DiLoCo(model, inner).remove()  # the model is free again after remove()

@@ -155,6 +155,8 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "BucketScheduler",
         "scheduler_after": "ValueError: these parameters are already reduced by a DiLoCo",
         "load_other": "ValueError: this state has sync_every=8 but this DiLoCo has sync_every=16",
+        "load_outer_groups": "ValueError: this state's outer optimizer has parameter groups "
+        "of [2, 3] parameters but this DiLoCo's has [5]",
         "removed": "RuntimeError: this DiLoCo was removed",
         "differs": "ValueError: DiLoCo differs across ranks: ranks [1]",
     }
