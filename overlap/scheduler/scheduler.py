@@ -88,10 +88,12 @@ def _traced(steps: Steps, tracer: Any, index: int) -> Steps:
         )
 
 
+_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _graph_task_id() -> int:
     """The running backward's graph task id (-1 outside one, or on a torch without it)."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if get is None else int(get())
+    return -1 if _TASK_ID is None else int(_TASK_ID())
 
 
 def _settled(h: Handle) -> Handle:
