@@ -733,16 +733,31 @@ def cancelled_wait_leaves_the_step_running(loop: str) -> list[Any]:
     return out
 
 
-class _FailsInBackward(torch.autograd.Function):
-    """Identity forward; its backward raises (an OOM, a bug on one rank)."""
+class _InBackward(torch.autograd.Function):
+    """Identity forward; its backward first calls ``action`` (raise: an OOM, a bug on one
+    rank; sleep: a long backward)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, action: Any) -> torch.Tensor:
+        ctx.action = action
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("boom in backward")
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.action()
+        return g, None
+
+
+def _boom() -> None:
+    raise RuntimeError("boom in backward")
+
+
+def _own_average(ref: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """The ranks' average of ``ref``'s gradients of ``loss`` (what a step must give)."""
+    ref.zero_grad()
+    loss.backward()
+    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    return comm.all_reduce(want, op="avg")  # type: ignore[no-any-return]
 
 
 def failed_backward_drops_the_step(mode: str, compression: str, skip: bool = False) -> list[Any]:
@@ -769,7 +784,7 @@ def failed_backward_drops_the_step(mode: str, compression: str, skip: bool = Fal
     def forward(m: nn.ModuleList, x: torch.Tensor, fail: bool) -> torch.Tensor:
         h = m[1](m[0](x))
         if fail:
-            h = _FailsInBackward.apply(h)
+            h = _InBackward.apply(h, _boom)
         h = checkpoint(lambda t: m[3](m[2](t)), h, use_reentrant=True)
         return m[5](m[4](h)).pow(2).mean()  # type: ignore[no-any-return]
 
@@ -821,26 +836,10 @@ def failed_backward_drops_the_step(mode: str, compression: str, skip: bool = Fal
         if compression == "onebit":
             out.append("ok" if same and bool(torch.isfinite(grads).all()) else "differ")
             continue
-        ref.zero_grad()
-        forward(ref, x, False).backward()
-        want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
-        want = comm.all_reduce(want, op="avg")
+        want = _own_average(ref, forward(ref, x, False))
         out.append("ok" if same and torch.allclose(grads, want, atol=1e-6) else "wrong")
     sched.remove()
     return out
-
-
-class _SlowInBackward(torch.autograd.Function):
-    """Identity; its backward takes 0.3 s (a long backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.3)
-        return g
 
 
 def cancelled_backward_finishes_the_step(loop: str) -> list[Any]:
@@ -860,7 +859,7 @@ def cancelled_backward_finishes_the_step(loop: str) -> list[Any]:
     def forward(m: nn.ModuleList, x: torch.Tensor, slow: bool) -> torch.Tensor:
         h = m[1](m[0](x))
         if slow:
-            h = _SlowInBackward.apply(h)
+            h = _InBackward.apply(h, lambda: time.sleep(0.3))
         return m[3](m[2](h)).pow(2).mean()  # type: ignore[no-any-return]
 
     sched = BucketScheduler(blocks, hierarchy="flat", bucket_cap_mb=0.005, first_bucket_mb=0.005)
@@ -886,10 +885,7 @@ def cancelled_backward_finishes_the_step(loop: str) -> list[Any]:
             else:
                 await sched.backward(loss)
             grads = torch.cat([p.grad.reshape(-1) for p in blocks.parameters()])
-            ref.zero_grad()
-            forward(ref, x, False).backward()
-            want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
-            want = comm.all_reduce(want, op="avg")
+            want = _own_average(ref, forward(ref, x, False))
             out.append("ok" if torch.allclose(grads, want, atol=1e-6) else "wrong")
 
     overlap.run(main(), loop=loop)  # type: ignore[arg-type]
