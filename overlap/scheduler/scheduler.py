@@ -283,7 +283,6 @@ class BucketScheduler:
             if current() is None:
                 tracer.attach()
         self._pidx = {id(p): i for i, p in enumerate(self.params)}
-        self._ranks = ranks  # for naming the ranks whose backward did not finish
         self._set_buckets(
             assign_buckets(list(reversed(self.params)), self.cap, self.first_cap, reduce_dtype)
         )
@@ -753,7 +752,9 @@ class BucketScheduler:
             yield from self._abandon(issued)
             raise
         mask = mask.cpu()
-        incomplete = [self._ranks[i] for i in mask[n:].nonzero().flatten().tolist()]
+        incomplete = [
+            comm.get_global_rank(self.ctrl, i) for i in mask[n:].nonzero().flatten().tolist()
+        ]
         mask = mask[:n]
         if not bool(mask.any()):
             self._new_step()
@@ -920,7 +921,7 @@ class BucketScheduler:
                 "the backward of a cancelled `await sched.backward(loss)` is still running in "
                 "its thread: `await sched.wait()` to let it finish and end the step"
             )
-        self._running = None
+        self._drop_running()
         task = self._taken_up()
         if task is None:
             run(self._finish_steps())
@@ -990,7 +991,11 @@ class BucketScheduler:
         running = loop.run_in_executor(None, functools.partial(loss.backward, **kwargs))
         self._running = running
         try:
-            await asyncio.shield(running)
+            try:
+                await asyncio.shield(running)  # a cancel leaves it running: see _backward_done
+            finally:
+                if running.done():
+                    self._running = None  # its outcome is this call's, not a later wait()'s
         except Exception:
             if not self._open:
                 raise  # none of its gradients reached the scheduler: the step is untouched
@@ -999,26 +1004,24 @@ class BucketScheduler:
             except IncompleteBackwardError:
                 pass  # the peers raise it; this rank raises the backward's own error
             raise
-        finally:
-            if running.done():
-                self._running = None
         await self.wait()
 
     async def _backward_done(self) -> None:
-        """Wait for a backward that a cancelled ``backward()`` left running (its error,
-        if it failed, shows at the vote as IncompleteBackwardError on every rank)."""
-        running = self._running
-        if running is None:
-            return
-        try:
-            await asyncio.shield(running)
-        except Exception:
+        """Wait for a backward that a cancelled ``backward()`` left running (a cancel of
+        this wait leaves it running too), then forget it."""
+        if self._running is not None:
+            await asyncio.wait([self._running])
+        self._drop_running()
+
+    def _drop_running(self) -> None:
+        """Forget the finished backward a cancelled ``backward()`` left, logging its error
+        (nobody awaits it; every rank sees it at the vote, as IncompleteBackwardError)."""
+        running, self._running = self._running, None
+        if running is not None and not running.cancelled() and running.exception() is not None:
             log.warning(
-                "BucketScheduler: the backward of a cancelled backward() raised", exc_info=True
+                "BucketScheduler: the backward of a cancelled backward() raised",
+                exc_info=running.exception(),
             )
-        finally:
-            if running.done() and self._running is running:
-                self._running = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
