@@ -68,6 +68,7 @@ from overlap.comm.handle import Handle, HandleState
 from overlap.comm.init import destroy_process_group, init_distributed, mpi_discovery
 from overlap.comm.p2p import P2POp, check_tag
 from overlap.comm.reduce_op import ReduceOp, parse_op
+from overlap.comm.validate import check_splits
 
 __all__ = [
     "GradBucket",
@@ -153,15 +154,14 @@ def _check(op: str, group: Any, tensors: list[Any]) -> None:
 def _split_counts(t: Any, splits: Sequence[int] | None, w: int) -> list[int]:
     """Elements an all_to_all_single sends to (or expects from) each rank; -1s where the
     arguments are bad (the backend's own check raises, after the debug exchange)."""
-    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+    if not isinstance(t, torch.Tensor):
+        return [-1] * w
+    try:
+        rows = check_splits(t, splits, "", w)
+    except (ValueError, TypeError):
         return [-1] * w
     row = math.prod(t.shape[1:])
-    if splits is None:
-        return [t.shape[0] // w * row] * w if t.shape[0] % w == 0 else [-1] * w
-    sizes = list(splits)
-    if len(sizes) != w or sum(sizes) != t.shape[0] or min(sizes, default=0) < 0:
-        return [-1] * w
-    return [s * row for s in sizes]
+    return [s * row for s in rows]
 
 
 def _list_counts(ts: Any, w: int) -> list[int]:

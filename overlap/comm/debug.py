@@ -89,8 +89,12 @@ def forget(group: Any = None) -> list[Any]:
     return [] if dbg is None else [dbg]
 
 
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
 def _one(t: torch.Tensor, uneven: bool) -> str:
-    dtype = str(t.dtype).replace("torch.", "")
+    dtype = _dtype(t)
     if uneven:  # an all-to-all: the first dimension may differ by rank
         return f"{dtype}[{', '.join(['*', *map(str, t.shape[1:])])}]" if t.dim() else dtype
     return f"{dtype}{list(t.shape)}"
@@ -106,7 +110,7 @@ def _describe(op: str, tensors: Sequence[Any], uneven: bool = False) -> str:
         elif isinstance(t, (list, tuple)):
             xs = [x for x in t if isinstance(x, torch.Tensor)]
             if uneven:
-                parts.append("[" + ",".join(str(x.dtype).replace("torch.", "") for x in xs) + "]")
+                parts.append("[" + ",".join(_dtype(x) for x in xs) + "]")
             else:
                 parts.append("[" + ",".join(_one(x, False) for x in xs) + "]")
     return f"{op}({', '.join(parts)})"
