@@ -19,9 +19,11 @@ from overlap.compression import (
     PowerSGD,
 )
 from overlap.errors import (
+    CollectiveMismatchError,
     CommError,
     CommTimeoutError,
     IncompleteBackwardError,
+    MessageMismatchError,
     NonFiniteError,
     NotInitializedError,
     OutOfStepError,
@@ -40,6 +42,7 @@ __all__ = [
     "BF16",
     "BucketScheduler",
     "FP16",
+    "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
     "DiLoCo",
@@ -47,6 +50,7 @@ __all__ = [
     "Handle",
     "IncompleteBackwardError",
     "Int8",
+    "MessageMismatchError",
     "NoCompression",
     "NonFiniteError",
     "NotInitializedError",

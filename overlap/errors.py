@@ -13,6 +13,7 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "IncompleteBackwardError",
+    "MessageMismatchError",
     "NonFiniteError",
     "NotInitializedError",
     "OutOfStepError",
@@ -85,6 +86,23 @@ class CollectiveMismatchError(CommError):
     """Debug mode found ranks about to issue different collectives (op, shapes or order).
 
     ``ranks`` lists the ranks that differ from the group's first rank.
+    """
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
+
+
+class MessageMismatchError(CommError):
+    """A received message does not fit its receive: the sender's tensor had another size
+    (or, in debug mode, another dtype) than the receiving tensor.
+
+    Raised where the receive is awaited or waited, on the receiving rank. MPI reports the
+    received byte count, so there it is always checked (a larger receive was partly
+    filled: MPI wrote the message's bytes and left the rest). gloo reports nothing, so
+    there it is checked in debug mode, which sends a small header before each message and
+    lands a mismatched message in a scratch buffer: the receiving tensor is left as it was.
+    ``ranks`` is ``[sender, receiver]`` (global ranks).
     """
 
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:

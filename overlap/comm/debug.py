@@ -8,7 +8,8 @@ name, and every tensor's dtype and shape. If any rank differs, every rank raises
 issued, instead of hanging in (or silently mis-reducing) the real collective.
 
 It costs one small blocking all_gather per collective: a mode for finding bugs, not for
-training runs. Point-to-point ops are not checked (they are not collective).
+training runs. Point-to-point messages on gloo get a header instead, checked where the
+message lands (overlap.comm.p2p_debug).
 
 Each group has its own debug group and sequence counter, keyed by the group itself, not by
 its ranks: the BucketScheduler's two groups have the world's ranks, and their checks run on
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from overlap.comm.p2p import describe
 from overlap.errors import CollectiveMismatchError
 
 __all__ = ["check", "enabled", "forget", "make_group", "set_enabled"]
@@ -97,7 +99,7 @@ def _one(t: torch.Tensor, uneven: bool) -> str:
     dtype = _dtype(t)
     if uneven:  # an all-to-all: the first dimension may differ by rank
         return f"{dtype}[{', '.join(['*', *map(str, t.shape[1:])])}]" if t.dim() else dtype
-    return f"{dtype}{list(t.shape)}"
+    return describe(t)
 
 
 def _describe(op: str, tensors: Sequence[Any], uneven: bool = False) -> str:

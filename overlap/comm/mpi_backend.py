@@ -33,7 +33,7 @@ from overlap.comm import hooks as _hooks
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import EVENT_ENGINE, Handle
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
-from overlap.comm.p2p import P2POp
+from overlap.comm.p2p import P2POp, describe
 from overlap.comm.progress import MpiOp
 from overlap.comm.reduce_op import ReduceOp, parse_op
 from overlap.comm.validate import (
@@ -50,7 +50,7 @@ from overlap.comm.validate import (
     nbytes_of,
     scratch_like,
 )
-from overlap.errors import CommError
+from overlap.errors import CommError, MessageMismatchError
 
 __all__ = ["MpiBackend", "MpiGroup"]
 
@@ -834,9 +834,21 @@ class MpiBackend:
     ) -> Handle:
         source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
         host, back = self._host(t, copy_in=False)
+        want = nbytes_of(t)
+        me = self.global_rank
 
         def post(status: Any) -> None:
-            sender.append(g.ranks[status.Get_source()])
+            frm = g.ranks[status.Get_source()]
+            sender.append(frm)
+            got = status.Get_count(self.MPI.BYTE)
+            if 0 <= got < want:  # (MPI_UNDEFINED, negative, past 2**31 - 1 bytes: unchecked)
+                raise MessageMismatchError(
+                    f"irecv on rank {me} (group {g.name}, tag {tag}) received {got} bytes "
+                    f"from rank {frm} into a {want}-byte tensor ({describe(t)}): the sender's "
+                    "tensor is smaller. Send and receive tensors of the same size; MPI wrote "
+                    f"the first {got} bytes and left the rest as it was",
+                    ranks=[frm, me],
+                )
             if back is not None:
                 back()
 

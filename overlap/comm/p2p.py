@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +17,28 @@ __all__ = ["P2POp"]
 RESERVED_TAGS = range(20_000, 30_000)
 ALGORITHM_TAGS = range(20_000, 29_900)  # the ring and naive allreduce cycle through these
 MONITORED_BARRIER_TAGS = (29_998, 29_999)  # arrive, release
+# Debug mode's message payloads on gloo (overlap.comm.p2p_debug); 2**31 - 1 is torch's
+# largest tag.
+PAYLOAD_TAGS = range(2**30, 2**31)
+
+
+def describe(t: torch.Tensor) -> str:
+    """``float32[2, 3]``: a tensor as error messages name it."""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
 def check_tag(tag: int) -> None:
+    try:
+        tag = operator.index(tag)
+    except TypeError:
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}") from None
+    if tag < 0:
+        raise ValueError(f"tag={tag} is negative; tags are 0 to {PAYLOAD_TAGS.start - 1}")
+    if tag in PAYLOAD_TAGS or tag >= PAYLOAD_TAGS.stop:
+        raise ValueError(
+            f"tag={tag} is reserved: tags from {PAYLOAD_TAGS.start} (2**30) up carry debug "
+            f"mode's message payloads; use a tag below {PAYLOAD_TAGS.start}"
+        )
     if tag in RESERVED_TAGS:
         raise ValueError(
             f"tag={tag} is reserved: tags {RESERVED_TAGS.start}-{RESERVED_TAGS.stop - 1} carry "

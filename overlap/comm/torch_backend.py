@@ -21,7 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap.comm import debug as _debug
 from overlap.comm import hooks as _hooks
+from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
 from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, forget_group, resolve_group
 from overlap.comm.handle import Handle
@@ -578,31 +580,64 @@ class TorchBackend:
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         peer = self._p2p_check(dst, "dst", info)
+        if _debug._enabled and _p2p_debug.is_framed(t):
+            return _p2p_debug.isend(
+                lambda x, tg: self._isend(x, x, info, peer, tg),
+                t,
+                tag,
+                _p2p_debug.new_outer("isend", tensor, info.name, self.name, info.size),
+                info.global_rank,
+            )
+        return self._isend(t, tensor, info, peer, tag)
+
+    def _isend(self, t: torch.Tensor, result: Any, info: GroupInfo, peer: int, tag: int) -> Handle:
+        """Issue the send of checked tensor ``t`` to group rank ``peer``."""
         if t.is_complex():
             t = torch.view_as_real(t)
         h: Handle = self._launch(
-            "isend",
-            info,
-            partial(info.pg.send, [t], peer, tag),
-            tensor,
-            t.nbytes,
-            True,
+            "isend", info, partial(info.pg.send, [t], peer, tag), result, t.nbytes, True,
             future=False,
-        )
+        )  # fmt: skip
         return h
 
     def irecv(
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
     ) -> Handle:
+        return self._checked_irecv(tensor, src, group, tag, None)
+
+    def _checked_irecv(
+        self, tensor: torch.Tensor, src: int | None, group: Any, tag: int, sender: list[int] | None
+    ) -> Handle:
+        """irecv, through debug mode's headers when it is on (overlap.comm.p2p_debug);
+        ``sender`` (debug mode) gets the sending rank."""
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
+        peer = None if src is None else self._p2p_check(src, "src", info)
+        if _debug._enabled and _p2p_debug.is_framed(t):
+            return _p2p_debug.irecv(
+                lambda x, s, tg: self._irecv(
+                    x, x, None if s is None else self._p2p_check(s, "src", info), info, tg
+                ),
+                t,
+                src,
+                tag,
+                _p2p_debug.new_outer("irecv", tensor, info.name, self.name, info.size),
+                info.global_rank,
+                sender,
+            )
+        return self._irecv(t, tensor, peer, info, tag)
+
+    def _irecv(
+        self, t: torch.Tensor, result: Any, peer: int | None, info: GroupInfo, tag: int
+    ) -> Handle:
+        """Post the receive of checked tensor ``t`` from group rank ``peer`` (None: any)."""
         if t.is_complex():
             t = torch.view_as_real(t)
-        if src is None:
+        if peer is None:
             issue = partial(info.pg.recv_anysource, [t], tag)
         else:
-            issue = partial(info.pg.recv, [t], self._p2p_check(src, "src", info), tag)
-        h: Handle = self._launch("irecv", info, issue, tensor, t.nbytes, True, future=False)
+            issue = partial(info.pg.recv, [t], peer, tag)
+        h: Handle = self._launch("irecv", info, issue, result, t.nbytes, True, future=False)
         return h
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
@@ -611,6 +646,10 @@ class TorchBackend:
     def recv(
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
     ) -> int:
+        if _debug._enabled and _p2p_debug.is_framed(tensor):
+            sender: list[int] = []
+            self._checked_irecv(tensor, src, group, tag, sender).wait()
+            return sender[0]
         t = self._t(tensor, "tensor")
         info = resolve_group(group)
         if src is not None:
@@ -641,6 +680,14 @@ class TorchBackend:
             fn = dist.isend if kind == "isend" else dist.irecv
             op = dist.P2POp(fn, t, p.peer, info.pg, p.tag)
             torch_ops.append((kind, p.tensor, t.nbytes, info, op))
+        if _debug._enabled and all(_p2p_debug.is_framed(op.tensor) for *_, op in torch_ops):
+            # gloo runs a batch as its sends and receives one by one anyway
+            return [
+                self.isend(tensor, op.peer, op.group, op.tag)
+                if kind == "isend"
+                else self.irecv(tensor, op.peer, op.group, op.tag)
+                for kind, tensor, _, _, op in torch_ops
+            ]
         rank = dist.get_rank()
         try:
             works = dist.batch_isend_irecv([op for *_, op in torch_ops])

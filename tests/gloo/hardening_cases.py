@@ -278,6 +278,8 @@ def call_errors() -> dict[str, str]:
     catch("scalar_scatter", lambda: comm.reduce_scatter(torch.tensor(0.0), torch.arange(2.0)))
     catch("empty_group", lambda: comm.new_group([]))
     catch("reserved_tag", lambda: comm.isend(torch.ones(1), dst=1 - r, tag=20000))
+    catch("payload_tag", lambda: comm.irecv(torch.ones(1), src=1 - r, tag=2**30))
+    catch("negative_tag", lambda: comm.recv(torch.ones(1), src=1 - r, tag=-1))
     bf16 = nn.Linear(2, 2).to(torch.bfloat16)
     catch(
         "view_and_reduce_dtype",

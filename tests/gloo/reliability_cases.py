@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -52,6 +53,51 @@ def mismatch_is_detected() -> dict[str, Any]:
         out["after"] = t.tolist()
         out["uneven"] = _all_to_all(wrong=False)  # each rank its own sizes: 0.1.0 flagged it
         out["scheduler"] = _correct_scheduler_loop()  # never flagged
+    finally:
+        debug.set_enabled(False)
+    return out
+
+
+def message_mismatch_is_detected() -> dict[str, Any]:
+    """Rank 0 sends rank 1 (tag 5) messages that do not fit the receive, in debug mode,
+    then messages that do. Rank 1's outcome per case: ``("ok", sender, values)`` or
+    ``(error class, error ranks, message, the receiving tensor after)``."""
+    r = comm.get_rank()
+    debug.set_enabled(True)
+    out: dict[str, Any] = {}
+    f32, i32 = torch.float32, torch.int32
+    cases = [  # name, sent shape, receiving shape and dtype, receive from any rank
+        ("bigger", (3,), (5,), f32, False),
+        ("smaller", (8,), (4,), f32, False),
+        ("dtype", (4,), (4,), i32, False),
+        ("reshaped", (2, 2), (4,), f32, False),  # shapes may differ, as in torch
+        ("after", (4,), (4,), f32, True),  # every bad message was consumed: in step
+    ]
+    try:
+        for name, sent, shape, dtype, anyone in cases:
+            if r == 0:
+                comm.send(torch.arange(1.0, 1.0 + torch.Size(sent).numel()).view(sent), 1, tag=5)
+            elif r == 1:
+                buf = torch.full(shape, -1, dtype=dtype)
+                try:
+                    who = comm.recv(buf, src=None if anyone else 0, tag=5)
+                    out[name] = ("ok", who, buf.tolist())
+                except CommError as e:
+                    out[name] = (type(e).__name__, getattr(e, "ranks", None), str(e), buf.tolist())
+            comm.barrier()
+        # two receives in flight from one peer on one tag, awaited out of order
+        if r == 0:
+            for h in [comm.isend(torch.full((n,), float(n)), 1, tag=6) for n in (2, 3)]:
+                h.wait()
+        elif r == 1:
+            bufs = [torch.zeros(2), torch.zeros(3)]
+            hs = [comm.irecv(b, 0, tag=6) for b in bufs]
+
+            async def both() -> list[Any]:
+                return [t.tolist() for t in reversed(await asyncio.gather(*reversed(hs)))]
+
+            out["in_flight"] = asyncio.run(both())
+        comm.barrier()
     finally:
         debug.set_enabled(False)
     return out

@@ -86,6 +86,8 @@ def test_errors_name_the_call_and_the_group_stays_in_step(
         ), out
         assert out["empty_group"].startswith("ValueError: new_group: ranks is empty"), out
         assert out["reserved_tag"].startswith("ValueError: tag=20000 is reserved"), out
+        assert out["payload_tag"].startswith("ValueError: tag=1073741824 is reserved"), out
+        assert out["negative_tag"].startswith("ValueError: tag=-1 is negative"), out
         assert out["view_and_reduce_dtype"].startswith(
             "ValueError: gradient_as_bucket_view=True makes each .grad a view"
         ), out

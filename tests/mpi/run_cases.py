@@ -44,6 +44,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out.update(mpi_cases.CHECKS)
     out["multiphase_without_waiter"] = hc.multiphase_progress_without_waiter
     out["debug_mode"] = _debug_mode
+    out["message_mismatch"] = _message_mismatch
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
@@ -76,6 +77,26 @@ def _debug_mode() -> None:
     ranks, msg = out["splits"]
     assert ranks == [0, 1] and "rank 0 sends 4 elements to rank 1, which expects 2" in msg, msg
     assert out["uneven"] is True, out
+
+
+def _message_mismatch() -> None:
+    """MPI reports a received message's size: a receive larger than the message raises
+    MessageMismatchError (MPI wrote the message's bytes, the rest is unchanged), a smaller
+    one CommError (MPI's truncation); a dtype mismatch of one size is not seen (MPI moves
+    bytes; gloo's debug-mode headers catch it)."""
+    out = rc.message_mismatch_is_detected()
+    if comm.get_rank() != 1:
+        return
+    kind, ranks, msg, after = out["bigger"]
+    assert kind == "MessageMismatchError" and ranks == [0, 1], out["bigger"]
+    assert "received 12 bytes from rank 0 into a 20-byte tensor (float32[5])" in msg, msg
+    assert after == [1.0, 2.0, 3.0, -1.0, -1.0], after
+    kind, _, msg, _ = out["smaller"]
+    assert kind == "CommError" and "truncated" in msg, out["smaller"]
+    assert out["dtype"][0] == "ok", out["dtype"]
+    assert out["reshaped"] == ("ok", 0, [1.0, 2.0, 3.0, 4.0]), out
+    assert out["after"] == ("ok", 0, [1.0, 2.0, 3.0, 4.0]), out
+    assert out["in_flight"] == [[2.0, 2.0], [3.0, 3.0, 3.0]], out
 
 
 def main() -> None:
