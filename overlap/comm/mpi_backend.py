@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from overlap.comm import hooks as _hooks
+from overlap.comm.aliasing import apart
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import EVENT_ENGINE, Handle
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
@@ -565,6 +566,7 @@ class MpiBackend:
         check_gathered_size(out, inp, g.size)
         hin, _ = self._host(inp)
         hout, back = self._host(out, copy_in=False)
+        hin = apart(hin, hout)
         return self._launch(
             "all_gather_into_tensor",
             g,
@@ -597,6 +599,7 @@ class MpiBackend:
             flat = torch.cat([x.reshape(-1) for x in ins])
         hin, _ = self._host(flat)
         hout, back = self._host(out, copy_in=False)
+        hin = apart(hin, hout)
         win = hin if stage is None else hin.to(stage)
         wout = hout if stage is None else torch.empty(hout.shape, dtype=stage)
         avg = (lambda: wout.div_(g.size)) if rop is ReduceOp.AVG else None
@@ -631,6 +634,7 @@ class MpiBackend:
         out_rows = check_splits(out, output_split_sizes, "output", g.size)
         hin, _ = self._host(inp)
         hout, back = self._host(out, copy_in=False)
+        hin = apart(hin, hout)
         in_row = inp.numel() // max(inp.shape[0], 1) * inp.element_size()
         out_row = out.numel() // max(out.shape[0], 1) * out.element_size()
 

@@ -25,6 +25,7 @@ from overlap.comm import debug as _debug
 from overlap.comm import hooks as _hooks
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
+from overlap.comm.aliasing import apart, apart_list
 from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, forget_group, resolve_group
 from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
@@ -384,6 +385,7 @@ class TorchBackend:
         inp = self._t(input_tensor, "tensor")
         info = resolve_group(group)
         check_gathered_size(out, inp, info.size)
+        inp = apart(inp, out, info.rank * nbytes_of(inp))
         return self._launch(
             "all_gather_into_tensor",
             info,
@@ -408,7 +410,7 @@ class TorchBackend:
         if isinstance(input, torch.Tensor):
             inp = self._t(input, "input_list")
             check_reduce_scatter_flat(out, inp, info.size)
-            flat = inp
+            flat = apart(inp, out, -info.rank * nbytes_of(out))
             return self._launch(
                 "reduce_scatter",
                 info,
@@ -422,6 +424,7 @@ class TorchBackend:
             )
         ins = self._ts(input, "input_list", info.size)
         check_reduce_scatter_list(out, ins)
+        ins = apart_list(ins, [out])
         return self._launch(
             "reduce_scatter",
             info,
@@ -448,6 +451,7 @@ class TorchBackend:
         info = resolve_group(group)
         check_splits(inp, input_split_sizes, "input", info.size)
         check_splits(out, output_split_sizes, "output", info.size)
+        inp = apart(inp, out)
         return self._launch(
             "all_to_all_single",
             info,
@@ -469,7 +473,7 @@ class TorchBackend:
     ) -> Any:
         info = resolve_group(group)
         outs = self._ts(output_tensor_list, "output_tensor_list", info.size)
-        ins = self._ts(input_tensor_list, "input_tensor_list", info.size)
+        ins = apart_list(self._ts(input_tensor_list, "input_tensor_list", info.size), outs)
         return self._launch(
             "all_to_all",
             info,

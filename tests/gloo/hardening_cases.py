@@ -410,3 +410,62 @@ def async_multiphase_failure_on_one_rank(timeout: float) -> list[str]:
     comm.all_reduce(x)
     assert x.item() == 2
     return out
+
+
+def aliased_buffers() -> dict[str, bool]:
+    """Collectives whose input shares memory with their output, as torch allows (ZeRO's
+    in-place all_gather into the flat buffer it is a view of): each result must equal the
+    same op on separate buffers, on every rank. Before, gloo returned a wrong
+    all_to_all_single (partial overlap) and a wrong list reduce_scatter (output = an
+    input), and MPI raised "Invalid buffer pointer" on some ranks and hung the others."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    n = 3
+    out: dict[str, bool] = {}
+
+    def rows(base: float) -> torch.Tensor:
+        return torch.arange(float(w * n)) + base + 100 * r
+
+    # all_gather_into_tensor with the input at this rank's slot, and at another rank's
+    flat = torch.zeros(w * n)
+    flat[r * n : (r + 1) * n] = r + 1.0
+    comm.all_gather_into_tensor(flat, flat[r * n : (r + 1) * n])
+    want = torch.arange(1.0, w + 1).repeat_interleave(n)
+    out["all_gather_in_place"] = bool(torch.equal(flat, want))
+    other = (r + 1) % w
+    flat = torch.zeros(w * n)
+    flat[other * n : (other + 1) * n] = r + 1.0
+    comm.all_gather_into_tensor(flat, flat[other * n : (other + 1) * n].clone())
+    ref = flat.clone()
+    flat = torch.zeros(w * n)
+    flat[other * n : (other + 1) * n] = r + 1.0
+    comm.all_gather_into_tensor(flat, flat[other * n : (other + 1) * n])
+    out["all_gather_other_slot"] = bool(torch.equal(flat, ref))
+    # reduce_scatter with the output at this rank's slot of the flat input
+    inp = rows(0)
+    want = sum(torch.arange(float(w * n)) + 100 * q for q in range(w))[r * n : (r + 1) * n]
+    comm.reduce_scatter_tensor(inp[r * n : (r + 1) * n], inp)
+    out["reduce_scatter_in_place"] = bool(torch.equal(inp[r * n : (r + 1) * n], want))
+    # list reduce_scatter whose output is one of the inputs
+    ins = [torch.full((n,), 10.0 * r + j) for j in range(w)]
+    want = torch.full((n,), float(sum(10 * q + r for q in range(w))))
+    comm.reduce_scatter(ins[(r + 1) % w], ins)
+    out["reduce_scatter_list_alias"] = bool(torch.equal(ins[(r + 1) % w], want))
+    # all_to_all_single in place, and with the output one element past the input
+    want = torch.cat([torch.arange(float(n)) + r * n + 100 * q for q in range(w)])
+    t = rows(0)
+    comm.all_to_all_single(t, t)
+    out["all_to_all_in_place"] = bool(torch.equal(t, want))
+    t = torch.cat([rows(0), torch.zeros(1)])
+    comm.all_to_all_single(t[1:], t[:-1])
+    out["all_to_all_overlap"] = bool(torch.equal(t[1:], want))
+    # list all_to_all, outputs the inputs in another order
+    ins = [torch.full((n,), 10.0 * r + j) for j in range(w)]
+    outs = ins[1:] + ins[:1]
+    comm.all_to_all(outs, ins)
+    out["all_to_all_list_alias"] = all(
+        torch.equal(o, torch.full((n,), 10.0 * q + r)) for q, o in enumerate(outs)
+    )
+    t = torch.ones(2)
+    comm.all_reduce(t)  # still in step
+    out["after"] = t.tolist() == [float(w)] * 2
+    return out

@@ -116,3 +116,11 @@ def test_an_async_multiphase_op_that_fails_on_one_rank_stops_its_group(
     out = short_pool.run(hc.async_multiphase_failure_on_one_rank, SHORT_TIMEOUT, timeout=90)
     assert out[0] == ["ValueError", "RuntimeError", "OutOfStepError", "OutOfStepError"], out
     assert out[1] == ["ValueError", "CommError", "OutOfStepError", "OutOfStepError"], out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_inputs_that_share_memory_with_outputs_give_the_right_result(
+    pools: Callable[[int], RankPool], world_size: int
+) -> None:
+    for out in pools(world_size).run(hc.aliased_buffers, timeout=120):
+        assert out and all(out.values()), out

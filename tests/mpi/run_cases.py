@@ -45,6 +45,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["multiphase_without_waiter"] = hc.multiphase_progress_without_waiter
     out["debug_mode"] = _debug_mode
     out["message_mismatch"] = _message_mismatch
+    out["aliased_buffers"] = _aliased_buffers
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
@@ -97,6 +98,11 @@ def _message_mismatch() -> None:
     assert out["reshaped"] == ("ok", 0, [1.0, 2.0, 3.0, 4.0]), out
     assert out["after"] == ("ok", 0, [1.0, 2.0, 3.0, 4.0]), out
     assert out["in_flight"] == [[2.0, 2.0], [3.0, 3.0, 3.0]], out
+
+
+def _aliased_buffers() -> None:
+    res = hc.aliased_buffers()
+    assert res and all(res.values()), res
 
 
 def main() -> None:
