@@ -8,6 +8,8 @@ flat.narrow(0, rank * n, n))``). What the backends make of it, measured with 2 r
 * gloo ``all_to_all_single`` with an output that overlaps the input in part: a wrong
   result on one rank (it sent bytes it had already overwritten), no error;
 * gloo list ``reduce_scatter`` whose output is one of the inputs: a wrong sum, no error;
+* gloo ``scatter`` whose source's output is the part it sends another rank: that rank got
+  the overwritten part about half the time (gloo lands the source's own part first);
 * MPI ``all_gather_into_tensor``, ``reduce_scatter`` and ``all_to_all_single`` with the
   input a view of the output: ``Invalid buffer pointer`` from MPICH, on the ranks whose
   pointers it finds aliased, while the others went on into the collective and hung.

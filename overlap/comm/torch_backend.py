@@ -543,6 +543,7 @@ class TorchBackend:
                     torch.empty_like(t), scratch_like(t, info.size), src=src, group=info.pg
                 ),
             )
+            ins = apart_list(ins, [t])  # gloo lands the source's own part before sending
         return self._launch(
             "scatter",
             info,

@@ -416,8 +416,9 @@ def aliased_buffers() -> dict[str, bool]:
     """Collectives whose input shares memory with their output, as torch allows (ZeRO's
     in-place all_gather into the flat buffer it is a view of): each result must equal the
     same op on separate buffers, on every rank. Before, gloo returned a wrong
-    all_to_all_single (partial overlap) and a wrong list reduce_scatter (output = an
-    input), and MPI raised "Invalid buffer pointer" on some ranks and hung the others."""
+    all_to_all_single (partial overlap), a wrong list reduce_scatter (output = an
+    input) and a wrong scatter (the source's output one of its other parts), and MPI
+    raised "Invalid buffer pointer" on some ranks and hung the others."""
     r, w = comm.get_rank(), comm.get_world_size()
     n = 3
     out: dict[str, bool] = {}
@@ -465,6 +466,15 @@ def aliased_buffers() -> dict[str, bool]:
     out["all_to_all_list_alias"] = all(
         torch.equal(o, torch.full((n,), 10.0 * q + r)) for q, o in enumerate(outs)
     )
+    # scatter whose source receives into the part it sends to the next rank (a race on
+    # gloo: wrong about half the time before, so 20 tries)
+    ok = True
+    for _ in range(20):
+        parts = [torch.full((n,), q + 1.0) for q in range(w)] if r == 0 else None
+        t = parts[1] if parts is not None else torch.zeros(n)
+        comm.scatter(t, parts, src=0)
+        ok = ok and bool(torch.equal(t, torch.full((n,), 1.0 if r == 0 else r + 1.0)))
+    out["scatter_into_a_part"] = ok
     t = torch.ones(2)
     comm.all_reduce(t)  # still in step
     out["after"] = t.tolist() == [float(w)] * 2
