@@ -146,6 +146,11 @@ def export(tracer: Any, path: str) -> str | None:
 
 def _write_atomic(path: str, text: str) -> None:
     target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise IsADirectoryError(
+            f"cannot write the trace to {path}: it is a directory; pass a file path "
+            f"such as {os.path.join(path, 'trace.json')}"
+        )
     folder = os.path.dirname(target) or "."
     try:
         fd, tmp = tempfile.mkstemp(prefix=".overlap-trace-", suffix=".tmp", dir=folder)

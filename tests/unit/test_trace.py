@@ -133,6 +133,9 @@ def test_unwritable_path_errors_and_leaves_nothing(tmp_path: Path) -> None:
             make_trace().export_chrome(str(target))
         assert not target.exists()
         assert list(locked.iterdir()) == []
+        with pytest.raises(IsADirectoryError, match="it is a directory; pass a file path"):
+            make_trace().export_chrome(str(tmp_path))
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
     finally:
         os.chmod(locked, 0o700)
 
