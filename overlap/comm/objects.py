@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from overlap.errors import CommError
+
 __all__ = ["all_gather_object", "broadcast_object_list"]
 
 
@@ -28,29 +30,74 @@ def _device(device: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+# A rank that cannot take part still joins the first exchange, with one of these in place
+# of its byte count, so that every rank stops there (no rank is left waiting in the second
+# exchange, and none pairs its next collective with it); it raises its own error, the
+# others a CommError naming it.
+_CANNOT_PICKLE = -1
+_BAD_LIST = -2
+_WHY = {
+    _CANNOT_PICKLE: "could not pickle its object",
+    _BAD_LIST: "passed an object_list of the wrong kind or length",
+}
+
+
 def _bytes(obj: Any, dev: torch.device) -> torch.Tensor:
     data = pickle.dumps(obj)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
 
 
+def _pickled(obj: Any, dev: torch.device) -> tuple[torch.Tensor | None, BaseException | None]:
+    try:
+        return _bytes(obj, dev), None
+    except Exception as exc:  # PicklingError, TypeError (a lock), AttributeError (a local)
+        return None, TypeError(
+            f"cannot pickle {type(obj).__name__} ({type(exc).__name__}: {exc}); exchange "
+            "objects that pickle (plain data, or classes importable on every rank)"
+        )
+
+
+def _peers_failed(op: str, codes: dict[int, int]) -> CommError:
+    detail = "; ".join(f"rank {r} {_WHY.get(c, 'failed')}" for r, c in sorted(codes.items()))
+    return CommError(
+        f"{op}: {detail}, so nothing was exchanged (every rank raises; the group stays in "
+        "step). Fix the call on that rank"
+    )
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
-    """Fill ``object_list`` (one slot per rank of the group) with every rank's ``obj``."""
+    """Fill ``object_list`` (one slot per rank of the group) with every rank's ``obj``.
+
+    A rank whose list is wrong, or whose ``obj`` does not pickle, raises (ValueError,
+    TypeError) after the size exchange, and every other rank raises CommError naming it:
+    no rank is left waiting."""
     from overlap import comm
     from overlap.comm.comms_logger import BYPASS
 
     w = comm.get_world_size(group)
+    dev = _device()
+    err: BaseException | None = None
+    mine: torch.Tensor | None = None
     if not isinstance(object_list, list) or len(object_list) != w:
-        raise ValueError(
+        err = ValueError(
             f"object_list must be a list with one slot per rank ({w}), got "
             f"{len(object_list) if isinstance(object_list, list) else type(object_list).__name__}"
             f"; pass [None] * get_world_size(group)"
         )
-    dev = _device()
-    mine = _bytes(obj, dev)
+        code = _BAD_LIST
+    else:
+        mine, err = _pickled(obj, dev)
+        code = _CANNOT_PICKLE if mine is None else mine.numel()
     sizes = torch.zeros(w, dtype=torch.int64, device=dev)
-    local = torch.tensor([mine.numel()], dtype=torch.int64, device=dev)
+    local = torch.tensor([code], dtype=torch.int64, device=dev)
     comm.all_gather_into_tensor(sizes, local, group, log_name=BYPASS)
     counts = [int(n) for n in sizes.tolist()]
+    if err is not None:
+        raise err
+    failed = {comm.get_global_rank(group, i): c for i, c in enumerate(counts) if c < 0}
+    if failed:
+        raise _peers_failed("all_gather_object", failed)
+    assert mine is not None
     top = max(counts)
     padded = torch.zeros(top, dtype=torch.uint8, device=dev)
     padded[: mine.numel()] = mine
@@ -66,26 +113,43 @@ def broadcast_object_list(
 ) -> None:
     """Replace each element of ``object_list`` with rank ``src``'s (a global rank); every rank
     passes a list of the same length (a receiver whose list has another length raises
-    ValueError once the broadcast is done, so no rank is left waiting)."""
+    ValueError once the broadcast is done, so no rank is left waiting). A source whose
+    list is not a list or does not pickle raises after the first broadcast, and the
+    receivers raise CommError naming it."""
     from overlap import comm
     from overlap.comm.comms_logger import BYPASS
 
-    if not isinstance(object_list, list):
-        raise TypeError(f"object_list must be a list, got {type(object_list).__name__}")
     dev = _device(device)
     me = comm.get_rank() == src
-    payload = _bytes(list(object_list), dev) if me else None
-    head = torch.tensor(
-        [payload.numel() if payload is not None else 0, len(object_list)],
-        dtype=torch.int64,
-        device=dev,
-    )
+    is_list = isinstance(object_list, list)
+    payload: torch.Tensor | None = None
+    err: BaseException | None = None
+    if me:
+        if is_list:
+            payload, err = _pickled(list(object_list), dev)
+            code = _CANNOT_PICKLE if payload is None else payload.numel()
+        else:
+            err = TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+            code = _BAD_LIST
+        head = torch.tensor([code, len(object_list) if is_list else 0], dtype=torch.int64)
+    else:
+        head = torch.zeros(2, dtype=torch.int64)
+    head = head.to(dev)
     comm.broadcast(head, src, group, log_name=BYPASS)
     n, length = (int(x) for x in head.tolist())
+    if err is not None:
+        raise err
+    if n < 0:
+        raise _peers_failed("broadcast_object_list", {src: n})
     buf = payload if payload is not None else torch.empty(n, dtype=torch.uint8, device=dev)
     comm.broadcast(buf, src, group, log_name=BYPASS)  # taken even to refuse: no one waits
     if me:
         return
+    if not is_list:
+        raise TypeError(
+            f"object_list must be a list, got {type(object_list).__name__} (the broadcast "
+            "was taken and dropped)"
+        )
     if length != len(object_list):
         raise ValueError(
             f"broadcast_object_list: rank {src} sent {length} objects, this rank's list has "

@@ -479,3 +479,35 @@ def aliased_buffers() -> dict[str, bool]:
     comm.all_reduce(t)  # still in step
     out["after"] = t.tolist() == [float(w)] * 2
     return out
+
+
+def object_collectives_fail_on_every_rank() -> dict[str, str]:
+    """all_gather_object / broadcast_object_list with bad input on rank 0 only: before,
+    rank 0 raised before the first exchange and every other rank waited in it until the
+    job timeout (and rank 0's next collective paired with it). Now every rank raises, and
+    the group stays in step. Returns each case's ``error class: message`` on this rank."""
+    import threading
+
+    r, w = comm.get_rank(), comm.get_world_size()
+    out: dict[str, str] = {}
+
+    def case(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    case(
+        "unpicklable", lambda: comm.all_gather_object([None] * w, threading.Lock() if r == 0 else r)
+    )
+    case("bad_list", lambda: comm.all_gather_object([None] * (w + (r == 0)), r))
+    case(
+        "broadcast_unpicklable",
+        lambda: comm.broadcast_object_list([threading.Lock()] if r == 0 else [None], src=0),
+    )
+    case("broadcast_not_a_list", lambda: comm.broadcast_object_list("x" if r == 0 else [1], src=0))
+    got = [None] * w
+    comm.all_gather_object(got, {"rank": r})
+    out["after"] = "ok" if got == [{"rank": q} for q in range(w)] else repr(got)
+    return out

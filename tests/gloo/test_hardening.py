@@ -124,3 +124,32 @@ def test_inputs_that_share_memory_with_outputs_give_the_right_result(
 ) -> None:
     for out in pools(world_size).run(hc.aliased_buffers, timeout=120):
         assert out and all(out.values()), out
+
+
+def test_bad_object_collective_input_on_one_rank_fails_every_rank(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for r, out in enumerate(pools(2).run(hc.object_collectives_fail_on_every_rank, timeout=60)):
+        check_object_failures(r, out)
+
+
+def check_object_failures(r: int, out: dict[str, str]) -> None:
+    """Rank 0 raises its own error, the others CommError naming rank 0 (also under MPI)."""
+    assert out["after"] == "ok", out
+    mine = {
+        "unpicklable": "TypeError: cannot pickle lock",
+        "bad_list": "ValueError: object_list must be a list with one slot per rank",
+        "broadcast_unpicklable": "TypeError: cannot pickle list",
+        "broadcast_not_a_list": "TypeError: object_list must be a list, got str",
+    }
+    theirs = {
+        "unpicklable": "rank 0 could not pickle its object",
+        "bad_list": "rank 0 passed an object_list of the wrong kind or length",
+        "broadcast_unpicklable": "rank 0 could not pickle its object",
+        "broadcast_not_a_list": "rank 0 passed an object_list of the wrong kind or length",
+    }
+    for name in mine:
+        if r == 0:
+            assert out[name].startswith(mine[name]), (name, out[name])
+        else:
+            assert out[name].startswith("CommError: ") and theirs[name] in out[name], (name, out)

@@ -46,6 +46,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["debug_mode"] = _debug_mode
     out["message_mismatch"] = _message_mismatch
     out["aliased_buffers"] = _aliased_buffers
+    out["object_failures"] = _object_failures
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
@@ -103,6 +104,12 @@ def _message_mismatch() -> None:
 def _aliased_buffers() -> None:
     res = hc.aliased_buffers()
     assert res and all(res.values()), res
+
+
+def _object_failures() -> None:
+    from tests.gloo.test_hardening import check_object_failures
+
+    check_object_failures(comm.get_rank(), hc.object_collectives_fail_on_every_rank())
 
 
 def main() -> None:
