@@ -45,6 +45,7 @@ from overlap.compression.codec_numba import kernel_module
 from overlap.compression.quantize import BlockCodes
 from overlap.errors import NonFiniteError
 from overlap.ownership import claim, holder_of, release
+from overlap.rankstate import check_rank, group_rank
 
 __all__ = ["OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "schedule"]
 
@@ -596,6 +597,7 @@ class DiLoCo:
             "outer": copy.deepcopy(self.outer.state_dict()),
             "inflight": {i: (at, t.clone()) for i, (at, t) in self._inflight.items()},
             "compression": self.compression.state_dict(),
+            "rank": group_rank(self.group),
             "syncs": self.syncs,
             "bytes_sent": self.bytes_sent,
         }
@@ -623,6 +625,7 @@ class DiLoCo:
                 f"this DiLoCo's has {mine}: build the outer optimizer as it was saved"
             )
         self.compression.check_state(state["compression"])
+        check_rank("DiLoCo", state.get("rank"), group_rank(self.group), state["compression"])
         for i in sorted(self._inflight):  # let collectives in flight finish everywhere
             self._wait(i)
         self._inflight.clear()

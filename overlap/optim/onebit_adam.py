@@ -44,6 +44,7 @@ from overlap.compression.base import Compressor
 from overlap.compression.codec import write_outputs
 from overlap.compression.onebit import OneBit, compressed_bytes
 from overlap.errors import NonFiniteError
+from overlap.rankstate import check_rank, group_rank
 
 __all__ = ["OneBitAdam"]
 
@@ -410,6 +411,7 @@ class OneBitAdam(torch.optim.Optimizer):
             "freeze_step": self.freeze_step,
             "skipped_steps": self.skipped_steps,
             "world_size": self._world(),
+            "rank": group_rank(self.group),
             "codec": self._codec.state_dict(),
         }
         return out
@@ -430,6 +432,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 f"has {w}: the 1-bit error buffers are laid out per rank; resume on "
                 f"{extra['world_size']} ranks"
             )
+        check_rank("OneBitAdam", extra.get("rank"), group_rank(self.group), extra["codec"])
         params = [p for g in self.param_groups for p in g["params"]]
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         if len(saved) != len(params):

@@ -40,6 +40,7 @@ from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
 from overlap.errors import CommError, IncompleteBackwardError, OutOfStepError
 from overlap.ownership import claim, holder_of, release
+from overlap.rankstate import check_rank, group_rank
 from overlap.scheduler.buckets import Bucket, assign_buckets
 from overlap.scheduler.streams import Launcher
 
@@ -1045,6 +1046,7 @@ class BucketScheduler:
         """The compressor's state (error feedback) and the bucket layout."""
         return {
             "world_size": self.world,
+            "rank": group_rank(self.group),
             "step": self._step,
             "rebuilt": self._rebuilt,
             "layout": [[self._pidx[id(p)] for p in b.params] for b in self.buckets],
@@ -1070,6 +1072,7 @@ class BucketScheduler:
                 "once each; the state is corrupt or belongs to another model"
             )
         self.compression.check_state(state["compression"])  # refuse before changing anything
+        check_rank("scheduler", state.get("rank"), group_rank(self.group), state["compression"])
         self._set_buckets(
             assign_buckets(
                 [self.params[i] for lay in state["layout"] for i in lay],

@@ -511,3 +511,69 @@ def object_collectives_fail_on_every_rank() -> dict[str, str]:
     comm.all_gather_object(got, {"rank": r})
     out["after"] = "ok" if got == [{"rank": q} for q in range(w)] else repr(got)
     return out
+
+
+def another_ranks_state() -> dict[str, str]:
+    """Rank 1 loads rank 0's checkpoint (the ``if rank == 0: torch.save(...)`` habit):
+    refused, with nothing changed, where the state holds rank 0's own error feedback
+    (a BucketScheduler with OneBit, OneBitAdam, DiLoCo with Int8); accepted where it has
+    none (no compression). Each rank's own state loads. ``{case: "ok" | error}``."""
+    from torch import nn
+
+    from overlap import BucketScheduler, DiLoCo, Int8, OneBit, OneBitAdam
+
+    r = comm.get_rank()
+    out: dict[str, str] = {}
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+    def ranks_0s(state: Any) -> Any:
+        box = [state]
+        comm.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def load(name: str, obj: Any, state: Any, mark: Any) -> None:
+        before = mark()
+        try:
+            obj.load_state_dict(state)
+            out[name] = "ok"
+        except ValueError as e:
+            out[name] = str(e) if mark() == before else f"changed: {e}"
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
+    for name, comp in (("scheduler_onebit", OneBit()), ("scheduler_none", None)):
+        m = model()
+        s = BucketScheduler(m, compression=comp)
+        for _ in range(2):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+            s.synchronize()
+        mine = s.state_dict()
+        theirs = ranks_0s(mine)
+        load(f"{name}_own", s, mine, lambda s=s: str(s.state_dict()))
+        load(name, s, theirs, lambda s=s: str(s.state_dict()))
+        s.remove()
+    m = model()
+    opt = OneBitAdam(m.parameters(), lr=1e-2, freeze_step=1)
+    for _ in range(3):
+        opt.zero_grad()
+        m(x).pow(2).sum().backward()
+        opt.step()
+    mine = opt.state_dict()
+    theirs = ranks_0s(mine)
+    load("onebit_adam", opt, theirs, lambda: str(opt.state_dict()))
+    load("onebit_adam_own", opt, mine, lambda: str(opt.state_dict()))
+    m = model()
+    dl = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=1, compression=Int8())
+    for _ in range(2):
+        m.zero_grad()
+        m(x).pow(2).sum().backward()
+        dl.step()
+    mine = dl.state_dict()
+    theirs = ranks_0s(mine)
+    load("diloco", dl, theirs, lambda: str(dl.state_dict()["step"]))
+    load("diloco_own", dl, mine, lambda: str(dl.state_dict()["step"]))
+    dl.remove()
+    return out

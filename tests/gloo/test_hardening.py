@@ -153,3 +153,19 @@ def check_object_failures(r: int, out: dict[str, str]) -> None:
             assert out[name].startswith(mine[name]), (name, out[name])
         else:
             assert out[name].startswith("CommError: ") and theirs[name] in out[name], (name, out)
+
+
+def test_a_rank_refuses_another_ranks_error_feedback(pools: Callable[[int], RankPool]) -> None:
+    """Before, rank 1 took rank 0's error feedback without a word, and the run did not
+    resume as it was."""
+    res = pools(2).run(hc.another_ranks_state, timeout=120)
+    for r, out in enumerate(res):
+        for name in ("scheduler_onebit", "onebit_adam", "diloco"):
+            if r == 0:
+                assert out[name] == "ok", (name, out[name])
+            else:
+                assert "saved by rank 0 of its group, and this is rank 1" in out[name], out
+                assert not out[name].startswith("changed"), out
+        for name in ("scheduler_none", "scheduler_onebit_own", "scheduler_none_own"):
+            assert out[name] == "ok", (r, name, out[name])
+        assert out["onebit_adam_own"] == "ok" and out["diloco_own"] == "ok", out
