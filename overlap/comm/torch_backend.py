@@ -449,15 +449,16 @@ class TorchBackend:
         out = self._t(output, "output")
         inp = self._t(input, "tensor")
         info = resolve_group(group)
-        check_splits(inp, input_split_sizes, "input", info.size)
-        check_splits(out, output_split_sizes, "output", info.size)
+        # as plain lists: torch takes no tensor or array of split sizes
+        ins = check_splits(inp, input_split_sizes, "input", info.size)
+        outs = check_splits(out, output_split_sizes, "output", info.size)
+        in_sp = None if input_split_sizes is None else ins
+        out_sp = None if output_split_sizes is None else outs
         inp = apart(inp, out)
         return self._launch(
             "all_to_all_single",
             info,
-            lambda: dist.all_to_all_single(
-                out, inp, output_split_sizes, input_split_sizes, group=info.pg, async_op=True
-            ),
+            lambda: dist.all_to_all_single(out, inp, out_sp, in_sp, group=info.pg, async_op=True),
             output,
             nbytes_of(inp),
             async_op,

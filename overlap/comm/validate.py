@@ -52,7 +52,9 @@ def check_tensor_list(
 
 def check_peer(rank: int, what: str, group_ranks: Sequence[int], group_name: str) -> None:
     if not isinstance(rank, int) or isinstance(rank, bool):
-        raise TypeError(f"{what} must be an int (a global rank), got {type(rank).__name__}")
+        raise TypeError(
+            f"{what} must be an int (a global rank), got {type(rank).__name__}; pass int({what})"
+        )
     if rank not in group_ranks:
         raise ValueError(
             f"{what}={rank} is not a rank of group {group_name} (its global ranks are "
@@ -148,12 +150,19 @@ def check_splits(t: torch.Tensor, splits: Sequence[int] | None, name: str, size:
                 f"({size}); pass {name}_split_sizes"
             )
         return [rows // size] * size
-    if len(splits) != size or sum(splits) != rows:
+    try:
+        sizes = [int(s) for s in splits]  # a list, a tuple, a tensor or an array of counts
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"all_to_all_single: {name}_split_sizes must be a sequence of ints, got "
+            f"{type(splits).__name__}"
+        ) from None
+    if len(sizes) != size or sum(sizes) != rows or min(sizes) < 0:
         raise ValueError(
-            f"all_to_all_single: {name}_split_sizes {list(splits)} must have {size} entries "
-            f"summing to {name} dim 0 ({rows})"
+            f"all_to_all_single: {name}_split_sizes {sizes} must have {size} entries, none "
+            f"negative, summing to {name} dim 0 ({rows})"
         )
-    return [int(s) for s in splits]
+    return sizes
 
 
 def scratch_like(t: torch.Tensor, n: int) -> list[torch.Tensor]:

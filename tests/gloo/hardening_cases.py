@@ -577,3 +577,48 @@ def another_ranks_state() -> dict[str, str]:
     load("diloco_own", dl, mine, lambda: str(dl.state_dict()["step"]))
     dl.remove()
     return out
+
+
+def split_size_types() -> dict[str, str]:
+    """all_to_all_single's split sizes as a list, a tuple, a tensor or a NumPy array (MoE
+    code counts tokens in a tensor) all give the same result; before, a tensor reached
+    torch, which raised "incompatible function arguments". A negative split is refused
+    before anything is sent, and a bad peer type names the fix."""
+    import numpy as np
+
+    r, w = comm.get_rank(), comm.get_world_size()
+    sends = [[i + j + 1 for j in range(w)] for i in range(w)]  # rank i sends i+j+1 to j
+    expects = [sends[i][r] for i in range(w)]
+    x = torch.arange(float(sum(sends[r]))) + 100 * r
+    want = torch.cat(
+        [
+            torch.arange(float(sum(sends[i][:r])), float(sum(sends[i][: r + 1]))) + 100 * i
+            for i in range(w)
+        ]
+    )
+    out: dict[str, str] = {}
+    kinds: list[tuple[str, Any]] = [
+        ("list", list), ("tuple", tuple), ("tensor", torch.tensor), ("numpy", np.array)
+    ]  # fmt: skip
+    for name, kind in kinds:
+        o = torch.zeros(sum(expects))
+        try:
+            comm.all_to_all_single(o, x, kind(expects), kind(sends[r]))
+            out[name] = "ok" if torch.equal(o, want) else f"wrong: {o.tolist()}"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    bad = [-1, sends[r][0] + sends[r][1] + 1, *sends[r][2:]]  # the right sum, a -1 in it
+    try:
+        comm.all_to_all_single(torch.zeros(sum(expects)), x, expects, bad)
+        out["negative"] = "no error"
+    except ValueError as e:
+        out["negative"] = str(e)
+    try:
+        comm.broadcast(torch.ones(1), src=np.int64(0))
+        out["numpy_src"] = "no error"
+    except TypeError as e:
+        out["numpy_src"] = str(e)
+    t = torch.ones(1)
+    comm.all_reduce(t)  # still in step
+    out["after"] = "ok" if t.item() == w else str(t.item())
+    return out

@@ -169,3 +169,19 @@ def test_a_rank_refuses_another_ranks_error_feedback(pools: Callable[[int], Rank
         for name in ("scheduler_none", "scheduler_onebit_own", "scheduler_none_own"):
             assert out[name] == "ok", (r, name, out[name])
         assert out["onebit_adam_own"] == "ok" and out["diloco_own"] == "ok", out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_split_sizes_of_any_sequence_type(
+    pools: Callable[[int], RankPool], world_size: int
+) -> None:
+    for out in pools(world_size).run(hc.split_size_types, timeout=60):
+        check_split_sizes(out)
+
+
+def check_split_sizes(out: dict[str, str]) -> None:
+    """(also under MPI)"""
+    for name in ("list", "tuple", "tensor", "numpy", "after"):
+        assert out[name] == "ok", (name, out[name])
+    assert "must have" in out["negative"] and "none negative" in out["negative"], out
+    assert out["numpy_src"].endswith("got int64; pass int(src)"), out

@@ -47,6 +47,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["message_mismatch"] = _message_mismatch
     out["aliased_buffers"] = _aliased_buffers
     out["object_failures"] = _object_failures
+    out["split_size_types"] = _split_size_types
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
@@ -110,6 +111,12 @@ def _object_failures() -> None:
     from tests.gloo.test_hardening import check_object_failures
 
     check_object_failures(comm.get_rank(), hc.object_collectives_fail_on_every_rank())
+
+
+def _split_size_types() -> None:
+    from tests.gloo.test_hardening import check_split_sizes
+
+    check_split_sizes(hc.split_size_types())
 
 
 def main() -> None:
