@@ -284,6 +284,8 @@ class BucketScheduler:
             if current() is None:
                 tracer.attach()
         self._pidx = {id(p): i for i, p in enumerate(self.params)}
+        # what each parameter was when its bucket was laid out (see _hook)
+        self._kinds = [(p.dtype, p.is_cuda) for p in self.params]
         self._set_buckets(
             assign_buckets(list(reversed(self.params)), self.cap, self.first_cap, reduce_dtype)
         )
@@ -451,6 +453,17 @@ class BucketScheduler:
                 "the background (its `await sched.wait()` was cancelled): `await "
                 "sched.wait()` again to finish it before the next backward"
             )
+        i = self._pidx[id(p)]
+        if (p.dtype, p.is_cuda) != self._kinds[i]:
+            # model.double() / .half() / .cuda() after the scheduler was built: the bucket
+            # has the old dtype (a silent cast of every gradient, or torch refusing the view)
+            was = self._kinds[i]
+            raise RuntimeError(
+                f"parameter {i} is now {p.dtype} on {p.device}, but it was {was[0]} on "
+                f"{'cuda' if was[1] else 'cpu'} when the BucketScheduler was built, and its "
+                "bucket is laid out for that: cast or move the model first, then build the "
+                "scheduler (sched.remove() and a new BucketScheduler)"
+            )
         grad = p.grad
         if grad is not None and grad.is_sparse:
             raise TypeError(
@@ -495,7 +508,7 @@ class BucketScheduler:
             elif grad is not None and self._prescale is not None:
                 view.mul_(self._prescale)  # .grad is the bucket: scale it in place, as DDP
             b.pending.discard(pos)
-            self._order.append(self._pidx[id(p)])
+            self._order.append(i)
             if self.tracer is not None:
                 now = time.perf_counter_ns()
                 if not self._bwd:

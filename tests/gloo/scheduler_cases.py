@@ -898,3 +898,42 @@ def cancelled_backward_finishes_the_step(loop: str) -> list[Any]:
     overlap.run(main(), loop=loop)  # type: ignore[arg-type]
     sched.remove()
     return out
+
+
+def cast_after_build(view: bool) -> dict[str, Any]:
+    """model.double() after the scheduler was built: before, every gradient was cast into
+    the float32 bucket and back without a word (or, with gradient_as_bucket_view, torch
+    refused the view with a message about grad_dtype). Now the first backward raises,
+    naming the parameter and the fix; removing the scheduler and building a new one works."""
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    s = BucketScheduler(m, gradient_as_bucket_view=view)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(r))
+    m(x).sum().backward()
+    s.synchronize()
+    m.double()
+    m.zero_grad()
+    out: dict[str, Any] = {}
+    try:
+        m(x.double()).sum().backward()
+        s.synchronize()
+        out["error"] = "no error"
+    except RuntimeError as e:
+        out["error"] = str(e)
+    s.remove()
+    s = BucketScheduler(m, gradient_as_bucket_view=view)
+    m.zero_grad()
+    m(x.double()).sum().backward()
+    s.synchronize()
+    got = [p.grad.clone() for p in m.parameters()]
+    s.remove()
+    m.zero_grad()
+    m(x.double()).sum().backward()
+    ok = True
+    for p, g in zip(m.parameters(), got, strict=True):
+        ref = p.grad.clone()
+        comm.all_reduce(ref, op="avg")
+        ok = ok and g.dtype == torch.float64 and torch.allclose(ref, g)
+    out["rebuilt"] = ok
+    return out

@@ -257,3 +257,14 @@ def test_a_cancelled_backward_goes_on_and_the_next_wait_ends_its_step(
     out = pools(2).run(sc.cancelled_backward_finishes_the_step, loop, timeout=120)
     assert out[0] == ["ok", "timeout", "refused", "ok", "ok"], out
     assert out[1] == ["ok"] * 3, out
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_casting_the_model_after_building_the_scheduler_is_refused(
+    pools: Callable[[int], RankPool], view: bool
+) -> None:
+    for out in pools(2).run(sc.cast_after_build, view, timeout=60):
+        assert out["error"].startswith("parameter 3 is now torch.float64 on cpu, but it was "
+                                       "torch.float32"), out  # fmt: skip
+        assert "then build the scheduler" in out["error"], out
+        assert out["rebuilt"] is True, out
