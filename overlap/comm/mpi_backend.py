@@ -137,6 +137,8 @@ class MpiBackend:
         self.world = MpiGroup(world, tuple(range(world.Get_size())), "world")
         self.global_rank: int = world.Get_rank()
         self.large_count = MPI.Get_version() >= (4, 0)
+        ub = world.Get_attr(MPI.TAG_UB)  # MPI promises at least 32767; MPICH: 2**29 - 1
+        self.tag_ub: int = int(ub) if ub is not None else 32767
         self.cuda_aware = os.environ.get("OVERLAP_MPI_CUDA_AWARE", "0") == "1"
         self._reductions: dict[
             tuple[Any, torch.dtype], tuple[ReduceOp, Any, Any, torch.dtype | None]
@@ -817,10 +819,19 @@ class MpiBackend:
     def _peer(self, peer: int, what: str, g: MpiGroup) -> int:
         return check_p2p_peer(peer, what, g.ranks, g.name, self.global_rank)
 
+    def _tag(self, tag: int) -> int:
+        if tag > self.tag_ub:
+            raise ValueError(
+                f"tag={tag} is above this MPI library's largest tag ({self.tag_ub}, "
+                "MPI_TAG_UB); use a smaller tag"
+            )
+        return tag
+
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         t = self._t(tensor, "tensor")
         g = self._g(group)
         dest = self._peer(dst, "dst", g)
+        self._tag(tag)
         host, _ = self._host(t)
         h: Handle = self._launch(
             "isend",
@@ -837,6 +848,7 @@ class MpiBackend:
         self, t: torch.Tensor, src: int | None, g: MpiGroup, tag: int, sender: list[int]
     ) -> Handle:
         source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
+        self._tag(tag)
         host, back = self._host(t, copy_in=False)
         want = nbytes_of(t)
         me = self.global_rank
@@ -894,6 +906,7 @@ class MpiBackend:
             t = self._t(p.tensor, f"p2p_op_list[{i}].tensor")
             g = self._g(p.group)
             self._peer(p.peer, f"p2p_op_list[{i}].peer", g)
+            self._tag(p.tag)  # all checked before any is posted
             checked.append((kind, t, p))
         out = []
         for kind, t, p in checked:

@@ -154,7 +154,26 @@ def out_of_order_receive_is_seen() -> None:
     overlap.run(main())
 
 
+def tag_above_tag_ub_is_refused() -> None:
+    """A tag above MPI_TAG_UB (MPICH: 2**29 - 1, below overlap's own 2**30 limit) is refused
+    with a ValueError naming the limit, before anything is posted (MPI said "Invalid tag"
+    from inside the op)."""
+    ub = state.active().tag_ub
+    peer = 1 - comm.get_rank() if comm.get_rank() < 2 else 0
+    for call in (
+        lambda: comm.isend(torch.ones(1), dst=peer, tag=ub + 1),
+        lambda: comm.irecv(torch.ones(1), src=peer, tag=ub + 1),
+        lambda: comm.batch_isend_irecv([comm.P2POp("isend", torch.ones(1), peer, tag=ub + 1)]),
+    ):
+        try:
+            call()
+            raise AssertionError("a tag above MPI_TAG_UB was accepted")
+        except ValueError as e:
+            assert f"above this MPI library's largest tag ({ub}, MPI_TAG_UB)" in str(e), e
+
+
 CHECKS: dict[str, Callable[[], Any]] = {
+    "mpi/tag_above_tag_ub_is_refused": tag_above_tag_ub_is_refused,
     "mpi/onebit_gather_pattern_matches_reference": onebit_gather_pattern_matches_reference,
     "mpi/loop_stays_responsive": loop_stays_responsive,
     "mpi/no_thread_per_request": no_thread_per_request,
