@@ -9,7 +9,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["main"]
@@ -814,14 +814,42 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``minimum`` (argparse then prints the usage and
+    the problem, instead of a traceback or a table of NaNs from --iters 0)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _size_list(text: str) -> str:
+    """An argparse type for --sizes: checked here, parsed again by the command."""
+    from overlap.bench.harness import parse_size
+
+    try:
+        for part in text.split(","):
+            parse_size(part)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="overlap", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run the local demo: DDP vs overlap on local ranks")
-    d.add_argument("--world-size", type=int, default=2)
-    d.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    d.add_argument("--world-size", type=_at_least(1), default=2)
+    d.add_argument("--steps", type=_at_least(1), default=10, help="timed steps per variant")
     d.add_argument("--model-size", choices=["small", "medium", "large"], default="medium")
     d.add_argument(
         "--link",
@@ -840,10 +868,11 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--op", action="append", help="op to measure (repeatable); default all")
     bo.add_argument(
         "--sizes",
+        type=_size_list,
         default="4,1KiB,64KiB,1MiB,16MiB,64MiB",
         help="comma-separated sizes in bytes (4, 64KiB, 1MiB, ...)",
     )
-    bo.add_argument("--world-size", type=int, default=2)
+    bo.add_argument("--world-size", type=_at_least(1), default=2)
     bo.add_argument(
         "--algorithm",
         choices=["native", "ring", "naive"],
@@ -858,14 +887,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bo.add_argument(
         "--hosts",
-        type=int,
+        type=_at_least(0),
         default=0,
         help="run on this many simulated hosts (network namespaces, root); --link then "
         "shapes each host's link to the others",
     )
-    bo.add_argument("--procs-per-host", type=int, default=1, help="ranks per host (--hosts)")
-    bo.add_argument("--iters", type=int, default=200, help="iterations for small sizes")
-    bo.add_argument("--warmup", type=int, default=5)
+    bo.add_argument(
+        "--procs-per-host", type=_at_least(1), default=1, help="ranks per host (--hosts)"
+    )
+    bo.add_argument("--iters", type=_at_least(1), default=200, help="iterations for small sizes")
+    bo.add_argument("--warmup", type=_at_least(0), default=5)
     bo.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     bo.add_argument(
         "--concurrent",
@@ -887,10 +918,11 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("compress", help="OneBit codec cost; compressed vs fp32 allreduce")
     bc.add_argument(
         "--sizes",
+        type=_size_list,
         default="4MiB,16MiB,64MiB,256MiB",
         help="buffer sizes for the codec part (bytes of fp32)",
     )
-    bc.add_argument("--reps", type=int, default=5)
+    bc.add_argument("--reps", type=_at_least(1), default=5)
     bc.add_argument("--device", default="cpu", help="cpu or cuda")
     bc.add_argument("--skip-codec", action="store_true", help="only the allreduce part")
     bc.add_argument(
@@ -898,8 +930,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="64MiB",
         help="buffer for compressed vs fp32 allreduce ('' to skip)",
     )
-    bc.add_argument("--iters", type=int, default=5)
-    bc.add_argument("--world-size", type=int, default=2)
+    bc.add_argument("--iters", type=_at_least(1), default=5)
+    bc.add_argument("--world-size", type=_at_least(1), default=2)
     bc.add_argument(
         "--link",
         default=None,
@@ -917,26 +949,30 @@ def build_parser() -> argparse.ArgumentParser:
         "overlap-onebitadam, onebitadam-serial",
     )
     bt.add_argument("--model-size", type=float, default=25.2, help="million parameters")
-    bt.add_argument("--steps", type=int, default=8)
-    bt.add_argument("--warmup", type=int, default=3)
+    bt.add_argument("--steps", type=_at_least(1), default=8)
+    bt.add_argument("--warmup", type=_at_least(0), default=3)
     bt.add_argument(
-        "--world-size", type=int, default=None, help="ranks (default 2 on cpu, 1 on cuda)"
+        "--world-size", type=_at_least(1), default=None, help="ranks (default 2 on cpu, 1 on cuda)"
     )
     bt.add_argument("--link", default=None, help="shaped loopback rate, e.g. 1gbit (root)")
     bt.add_argument(
         "--hosts",
-        type=int,
+        type=_at_least(0),
         default=0,
         help="run on this many simulated hosts (network namespaces, root); --link then "
         "shapes each host's link to the others",
     )
-    bt.add_argument("--procs-per-host", type=int, default=2, help="ranks per host (--hosts)")
+    bt.add_argument(
+        "--procs-per-host", type=_at_least(1), default=2, help="ranks per host (--hosts)"
+    )
     bt.add_argument(
         "--device",
         default="cpu",
         help="cpu (gloo ranks) or cuda (NCCL, one rank per GPU; the scheduler's GPU overhead)",
     )
-    bt.add_argument("--batch", type=int, default=None, help="default 64 on cpu, 1024 on cuda")
+    bt.add_argument(
+        "--batch", type=_at_least(1), default=None, help="default 64 on cpu, 1024 on cuda"
+    )
     bt.add_argument("--plot", default=None, help="write step time against step to this PNG")
     bt.add_argument(
         "--pin-heap",
@@ -949,7 +985,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bt.add_argument(
         "--diloco-fragments",
-        type=int,
+        type=_at_least(1),
         default=None,
         help="fragments of diloco-streaming (default 8; at most one per parameter tensor): "
         "more fragments spread the same sync work over more steps",
@@ -960,20 +996,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bl = bsub.add_parser("lm", help="convergence: a byte-level transformer LM, DDP vs 1-bit Adam")
     bl.add_argument("--variant", action="append", help="variant to run (repeatable)")
-    bl.add_argument("--steps", type=int, default=400)
+    bl.add_argument("--steps", type=_at_least(1), default=400)
     bl.add_argument(
-        "--freeze-step", type=int, default=None, help="OneBitAdam's warm-up (default 15%%)"
+        "--freeze-step", type=_at_least(1), default=None, help="OneBitAdam's warm-up (default 15%%)"
     )
     bl.add_argument("--lr", type=float, default=1e-3)
-    bl.add_argument("--layers", type=int, default=2)
-    bl.add_argument("--width", type=int, default=128)
-    bl.add_argument("--world-size", type=int, default=2)
+    bl.add_argument("--layers", type=_at_least(1), default=2)
+    bl.add_argument("--width", type=_at_least(1), default=128)
+    bl.add_argument("--world-size", type=_at_least(1), default=2)
     bl.add_argument(
-        "--diloco-steps", type=int, default=None, help="steps of DiLoCo variants (default --steps)"
+        "--diloco-steps",
+        type=_at_least(1),
+        default=None,
+        help="steps of DiLoCo variants (default --steps)",
     )
     bl.add_argument(
         "--seed",
-        type=int,
+        type=_at_least(0),
         default=0,
         help="model initialisation and data-order seed (default 0; repeat runs with others "
         "to see one seed's spread)",

@@ -166,8 +166,22 @@ def test_bench_train_diloco_fragments_reach_the_ranks_and_zero_is_refused() -> N
     (row,) = json.loads(out.stdout)
     assert row["fragments"] == 1, row  # the default, 8, gives 2 here (one per tensor)
     bad = run("bench", "train", "--variant", "diloco-streaming", "--diloco-fragments", "0")
-    assert bad.returncode == 2 and "--diloco-fragments 0" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "--diloco-fragments: must be at least 1, got 0" in bad.stderr
     assert not bad.stdout
+
+
+def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback() -> None:
+    """Before, --sizes abc and --world-size 0 ended in a traceback, --iters 0 in a table of
+    NaNs; now argparse names the argument and the problem (exit 2, nothing on stdout)."""
+    for args, says in (
+        (["bench", "ops", "--sizes", "4,abc"], "argument --sizes: cannot read size 'abc'"),
+        (["bench", "ops", "--iters", "0"], "argument --iters: must be at least 1, got 0"),
+        (["demo", "--world-size", "0"], "argument --world-size: must be at least 1, got 0"),
+        (["bench", "lm", "--steps", "x"], "argument --steps: 'x' is not an integer"),
+    ):
+        out = run(*args, timeout=60)
+        assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr and not out.stdout, (args, out.stderr)
 
 
 def test_bench_tables_round_their_floats() -> None:
