@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ from typing import Any
 __all__ = ["Span", "Tracer", "current"]
 
 Span = tuple[str, str, int, int, int, dict[str, Any]]
+
+log = logging.getLogger(__name__)
 
 _current: Tracer | None = None
 
@@ -63,10 +66,19 @@ class Tracer:
 
     # --------------------------------------------------------------------- attachment
     def attach(self) -> Tracer:
-        """Make this the tracer the comm layer and schedulers record into."""
+        """Make this the tracer the comm layer and schedulers record into. One tracer is
+        attached at a time: attaching another detaches this one, with a warning (it records
+        nothing more, and its owner would otherwise not know)."""
         global _current
         from overlap.comm import hooks
 
+        if _current is not None and _current is not self:
+            log.warning(
+                "Tracer %r replaces the attached Tracer %r, which records nothing more from "
+                "now on (one tracer is attached at a time; detach() the first to silence this)",
+                self.name,
+                _current.name,
+            )
         _current = self
         hooks.set_observer(self._on_comm)
         try:

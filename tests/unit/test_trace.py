@@ -273,3 +273,21 @@ def test_a_traced_reduction_sees_an_error_thrown_into_it() -> None:
     with pytest.raises(RuntimeError, match="a handle failed"):
         steps.throw(boom)
     assert seen == [boom] and closed == [True]
+
+
+def test_attaching_a_second_tracer_warns_that_the_first_stops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    first, second = Tracer(name="first"), Tracer(name="second")
+    first.attach()
+    first.attach()  # again: no warning
+    assert not caplog.records
+    try:
+        with caplog.at_level("WARNING", logger="overlap.trace.recorder"):
+            second.attach()
+        assert len(caplog.records) == 1, caplog.records
+        msg = caplog.records[0].getMessage()
+        assert "'second' replaces the attached Tracer 'first'" in msg, msg
+    finally:
+        second.detach()
+        first.detach()
