@@ -819,19 +819,18 @@ class MpiBackend:
     def _peer(self, peer: int, what: str, g: MpiGroup) -> int:
         return check_p2p_peer(peer, what, g.ranks, g.name, self.global_rank)
 
-    def _tag(self, tag: int) -> int:
-        if tag > self.tag_ub:
-            raise ValueError(
-                f"tag={tag} is above this MPI library's largest tag ({self.tag_ub}, "
-                "MPI_TAG_UB); use a smaller tag"
-            )
-        return tag
+    def _tag_refused(self, tag: int) -> ValueError:
+        return ValueError(
+            f"tag={tag} is above this MPI library's largest tag ({self.tag_ub}, "
+            "MPI_TAG_UB); use a smaller tag"
+        )
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         t = self._t(tensor, "tensor")
         g = self._g(group)
         dest = self._peer(dst, "dst", g)
-        self._tag(tag)
+        if tag > self.tag_ub:
+            raise self._tag_refused(tag)
         host, _ = self._host(t)
         h: Handle = self._launch(
             "isend",
@@ -848,7 +847,8 @@ class MpiBackend:
         self, t: torch.Tensor, src: int | None, g: MpiGroup, tag: int, sender: list[int]
     ) -> Handle:
         source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
-        self._tag(tag)
+        if tag > self.tag_ub:
+            raise self._tag_refused(tag)
         host, back = self._host(t, copy_in=False)
         want = nbytes_of(t)
         me = self.global_rank
@@ -873,7 +873,7 @@ class MpiBackend:
             g,
             lambda: g.comm.Irecv(self._buf(host), source, tag),
             t,
-            nbytes_of(t),
+            want,
             True,
             post,
             keep=host,
@@ -906,7 +906,8 @@ class MpiBackend:
             t = self._t(p.tensor, f"p2p_op_list[{i}].tensor")
             g = self._g(p.group)
             self._peer(p.peer, f"p2p_op_list[{i}].peer", g)
-            self._tag(p.tag)  # all checked before any is posted
+            if p.tag > self.tag_ub:  # all checked before any is posted
+                raise self._tag_refused(p.tag)
             checked.append((kind, t, p))
         out = []
         for kind, t, p in checked:
