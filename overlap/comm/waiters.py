@@ -65,8 +65,14 @@ def _on_stream(stream: Any) -> Any:
 
 def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any = None) -> None:
     """Wait for ``work`` (blocking; on NCCL: order it on ``stream``), post-process, complete
-    ``handle``. Never raises. The caller has registered the observation for the exit hook
+    ``handle``. Raises nothing but a KeyboardInterrupt or SystemExit that a signal raised
+    here (a ``h.wait()`` on the main thread, Ctrl-C): the handle then fails with a CommError
+    saying so (whether the op and its post-processing finished is unknown: the signal
+    lands after ``Work.wait()`` returns, or inside the post-processing), and the interrupt
+    goes on to the caller. Before, it was wrapped in a CommError with an empty message and
+    the Ctrl-C was lost. The caller has registered the observation for the exit hook
     (``_quiesce.begin``); this ends it."""
+    interrupted: BaseException | None = None
     try:
         err: BaseException | None = None
         try:
@@ -74,12 +80,22 @@ def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: A
                 work.wait()
                 if post is not None:
                     post()
+        except (KeyboardInterrupt, SystemExit) as exc:
+            interrupted = exc
+            err = CommError(
+                f"{handle.op} on rank {rank} (group {handle.group}) was interrupted "
+                f"({type(exc).__name__}) while this thread waited for it: whether it completed "
+                "is unknown, so its result must not be used"
+            )
+            err.__cause__ = exc
         except BaseException as exc:
             err = translate_error(exc, handle, rank)
         _inflight.untrack(handle)
         handle._finish(err)
     finally:
         _quiesce.end(handle)
+    if interrupted is not None:
+        raise interrupted
 
 
 class TorchOp:

@@ -133,6 +133,10 @@ def _direct_ok(grad: torch.Tensor, flat: torch.Tensor) -> bool:
     )
 
 
+# signals that stop a step where it is on one rank (see BucketScheduler._interrupted)
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
+
 class BucketScheduler:
     """Overlap (compressed) gradient reduction with backward.
 
@@ -753,6 +757,9 @@ class BucketScheduler:
         try:
             yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
         except BaseException as exc:
+            if isinstance(exc, _INTERRUPTS):
+                self._interrupted(exc)
+                raise
             if isinstance(exc, CommError) or self._launcher.broken is not None:
                 # a peer lost or out of step: stop too (re-raises exc itself, whose cause is kept)
                 raise (yield from self._stop_here(exc))  # noqa: B904
@@ -807,6 +814,9 @@ class BucketScheduler:
             else:
                 yield handles
         except BaseException as exc:
+            if isinstance(exc, _INTERRUPTS):
+                self._interrupted(exc)
+                raise
             if self._launcher.broken is not None:
                 raise (  # noqa: B904
                     yield from self._stop_here(None if isinstance(exc, OutOfStepError) else exc)
@@ -872,12 +882,25 @@ class BucketScheduler:
             # A peer that stopped after its last bucket collective (it issued them all)
             # never joins these: stop too. Anything else: a fresh step, then the error
             # (before, the next backward said "a second backward" instead).
+            if isinstance(exc, _INTERRUPTS):
+                self._interrupted(exc)
+                raise
             if isinstance(exc, CommError):
                 raise (yield from self._stop_here(exc))  # noqa: B904
             self._new_step()
             raise
         self._new_step()
         return None
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """A signal (Ctrl-C: KeyboardInterrupt, or SystemExit) stopped the end of the step on
+        this rank, somewhere among its collectives: whether its peers got all of this
+        step's is unknown, so it stops issuing (streams.py, "Out of step") and raises the
+        interrupt at once, without waiting for anything (the user may be interrupting a
+        hang). Later steps raise OutOfStepError. Before, the step was dropped and the next
+        synchronize() voted again, pairing with another collective on its peers."""
+        self._launcher.stop_for(exc)
+        self._origin_raised = True  # the interrupt itself is what this step raises
 
     def _stop_here(self, exc: BaseException | None) -> Generator[list[Handle], None, BaseException]:
         """This rank stopped issuing the buckets' collectives (streams.py, "Out of step"),

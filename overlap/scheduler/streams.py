@@ -166,6 +166,11 @@ class Launcher:
                 return
             if isinstance(exc, CommError):
                 why = f"a collective of the scheduler's failed ({type(exc).__name__}: {exc})"
+            elif isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                why = (
+                    f"the end of a step was interrupted on this rank ({type(exc).__name__}), "
+                    "somewhere among its collectives"
+                )
             else:
                 why = (
                     "a bucket's reduction raised an error on this rank only "

@@ -937,3 +937,79 @@ def cast_after_build(view: bool) -> dict[str, Any]:
         ok = ok and g.dtype == torch.float64 and torch.allclose(ref, g)
     out["rebuilt"] = ok
     return out
+
+
+def _interrupt_in(seconds: float) -> None:
+    """Ctrl-C to this process in ``seconds`` (the handler raises KeyboardInterrupt in the
+    main thread, at its next Python instruction)."""
+    import os
+    import signal
+    import threading
+
+    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+def interrupted_step(timeout: float) -> dict[str, Any]:
+    """Ctrl-C on rank 0 while it waits (rank 1 is 1 s late): in ``h.wait()`` of a plain
+    all_reduce, then in ``synchronize()``. Before, the wait raised a CommError with an
+    empty message and the Ctrl-C was lost; in synchronize() the step was dropped and the
+    next synchronize() voted again, pairing with another collective on rank 1 (a timeout
+    on both). Now the KeyboardInterrupt reaches the caller, the op's handle says it was
+    interrupted, and the scheduler stops (OutOfStepError at once on rank 0, CommError
+    within the timeout on rank 1, as for any rank that stops)."""
+    from overlap.errors import OutOfStepError
+
+    r = comm.get_rank()
+    out: dict[str, Any] = {}
+
+    def late() -> None:
+        if r == 1:
+            time.sleep(1.0)
+
+    # a plain op
+    t = torch.ones(2)
+    if r == 0:
+        h = comm.all_reduce(t, async_op=True)
+        _interrupt_in(0.3)
+        try:
+            h.wait()
+            out["wait"] = "no interrupt"
+        except KeyboardInterrupt:
+            out["wait"] = "KeyboardInterrupt"
+        out["handle"] = str(h.exception())
+    else:
+        late()
+        comm.all_reduce(t)
+    comm.barrier()
+    # the scheduler
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    s = BucketScheduler(m, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(r))
+    steps: list[str] = []
+    for step in range(3):
+        m.zero_grad()
+        start = time.monotonic()
+        try:
+            m(x).sum().backward()
+            if step == 1:
+                late()
+                if r == 0:
+                    _interrupt_in(0.3)
+            s.synchronize()
+            steps.append("ok")
+        except KeyboardInterrupt:
+            steps.append("KeyboardInterrupt")
+        except OutOfStepError:
+            steps.append("OutOfStepError")
+        except overlap.CommError:
+            steps.append("CommError")
+        assert time.monotonic() - start < timeout + 5, (steps, time.monotonic() - start)
+    out["steps"] = steps
+    s.remove()
+    if r == 0:
+        time.sleep(timeout)  # rank 1 waited that long for rank 0 in step 2
+    y = torch.ones(1)
+    comm.all_reduce(y)  # the job's own group still works
+    out["after"] = y.item()
+    return out

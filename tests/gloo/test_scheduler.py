@@ -268,3 +268,12 @@ def test_casting_the_model_after_building_the_scheduler_is_refused(
                                        "torch.float32"), out  # fmt: skip
         assert "then build the scheduler" in out["error"], out
         assert out["rebuilt"] is True, out
+
+
+def test_ctrl_c_reaches_the_caller_and_stops_the_scheduler(short_pool: RankPool) -> None:
+    out = short_pool.run(sc.interrupted_step, SHORT_TIMEOUT, timeout=90)
+    assert out[0]["wait"] == "KeyboardInterrupt", out
+    assert "was interrupted (KeyboardInterrupt)" in out[0]["handle"], out
+    assert out[0]["steps"] == ["ok", "KeyboardInterrupt", "OutOfStepError"], out
+    assert out[1]["steps"] == ["ok", "ok", "CommError"], out
+    assert out[0]["after"] == out[1]["after"] == 2.0, out
