@@ -147,11 +147,9 @@ class MpiBackend:
         # 4x cheaper than a NumPy view of the tensor (0.5 against 2.2 us, measured)
         self._fromaddress = (getattr(MPI, "buffer", None) or MPI.memory).fromaddress
         self._bufs: dict[tuple[int, int], Any] = {}  # (address, bytes) -> buffer (see _mem)
-        # (address, bytes, dtype, op, group) -> (group, MPI_Allreduce, MPI_Iallreduce), ready
-        # to call (see all_reduce)
-        self._ready: dict[
-            tuple[Any, ...], tuple[MpiGroup, Callable[[], Any], Callable[[], Any]]
-        ] = {}
+        # (address, bytes, dtype, op, group) -> (group, MPI_Iallreduce), ready to call (see
+        # all_reduce)
+        self._ready: dict[tuple[Any, ...], tuple[MpiGroup, Callable[[], Any]]] = {}
 
     # ------------------------------------------------------------------ process & groups
     def _g(self, group: Any) -> MpiGroup:
@@ -334,22 +332,20 @@ class MpiBackend:
         async_op: bool,
         post: Post | None = None,
         keep: Any = None,
-        block: Callable[[], Any] | None = None,
     ) -> Any:
-        """Post the op and return its Handle, or finish it here.
+        """Post the op and return its Handle, or finish it here (MPI's own Wait).
 
-        ``block``: the blocking MPI call that does the same (MPI_Allreduce for
-        MPI_Iallreduce): with no job timeout, a blocking call uses it, which is cheaper than
-        posting and waiting (1.1 against 1.6 us at 8 bytes, measured)."""
+        A blocking call is the nonblocking one and its Wait, never MPI's blocking
+        collective: MPI does not match a blocking collective with a nonblocking one (MPI-3,
+        5.12), so a rank's ``all_reduce(t)`` against a peer's ``all_reduce(t,
+        async_op=True)`` hung both (measured with MPICH, no job timeout). The lean-ops work
+        had used MPI_Allreduce here (1.1 against 1.6 us at 8 bytes, single process)."""
         if not async_op and self.timeout is None:
             obs = _hooks.observer
             t0 = _now() if obs is not None else 0
             status = self.MPI.Status()
             try:
-                if block is not None:
-                    block()
-                else:
-                    start().Wait(status)  # MPI's own Wait; mpi4py releases the GIL
+                start().Wait(status)  # MPI's own Wait; mpi4py releases the GIL
             except (ValueError, TypeError):
                 raise
             except Exception as exc:
@@ -392,7 +388,7 @@ class MpiBackend:
     ) -> Any:
         """A call seen before takes the ready-call path: one dict lookup on (address, bytes,
         dtype, op, group) and the checks that can change between calls (a CPU, strided,
-        contiguous tensor), then MPI_Allreduce, or MPI_Iallreduce and its Handle. The key
+        contiguous tensor), then MPI_Iallreduce, waited here or returned as a Handle. The key
         holds everything the calls were built from, so a hit makes exactly the call the full
         path would; a miss, a job timeout or a tracer takes the full path below."""
         key: tuple[Any, ...] | None
@@ -410,10 +406,10 @@ class MpiBackend:
             and self.timeout is None
             and _hooks.observer is None
         ):
-            g, block, start = ready
+            g, start = ready
             try:
                 if not async_op:
-                    block()
+                    start().Wait()  # never MPI_Allreduce: see _launch
                     return tensor
                 req = start()
             except Exception as exc:
@@ -426,11 +422,10 @@ class MpiBackend:
             # The common case: nothing to stage, nothing to do afterwards.
             buf = [self._mem(t), t.numel(), mtype]
             if self.timeout is None and _hooks.observer is None:
-                block = partial(g.comm.Allreduce, self.MPI.IN_PLACE, buf, mop)
                 start = partial(g.comm.Iallreduce, self.MPI.IN_PLACE, buf, mop)
                 try:
                     if not async_op:
-                        block()
+                        start().Wait()
                     else:
                         req = start()
                 except Exception as exc:
@@ -438,7 +433,7 @@ class MpiBackend:
                 if key is not None:  # the full path accepted it: keep the calls
                     if len(self._ready) >= 4096:
                         self._ready.clear()
-                    self._ready[key] = (g, block, start)
+                    self._ready[key] = (g, start)
                 if not async_op:
                     return tensor
                 return self._handle("all_reduce", g, req, tensor, t.nbytes, None, t)
@@ -456,7 +451,6 @@ class MpiBackend:
                 t.nbytes,
                 async_op,
                 keep=t,
-                block=partial(g.comm.Allreduce, self.MPI.IN_PLACE, buf, mop),
             )
         host, back = self._host(t)
         work = host if stage is None else host.to(stage)

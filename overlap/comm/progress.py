@@ -64,7 +64,7 @@ TICK_SPIN_S = float(os.environ.get("OVERLAP_MPI_TICK_SPIN_US", "20")) * 1e-6
 class MpiOp:
     """One MPI request behind a Handle, and that Handle's completion engine."""
 
-    __slots__ = ("MPI", "deadline", "lock", "post", "rank", "req")
+    __slots__ = ("MPI", "deadline", "lock", "post", "rank", "req", "status")
 
     def __init__(
         self, MPI: Any, req: Any, post: PostFn | None, rank: int, timeout: float | None = None
@@ -74,6 +74,8 @@ class MpiOp:
         self.post = post
         self.rank = rank
         self.lock = threading.Lock()
+        # The Status the last Test or Wait filled (see _recover)
+        self.status: Any = None
         # The job timeout (init_distributed(timeout=...)): past it the op fails with
         # CommTimeoutError instead of waiting on a peer that may have died.
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -119,7 +121,7 @@ class MpiOp:
             if handle._state is not PENDING:
                 return True
             # A Status only where the post-processing reads it (irecv's sender).
-            status = None if self.post is None else self.MPI.Status()
+            status = self.status = None if self.post is None else self.MPI.Status()
             try:
                 flag = self.req.Test(status)
             except Exception as exc:
@@ -132,7 +134,18 @@ class MpiOp:
             self.lock.release()
 
     # ------------------------------------------------------------- CompletionEngine protocol
+    def _recover(self, handle: Handle) -> None:
+        """Complete ``handle`` if MPI already completed (and freed) its request while the
+        handle stayed pending: a signal (Ctrl-C) raised in the waiting thread between the
+        Test or Wait that completed it and the handle's completion. Testing the freed
+        request would report an empty status (a receive from rank -2 of 0 bytes)."""
+        if handle._state is PENDING and self.req == self.MPI.REQUEST_NULL:
+            with self.lock:
+                if handle._state is PENDING:
+                    self._complete(handle, self.status)
+
     def start(self, handle: Handle) -> None:
+        self._recover(handle)
         if self.test(handle):
             return
         loop = asyncio._get_running_loop()
@@ -142,6 +155,7 @@ class MpiOp:
             _reaper().add(self, handle)
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
+        self._recover(handle)
         if timeout is None and self.deadline is not None:
             # A job timeout is configured: poll (tightly, then backing off) up to it.
             if not self._wait_until(handle, self.deadline):
@@ -152,12 +166,19 @@ class MpiOp:
         if timeout is None:
             with self.lock:
                 if handle._state is PENDING:
-                    status = None if self.post is None else self.MPI.Status()
+                    status = self.status = None if self.post is None else self.MPI.Status()
                     try:
                         self.req.Wait(status)  # MPI's own Wait; mpi4py releases the GIL
                     except Exception as exc:
                         self._fail(handle, exc)
                         return True
+                    except (KeyboardInterrupt, SystemExit):
+                        # Ctrl-C: raised once MPI_Wait has returned (or before it began).
+                        # A completed request is MPI.REQUEST_NULL: complete the handle with
+                        # its status (a receive's sender and size), else leave it pending.
+                        if handle._state is PENDING and self.req == self.MPI.REQUEST_NULL:
+                            self._complete(handle, status)
+                        raise
                     self._complete(handle, status)
             return True
         assert timeout is not None

@@ -66,12 +66,12 @@ def _on_stream(stream: Any) -> Any:
 def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any = None) -> None:
     """Wait for ``work`` (blocking; on NCCL: order it on ``stream``), post-process, complete
     ``handle``. Raises nothing but a KeyboardInterrupt or SystemExit that a signal raised
-    here (a ``h.wait()`` on the main thread, Ctrl-C): the handle then fails with a CommError
-    saying so (whether the op and its post-processing finished is unknown: the signal
-    lands after ``Work.wait()`` returns, or inside the post-processing), and the interrupt
-    goes on to the caller. Before, it was wrapped in a CommError with an empty message and
-    the Ctrl-C was lost. The caller has registered the observation for the exit hook
-    (``_quiesce.begin``); this ends it."""
+    here (a ``h.wait()`` on the main thread, Ctrl-C), which goes on to the caller: the
+    handle completes if the Work says it has and there is no post-processing (the signal
+    lands once ``Work.wait()`` has returned), else it fails with a CommError saying it was
+    interrupted (the post-processing may have run in part). Before, the interrupt was
+    wrapped in a CommError with an empty message and the Ctrl-C was lost. The caller has
+    registered the observation for the exit hook (``_quiesce.begin``); this ends it."""
     interrupted: BaseException | None = None
     try:
         err: BaseException | None = None
@@ -82,12 +82,15 @@ def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: A
                     post()
         except (KeyboardInterrupt, SystemExit) as exc:
             interrupted = exc
-            err = CommError(
-                f"{handle.op} on rank {rank} (group {handle.group}) was interrupted "
-                f"({type(exc).__name__}) while this thread waited for it: whether it completed "
-                "is unknown, so its result must not be used"
-            )
-            err.__cause__ = exc
+            if post is None and _completed(work):
+                err = None  # the signal landed once wait() had returned: the op is done
+            else:
+                err = CommError(
+                    f"{handle.op} on rank {rank} (group {handle.group}) was interrupted "
+                    f"({type(exc).__name__}) while this thread waited for it: whether it "
+                    "completed is unknown, so its result must not be used"
+                )
+                err.__cause__ = exc
         except BaseException as exc:
             err = translate_error(exc, handle, rank)
         _inflight.untrack(handle)
@@ -96,6 +99,13 @@ def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: A
         _quiesce.end(handle)
     if interrupted is not None:
         raise interrupted
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed()) and bool(work.is_success())
+    except Exception:
+        return False
 
 
 class TorchOp:

@@ -939,18 +939,61 @@ def cast_after_build(view: bool) -> dict[str, Any]:
     return out
 
 
-def _interrupt_in(seconds: float) -> None:
+LATE_S = 2.0  # how late the peer is; the Ctrl-C comes at 0.3 s, well before
+
+
+def _interrupt_in(seconds: float) -> Any:
     """Ctrl-C to this process in ``seconds`` (the handler raises KeyboardInterrupt in the
-    main thread, at its next Python instruction)."""
+    main thread, at its next Python instruction); returns the timer, to cancel."""
     import os
     import signal
     import threading
 
-    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def interrupted_wait() -> dict[str, Any]:
+    """Ctrl-C on rank 0 in ``h.wait()`` of an all_reduce and of a receive (rank 1 is 2 s
+    late): the KeyboardInterrupt reaches the caller, and a second ``h.wait()`` returns the
+    op's result: the signal interrupts the wait, not the op (on gloo it lands once the
+    backend's wait has returned, and the handle completes then; on MPI with a job timeout
+    it lands in the polling, and the op goes on). Before, gloo's wait raised a CommError
+    with an empty message and the interrupt was lost."""
+    r = comm.get_rank()
+    out: dict[str, Any] = {}
+    t = torch.ones(2)
+    buf = torch.zeros(3)
+    if r == 0:
+        for name, h in (
+            ("all_reduce", comm.all_reduce(t, async_op=True)),
+            ("irecv", comm.irecv(buf, src=1, tag=4)),
+        ):
+            timer = _interrupt_in(0.3)
+            try:
+                h.wait()
+                out[name] = "no interrupt"
+            except KeyboardInterrupt:
+                out[name] = "KeyboardInterrupt"
+            timer.cancel()
+            value = h.wait().tolist()  # again: the op went on (or had completed)
+            out[f"{name}_after"] = (str(h.exception()), value)
+            comm.barrier()
+    else:
+        time.sleep(LATE_S)
+        comm.all_reduce(t)
+        comm.barrier()
+        if r == 1:
+            time.sleep(LATE_S)
+            comm.send(torch.full((3,), 7.0), dst=0, tag=4)
+        comm.barrier()
+    out["world"] = comm.get_world_size()
+    return out
 
 
 def interrupted_step(timeout: float) -> dict[str, Any]:
-    """Ctrl-C on rank 0 while it waits (rank 1 is 1 s late): in ``h.wait()`` of a plain
+    """Ctrl-C on rank 0 while it waits (rank 1 is 2 s late): in ``h.wait()`` of a plain
     all_reduce, then in ``synchronize()``. Before, the wait raised a CommError with an
     empty message and the Ctrl-C was lost; in synchronize() the step was dropped and the
     next synchronize() voted again, pairing with another collective on rank 1 (a timeout
@@ -964,23 +1007,9 @@ def interrupted_step(timeout: float) -> dict[str, Any]:
 
     def late() -> None:
         if r == 1:
-            time.sleep(1.0)
+            time.sleep(LATE_S)
 
-    # a plain op
-    t = torch.ones(2)
-    if r == 0:
-        h = comm.all_reduce(t, async_op=True)
-        _interrupt_in(0.3)
-        try:
-            h.wait()
-            out["wait"] = "no interrupt"
-        except KeyboardInterrupt:
-            out["wait"] = "KeyboardInterrupt"
-        out["handle"] = str(h.exception())
-    else:
-        late()
-        comm.all_reduce(t)
-    comm.barrier()
+    out.update(interrupted_wait())
     # the scheduler
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])

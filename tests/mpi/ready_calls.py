@@ -75,6 +75,38 @@ def check() -> None:
     assert raised["destroyed"] != "no error", raised
     assert torch.equal(y, torch.full((3,), 4.0)), y
 
+    # One rank blocking, the other async, on the ready path and the full path (a fresh
+    # tensor each time, then the same one): MPI does not match MPI_Allreduce with
+    # MPI_Iallreduce, and lean-ops' blocking MPI_Allreduce hung both ranks here.
+    m = torch.ones(3)
+    for i in range(4):
+        fresh = torch.ones(2)
+        for u in (fresh, m):
+            if (r + i) % 2:
+                comm.all_reduce(u)
+            else:
+                comm.all_reduce(u, async_op=True).wait()
+        assert torch.equal(fresh, torch.full((2,), 2.0)), fresh
+        assert torch.equal(m, torch.full((3,), 2.0 ** (i + 1))), m
+
+    async def mixed() -> None:
+        if r == 0:
+            await comm.all_reduce(m, async_op=True)
+        else:
+            comm.all_reduce(m)
+
+    overlap.run(mixed())
+    assert torch.equal(m, torch.full((3,), 32.0)), m
+
+    # Ctrl-C in h.wait() (rank 1 is 2 s late): MPI_Wait returns, the interrupt reaches the
+    # caller, and the handle holds the result (a receive: its sender).
+    from tests.gloo import scheduler_cases as sc
+    from tests.gloo.test_scheduler import check_interrupted_wait
+
+    interrupted = sc.interrupted_wait()
+    if r == 0:
+        check_interrupted_wait(interrupted)
+
     # A tracer attached after the call was cached still sees every op.
     z = torch.ones(2)
     comm.all_reduce(z)

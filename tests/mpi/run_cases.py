@@ -48,6 +48,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["aliased_buffers"] = _aliased_buffers
     out["object_failures"] = _object_failures
     out["split_size_types"] = _split_size_types
+    out["interrupted_wait"] = _interrupted_wait
     out["onebit_adam/standalone"] = oc.standalone_matches_reference
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
@@ -117,6 +118,15 @@ def _split_size_types() -> None:
     from tests.gloo.test_hardening import check_split_sizes
 
     check_split_sizes(hc.split_size_types())
+
+
+def _interrupted_wait() -> None:
+    from tests.gloo import scheduler_cases as sc
+    from tests.gloo.test_scheduler import check_interrupted_wait
+
+    out = sc.interrupted_wait()
+    if comm.get_rank() == 0:
+        check_interrupted_wait(out)
 
 
 def main() -> None:
