@@ -543,38 +543,34 @@ def another_ranks_state() -> dict[str, str]:
             out[name] = str(e) if mark() == before else f"changed: {e}"
 
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(r))
+
+    def train(m: nn.Module, steps: int, after: Any) -> None:
+        for _ in range(steps):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+            after()
+
+    def swap(name: str, obj: Any, mark: Any) -> None:
+        """Load rank 0's state (refused on rank 1 where it holds error feedback), then this
+        rank's own."""
+        mine = obj.state_dict()
+        load(name, obj, ranks_0s(mine), mark)
+        load(f"{name}_own", obj, mine, mark)
+
     for name, comp in (("scheduler_onebit", OneBit()), ("scheduler_none", None)):
         m = model()
         s = BucketScheduler(m, compression=comp)
-        for _ in range(2):
-            m.zero_grad()
-            m(x).pow(2).sum().backward()
-            s.synchronize()
-        mine = s.state_dict()
-        theirs = ranks_0s(mine)
-        load(f"{name}_own", s, mine, lambda s=s: str(s.state_dict()))
-        load(name, s, theirs, lambda s=s: str(s.state_dict()))
+        train(m, 2, s.synchronize)
+        swap(name, s, lambda s=s: str(s.state_dict()))
         s.remove()
     m = model()
     opt = OneBitAdam(m.parameters(), lr=1e-2, freeze_step=1)
-    for _ in range(3):
-        opt.zero_grad()
-        m(x).pow(2).sum().backward()
-        opt.step()
-    mine = opt.state_dict()
-    theirs = ranks_0s(mine)
-    load("onebit_adam", opt, theirs, lambda: str(opt.state_dict()))
-    load("onebit_adam_own", opt, mine, lambda: str(opt.state_dict()))
+    train(m, 3, opt.step)
+    swap("onebit_adam", opt, lambda: str(opt.state_dict()))
     m = model()
     dl = DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), sync_every=1, compression=Int8())
-    for _ in range(2):
-        m.zero_grad()
-        m(x).pow(2).sum().backward()
-        dl.step()
-    mine = dl.state_dict()
-    theirs = ranks_0s(mine)
-    load("diloco", dl, theirs, lambda: str(dl.state_dict()["step"]))
-    load("diloco_own", dl, mine, lambda: str(dl.state_dict()["step"]))
+    train(m, 2, dl.step)
+    swap("diloco", dl, lambda: str(dl.state_dict()["step"]))
     dl.remove()
     return out
 
