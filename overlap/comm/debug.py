@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from overlap.comm.p2p import describe
+from overlap.comm.p2p import describe, dtype_name
 from overlap.errors import CollectiveMismatchError
 
 __all__ = ["check", "enabled", "forget", "make_group", "set_enabled"]
@@ -91,15 +91,11 @@ def forget(group: Any = None) -> list[Any]:
     return [] if dbg is None else [dbg]
 
 
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
 def _one(t: torch.Tensor, uneven: bool) -> str:
-    dtype = _dtype(t)
-    if uneven:  # an all-to-all: the first dimension may differ by rank
-        return f"{dtype}[{', '.join(['*', *map(str, t.shape[1:])])}]" if t.dim() else dtype
-    return describe(t)
+    if not uneven:
+        return describe(t)
+    dtype = dtype_name(t.dtype)  # an all-to-all: the first dimension may differ by rank
+    return f"{dtype}[{', '.join(['*', *map(str, t.shape[1:])])}]" if t.dim() else dtype
 
 
 def _describe(op: str, tensors: Sequence[Any], uneven: bool = False) -> str:
@@ -112,7 +108,7 @@ def _describe(op: str, tensors: Sequence[Any], uneven: bool = False) -> str:
         elif isinstance(t, (list, tuple)):
             xs = [x for x in t if isinstance(x, torch.Tensor)]
             if uneven:
-                parts.append("[" + ",".join(_dtype(x) for x in xs) + "]")
+                parts.append("[" + ",".join(dtype_name(x.dtype) for x in xs) + "]")
             else:
                 parts.append("[" + ",".join(_one(x, False) for x in xs) + "]")
     return f"{op}({', '.join(parts)})"

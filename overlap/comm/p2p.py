@@ -22,9 +22,14 @@ MONITORED_BARRIER_TAGS = (29_998, 29_999)  # arrive, release
 PAYLOAD_TAGS = range(2**30, 2**31)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32``: a dtype as error messages and debug fingerprints name it."""
+    return str(dtype).replace("torch.", "")
+
+
 def describe(t: torch.Tensor) -> str:
     """``float32[2, 3]``: a tensor as error messages name it."""
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
 
 
 def check_tag(tag: int) -> None:

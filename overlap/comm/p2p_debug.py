@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from overlap.comm.handle import Handle
-from overlap.comm.p2p import PAYLOAD_TAGS, describe
+from overlap.comm.p2p import PAYLOAD_TAGS, describe, dtype_name
 from overlap.errors import MessageMismatchError
 
 __all__ = ["isend", "irecv"]
@@ -56,13 +56,9 @@ RawSend = Callable[[torch.Tensor, int], Handle]  # (tensor, tag), to the destina
 RawRecv = Callable[[torch.Tensor, "int | None", int], Handle]  # (tensor, src or None, tag)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _header(t: torch.Tensor, seq: int, sender: int) -> torch.Tensor:
     shape = list(t.shape)[:_DIMS]
-    name = _dtype_name(t.dtype).encode()[:_NAME].ljust(_NAME, b"\0")
+    name = dtype_name(t.dtype).encode()[:_NAME].ljust(_NAME, b"\0")
     fields = [_MAGIC, seq, sender, t.numel() * t.element_size(), t.numel(), t.dim()]
     fields += shape + [0] * (_DIMS - len(shape))
     out = torch.empty(_FIELDS, dtype=torch.int64)
@@ -144,7 +140,7 @@ def _land(
         )
     seq, frm, nbytes, numel, ndim = f[1:6]
     name = bytes(head[6 + _DIMS :].numpy().tobytes()).rstrip(b"\0").decode(errors="replace")
-    if name == _dtype_name(tensor.dtype) and numel == tensor.numel():
+    if name == dtype_name(tensor.dtype) and numel == tensor.numel():
         return frm, seq, tensor, None
     dims = f[6 : 6 + min(ndim, _DIMS)]
     sent = f"{name}{dims}" if ndim <= _DIMS else f"{name}[{numel} elements in {ndim} dims]"

@@ -134,14 +134,18 @@ class MpiOp:
             self.lock.release()
 
     # ------------------------------------------------------------- CompletionEngine protocol
+    def _freed(self, handle: Handle) -> bool:
+        """MPI completed (and freed) the request while ``handle`` stayed pending: a signal
+        (Ctrl-C) was raised in the waiting thread between the Test or Wait that completed
+        it and the handle's completion. Testing the freed request would report an empty
+        status (a receive from rank -2 of 0 bytes), so the handle is completed with
+        ``self.status``, the one that Test or Wait filled."""
+        return handle._state is PENDING and self.req == self.MPI.REQUEST_NULL
+
     def _recover(self, handle: Handle) -> None:
-        """Complete ``handle`` if MPI already completed (and freed) its request while the
-        handle stayed pending: a signal (Ctrl-C) raised in the waiting thread between the
-        Test or Wait that completed it and the handle's completion. Testing the freed
-        request would report an empty status (a receive from rank -2 of 0 bytes)."""
-        if handle._state is PENDING and self.req == self.MPI.REQUEST_NULL:
+        if self._freed(handle):
             with self.lock:
-                if handle._state is PENDING:
+                if self._freed(handle):
                     self._complete(handle, self.status)
 
     def start(self, handle: Handle) -> None:
@@ -173,10 +177,10 @@ class MpiOp:
                         self._fail(handle, exc)
                         return True
                     except (KeyboardInterrupt, SystemExit):
-                        # Ctrl-C: raised once MPI_Wait has returned (or before it began).
-                        # A completed request is MPI.REQUEST_NULL: complete the handle with
-                        # its status (a receive's sender and size), else leave it pending.
-                        if handle._state is PENDING and self.req == self.MPI.REQUEST_NULL:
+                        # Ctrl-C: raised once MPI_Wait has returned (or before it began):
+                        # complete the handle if MPI did (a receive keeps its sender and
+                        # size), else leave it pending.
+                        if self._freed(handle):
                             self._complete(handle, status)
                         raise
                     self._complete(handle, status)

@@ -761,6 +761,13 @@ def _own_average(ref: nn.Module, loss: torch.Tensor) -> torch.Tensor:
     return comm.all_reduce(want, op="avg")  # type: ignore[no-any-return]
 
 
+def _seeded_blocks(n: int) -> tuple[nn.ModuleList, nn.ModuleList]:
+    """``n`` Linear(32, 32) + Tanh blocks, alike on every rank, and a copy to reduce by hand."""
+    torch.manual_seed(5)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(n))
+    return blocks, copy.deepcopy(blocks)
+
+
 def failed_backward_drops_the_step(mode: str, compression: str, skip: bool = False) -> list[Any]:
     """Rank 0's backward raises halfway through step 1, after the later layers' gradients
     reached their buckets (some of them sent). ``mode`` "blocking": rank 0 catches it and
@@ -778,9 +785,7 @@ def failed_backward_drops_the_step(mode: str, compression: str, skip: bool = Fal
     from overlap.errors import IncompleteBackwardError
 
     r = comm.get_rank()
-    torch.manual_seed(5)
-    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6))
-    ref = copy.deepcopy(blocks)
+    blocks, ref = _seeded_blocks(6)
 
     def forward(m: nn.ModuleList, x: torch.Tensor, fail: bool) -> torch.Tensor:
         h = m[1](m[0](x))
@@ -859,9 +864,7 @@ def cancelled_backward_finishes_the_step(loop: str) -> list[Any]:
     import asyncio
 
     r = comm.get_rank()
-    torch.manual_seed(5)
-    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
-    ref = copy.deepcopy(blocks)
+    blocks, ref = _seeded_blocks(4)
 
     def forward(m: nn.ModuleList, x: torch.Tensor, slow: bool) -> torch.Tensor:
         h = m[1](m[0](x))
