@@ -321,9 +321,12 @@ class _Poller:
                         op._fail(h, exc)
             if done:
                 progressed = True
-                for k in done:
+                # MPI_Testsome packs the completed requests' statuses first: the j-th status
+                # is the j-th completed request's, not held[j]'s (reading statuses[k] gave
+                # a receive an empty status: 0 bytes from MPI_ANY_SOURCE).
+                for j, k in enumerate(done):
                     op, h = held[k]
-                    op._complete(h, statuses[k])
+                    op._complete(h, statuses[j])
             for op, h in held:
                 if h._state is PENDING and op.overdue():
                     op.expire(h)

@@ -6,6 +6,7 @@ Prints one line per rank, ``RESULT {json}``: {case: "ok" | traceback}. Usage:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 import threading
@@ -15,6 +16,7 @@ from typing import Any
 
 import overlap
 from overlap import comm
+from overlap.errors import CommError
 from tests.gloo import bad_input_cases, cases
 from tests.gloo import contract_cases as cc
 from tests.gloo import diloco_cases as dl
@@ -25,6 +27,8 @@ from tests.gloo import reliability_cases as rc
 from tests.mpi import mpi_cases
 
 MODES = ["blocking", "wait", "uvloop", "asyncio"]
+JOB_TIMEOUT_S = 60
+WATCHDOG_S = 45
 
 
 def checks() -> dict[str, Callable[[], Any]]:
@@ -131,7 +135,7 @@ def _interrupted_wait() -> None:
 
 def main() -> None:
     backend = sys.argv[1] if len(sys.argv) > 1 else "mpi"
-    overlap.init_distributed(dist_backend=backend, timeout=60)
+    overlap.init_distributed(dist_backend=backend, timeout=JOB_TIMEOUT_S)
     results: dict[str, Any] = {
         "rank": comm.get_rank(),
         "world": comm.get_world_size(),
@@ -139,12 +143,20 @@ def main() -> None:
     }
     threads_before = threading.active_count()
     for name, fn in checks().items():
+        # A case stuck past WATCHDOG_S prints every thread's stack (the case's frames
+        # name it) before a peer's barrier reaches the job timeout and mpiexec kills all.
+        faulthandler.dump_traceback_later(WATCHDOG_S)
         try:
             fn()
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()[-3000:]
-        comm.barrier()
+        try:
+            comm.barrier()
+        except CommError as exc:
+            raise RuntimeError(f"rank {comm.get_rank()}: the barrier after {name} failed") from exc
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     results["threads_before"] = threads_before
     results["threads_after"] = threading.active_count()
     if comm.get_world_size() == 3:

@@ -28,7 +28,7 @@ def run_all(n: int) -> list[dict[str, Any]]:
         results = [
             json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")
         ]
-        assert out.returncode == 0 and len(results) == n, out.stdout[-3000:] + out.stderr[-3000:]
+        assert out.returncode == 0 and len(results) == n, out.stdout[-3000:] + out.stderr[-12000:]
         _runs[n] = sorted(results, key=lambda d: d["rank"])
     return _runs[n]
 
@@ -197,7 +197,7 @@ def test_an_error_on_one_rank_stops_every_rank_on_mpi() -> None:
     t0 = time.monotonic()
     out = mpiexec(2, "-m", "tests.mpi.out_of_step", timeout=120)
     lines = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and len(lines) == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0 and len(lines) == 1, out.stdout[-3000:] + out.stderr[-12000:]
     results = json.loads(lines[0])
     for where in ("start", "between"):
         assert results[0][where] == ["ok", "RuntimeError", "OutOfStepError", "OutOfStepError"]
