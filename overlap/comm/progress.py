@@ -284,53 +284,67 @@ class _Poller:
             self._cursor = end if end < n else front_end
         return idx
 
+    @staticmethod
+    def _test_held(held: list[tuple[MpiOp, Handle]]) -> bool:
+        """One ``Testsome`` over ``held`` (their locks held): complete what finished, expire
+        what is overdue; True if any handle finished."""
+        MPI = held[0][0].MPI
+        reqs = [op.req for op, _ in held]
+        statuses = [MPI.Status() for _ in held]
+        progressed = False
+        try:
+            done = MPI.Request.Testsome(reqs, statuses)
+        except Exception as exc:
+            # Testsome reports errors for the whole batch: test one by one to place them.
+            done = None
+            for op, h in held:
+                try:
+                    st = MPI.Status()
+                    if op.req.Test(st):
+                        op._complete(h, st)
+                except Exception:
+                    op._fail(h, exc)
+        if done:
+            progressed = True
+            # MPI_Testsome packs the completed requests' statuses first: the j-th status is
+            # the j-th completed request's, not held[j]'s (reading statuses[k] gave a
+            # receive an empty status: 0 bytes from MPI_ANY_SOURCE).
+            for j, k in enumerate(done):
+                op, h = held[k]
+                op._complete(h, statuses[j])
+        for op, h in held:
+            if h._state is PENDING and op.overdue():
+                op.expire(h)
+                progressed = True
+        return progressed
+
     def _poll(self) -> bool:
         """Test a window of pending requests once; return True if anything completed."""
         if not self.has_pending():
             return False
         pending = self._pending
         progressed = False
-        held: list[tuple[MpiOp, Handle]] = []
-        for i in self._window():
-            op, h = pending[i]
-            if h._state is not PENDING:
-                progressed = True
-                continue
-            if op.lock.acquire(blocking=False):
+        held: list[MpiOp] = []  # ops whose lock this poll holds
+        live: list[tuple[MpiOp, Handle]] = []
+        try:
+            for i in self._window():
+                op, h = pending[i]
                 if h._state is not PENDING:
-                    op.lock.release()
                     progressed = True
-                    continue
-                held.append((op, h))
-            # else: a thread is waiting on it right now; it stays in the list
-        if held:
-            MPI = held[0][0].MPI
-            reqs = [op.req for op, _ in held]
-            statuses = [MPI.Status() for _ in held]
-            try:
-                done = MPI.Request.Testsome(reqs, statuses)
-            except Exception as exc:
-                # Testsome reports errors for the whole batch: test one by one to place them.
-                done = None
-                for op, h in held:
-                    try:
-                        st = MPI.Status()
-                        if op.req.Test(st):
-                            op._complete(h, st)
-                    except Exception:
-                        op._fail(h, exc)
-            if done:
-                progressed = True
-                # MPI_Testsome packs the completed requests' statuses first: the j-th status
-                # is the j-th completed request's, not held[j]'s (reading statuses[k] gave
-                # a receive an empty status: 0 bytes from MPI_ANY_SOURCE).
-                for j, k in enumerate(done):
-                    op, h = held[k]
-                    op._complete(h, statuses[j])
-            for op, h in held:
-                if h._state is PENDING and op.overdue():
-                    op.expire(h)
-                    progressed = True
+                elif op.lock.acquire(blocking=False):
+                    held.append(op)
+                    if h._state is PENDING:
+                        live.append((op, h))
+                    else:  # completed by another thread meanwhile
+                        progressed = True
+                # else: a thread is waiting on it right now; it stays in the list
+            if live:
+                progressed = self._test_held(live) or progressed
+        finally:
+            # Released even when a signal (a second Ctrl-C under asyncio.Runner, an
+            # interrupt in a notebook) is raised on this thread mid-poll: a lock left held
+            # hung every later wait() on its handle (3 runs in 8 of a SIGINT storm).
+            for op in held:
                 op.lock.release()
         if not self.has_pending():  # everything finished: release the list
             self._pending, self._head, self._cursor = [], 0, 0

@@ -37,7 +37,7 @@ from typing import Any
 from overlap.comm import inflight as _inflight
 from overlap.comm import quiesce as _quiesce
 from overlap.comm import state as _state
-from overlap.comm.handle import Handle
+from overlap.comm.handle import PENDING, Handle
 from overlap.errors import CommError
 
 __all__ = ["TorchOp", "WaiterPool", "fail_in_flight", "translate_error"]
@@ -45,7 +45,7 @@ __all__ = ["TorchOp", "WaiterPool", "fail_in_flight", "translate_error"]
 log = logging.getLogger(__name__)
 
 PostFn = Callable[[], object]
-_Item = tuple[Any, Handle, "PostFn | None", int, Any]
+_Item = tuple["TorchOp", Handle]
 
 
 def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseException:
@@ -127,7 +127,7 @@ class TorchOp:
     An op of a job that was destroyed since it was issued fails with CommError.
     """
 
-    __slots__ = ("_claimed", "_lock", "future", "gen", "post", "rank", "stream", "work")
+    __slots__ = ("_claimed", "_lock", "_taken", "future", "gen", "post", "rank", "stream", "work")
 
     def __init__(
         self,
@@ -144,6 +144,7 @@ class TorchOp:
         self.future = future and post is None and stream is None
         self.gen = _state.generation
         self._claimed = False
+        self._taken = False
         self._lock = threading.Lock()
 
     def _claim(self) -> bool:
@@ -162,6 +163,31 @@ class TorchOp:
     def start(self, handle: Handle) -> None:
         if self._stale(handle) or not self._claim():
             return
+        try:
+            self._hand_off(handle)
+        except BaseException:
+            self._unclaim(handle)
+            raise
+
+    def _unclaim(self, handle: Handle) -> None:
+        """A signal (Ctrl-C in a notebook, a second one under asyncio.Runner) was raised on
+        this thread between the claim and the hand-off: give the claim back, so the next
+        ``wait()`` or ``await`` hands the Work off again. Before, the handle stayed pending
+        for good (a SIGINT storm over 16 awaited receives left 2 pending in 1 round of 9).
+        A hand-off that had taken is harmless to repeat: the future's callback completes
+        the handle idempotently and a pool thread observes the Work only once (``_take``)."""
+        if handle._state is PENDING:
+            self._claimed = False
+
+    def _take(self) -> bool:
+        """The one observation of the Work: only its first caller may call ``wait()``."""
+        with self._lock:
+            if self._taken:
+                return False
+            self._taken = True
+            return True
+
+    def _hand_off(self, handle: Handle) -> None:
         _inflight.track(handle)
         # Registered before the observation can start, ended by its last Python line: exit
         # waits for it (overlap/comm/quiesce.py).
@@ -187,17 +213,30 @@ class TorchOp:
                 fut.add_done_callback(done)
                 return
         try:
-            get_pool().submit(self.work, handle, self.post, self.rank, self.stream)
+            get_pool().submit(self, handle)
         except BaseException:
             _quiesce.end(handle)
             raise
+
+    def observe_once(self, handle: Handle) -> bool:
+        """Observe the Work (see :func:`observe`) unless another thread already does;
+        False if one does."""
+        if not self._take():
+            return False
+        observe(self.work, handle, self.post, self.rank, self.stream)
+        return True
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
         if self._stale(handle):
             return True
         if timeout is None and self._claim():
-            _quiesce.begin(handle)
-            observe(self.work, handle, self.post, self.rank, self.stream)
+            try:
+                _quiesce.begin(handle)
+                if not self.observe_once(handle):  # a pool thread took it before an interrupt
+                    handle._block_until_done(None)
+            except BaseException:
+                self._unclaim(handle)
+                raise
             return True
         self.start(handle)
         return handle._block_until_done(timeout)
@@ -229,22 +268,15 @@ class WaiterPool:
     def num_threads(self) -> int:
         return len(self._threads)
 
-    def submit(
-        self,
-        work: Any,
-        handle: Handle,
-        post: PostFn | None,
-        rank: int,
-        stream: Any = None,
-    ) -> None:
-        """Arrange for ``handle`` to complete when ``work`` does. Non-blocking."""
+    def submit(self, op: TorchOp, handle: Handle) -> None:
+        """Arrange for ``handle`` to complete when ``op``'s Work does. Non-blocking."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the communication backend was shut down")
             self._outstanding += 1
             if self._outstanding > len(self._threads):
                 self._spawn()
-        self._queue.put((work, handle, post, rank, stream))
+        self._queue.put((op, handle))
 
     def _spawn(self) -> None:
         self._serial += 1
@@ -269,7 +301,7 @@ class WaiterPool:
             if item is None:
                 return
             try:
-                observe(*item)
+                item[0].observe_once(item[1])
             finally:
                 with self._lock:
                     self._outstanding -= 1

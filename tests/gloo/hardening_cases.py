@@ -618,3 +618,63 @@ def split_size_types() -> dict[str, str]:
     comm.all_reduce(t)  # still in step
     out["after"] = "ok" if t.item() == w else str(t.item())
     return out
+
+
+def interrupted_hand_off() -> dict[str, Any]:
+    """A KeyboardInterrupt raised between a handle's claim of its Work and the hand-off to
+    a waiter thread or the future's callback (injected: ``quiesce.begin``, which runs in
+    that window, raises once), for ``h.wait()``, ``h.wait(timeout)`` and ``await h`` of a
+    receive and an ``await`` of an all_reduce: the interrupt reaches the caller, and the
+    next wait returns the op's result. Before, the claim was kept with nobody observing
+    the Work, and the handle stayed pending for good (a SIGINT storm over awaited receives
+    did this in about 1 round in 24)."""
+    from overlap.comm import quiesce
+
+    r = comm.get_rank()
+    out: dict[str, Any] = {}
+    modes = ("wait", "wait_timeout", "await", "await_all_reduce")
+    for mode in modes:
+        collective = mode == "await_all_reduce"
+        if r != 0:
+            if collective:
+                comm.all_reduce(torch.ones(2))
+            else:
+                comm.recv(torch.zeros(1), src=0, tag=8)
+                comm.send(torch.full((2,), 3.0), dst=0, tag=7)
+            continue
+        h = (
+            comm.all_reduce(torch.ones(2), async_op=True)
+            if collective
+            else comm.irecv(torch.zeros(2), src=1, tag=7)
+        )
+        begin = quiesce.begin
+
+        def interrupt(handle: Any) -> None:
+            quiesce.begin = begin
+            raise KeyboardInterrupt
+
+        quiesce.begin = interrupt
+        try:
+            if mode == "wait":
+                h.wait()
+            elif mode == "wait_timeout":
+                h.wait(timeout=10)
+            else:
+                overlap.run(_awaited(h))
+            out[mode] = "no interrupt"
+        except KeyboardInterrupt:
+            out[mode] = "KeyboardInterrupt"
+        finally:
+            quiesce.begin = begin
+        if not collective:
+            comm.send(torch.ones(1), dst=1, tag=8)  # now rank 1 sends
+        try:
+            out[f"{mode}_after"] = h.wait(timeout=10).tolist()
+        except CommError as e:
+            out[f"{mode}_after"] = type(e).__name__
+    comm.barrier()
+    return out
+
+
+async def _awaited(h: Any) -> Any:
+    return await h

@@ -171,6 +171,21 @@ def test_a_rank_refuses_another_ranks_error_feedback(pools: Callable[[int], Rank
         assert out["onebit_adam_own"] == "ok" and out["diloco_own"] == "ok", out
 
 
+def test_an_interrupt_between_claim_and_hand_off_leaves_the_handle_waitable(
+    pools: Callable[[int], RankPool],
+) -> None:
+    check_interrupted_hand_off(pools(2).run(hc.interrupted_hand_off, timeout=90)[0])
+
+
+def check_interrupted_hand_off(out: dict[str, object]) -> None:
+    """Rank 0's side of hardening_cases.interrupted_hand_off."""
+    for mode in ("wait", "wait_timeout", "await"):
+        assert out[mode] == "KeyboardInterrupt", out
+        assert out[f"{mode}_after"] == [3.0, 3.0], out
+    assert out["await_all_reduce"] == "KeyboardInterrupt", out
+    assert out["await_all_reduce_after"] == [2.0, 2.0], out
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_split_sizes_of_any_sequence_type(
     pools: Callable[[int], RankPool], world_size: int

@@ -191,6 +191,72 @@ def receive_completed_out_of_order_keeps_its_status() -> None:
     overlap.run(main())
 
 
+def interrupts_never_wedge_the_engine(rounds: int = 3, storm_s: float = 0.4) -> None:
+    """KeyboardInterrupts raised on the loop's thread at random points while the progress
+    engine polls 16 pending receives (a SIGINT every millisecond, each round's storm
+    shorter than the engine's busy phase): afterwards every receive still completes. Before,
+    an interrupt raised between a poll's lock acquisition and its release left the op's
+    lock held, and every later wait() on that handle hung (3 runs in 8)."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    if w < 2 or r > 1:
+        comm.barrier()
+        return
+    n = 16
+    for rnd in range(rounds):
+        tags = [1000 + 100 * rnd + i for i in range(n)]
+        if r == 1:
+            comm.recv(torch.zeros(1), src=0, tag=999)
+            for i, tag in enumerate(tags):
+                comm.send(torch.full((1,), float(i)), dst=0, tag=tag)
+            continue
+        loop = asyncio.new_event_loop()
+        try:
+            bufs = [torch.zeros(1) for _ in range(n)]
+            hs = [comm.irecv(b, src=1, tag=tag) for b, tag in zip(bufs, tags, strict=True)]
+            task = loop.create_task(_gather(hs))  # the engine now polls all 16
+            hits = _sigint_storm(loop, storm_s)
+            task.cancel()
+        finally:
+            loop.close()
+        comm.send(torch.ones(1), dst=1, tag=999)
+        got = [float(h.wait(timeout=10)[0]) for h in hs]
+        assert got == [float(i) for i in range(n)] and hits > 10, (got, hits)
+    comm.barrier()
+
+
+async def _gather(hs: list[Any]) -> None:
+    await asyncio.gather(*hs)
+
+
+def _sigint_storm(loop: asyncio.AbstractEventLoop, seconds: float) -> int:
+    """Run ``loop`` while another thread sends this process SIGINT every millisecond for
+    ``seconds``; return how many KeyboardInterrupts the loop raised."""
+    import os
+    import signal
+
+    pid = os.getpid()
+    stop = time.monotonic() + seconds
+
+    def kick() -> None:
+        while time.monotonic() < stop:
+            os.kill(pid, signal.SIGINT)
+            time.sleep(1e-3)
+
+    hits = 0
+    kicker = threading.Thread(target=kick)
+    try:
+        kicker.start()
+    except KeyboardInterrupt:
+        hits += 1
+    while time.monotonic() < stop + 0.1:  # the last signal lands within this margin
+        try:
+            loop.run_until_complete(asyncio.sleep(0.02))
+        except KeyboardInterrupt:
+            hits += 1
+    kicker.join()
+    return hits
+
+
 def tag_above_tag_ub_is_refused() -> None:
     """A tag above MPI_TAG_UB (MPICH: 2**29 - 1, below overlap's own 2**30 limit) is refused
     with a ValueError naming the limit, before anything is posted (MPI said "Invalid tag"
@@ -219,6 +285,7 @@ CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/large_count_refused_without_support": large_count_refused_without_support,
     "mpi/wait_with_timeout_then_complete": wait_with_timeout_then_complete,
     "mpi/out_of_order_receive_is_seen": out_of_order_receive_is_seen,
+    "mpi/interrupts_never_wedge_the_engine": interrupts_never_wedge_the_engine,
     "mpi/receive_completed_out_of_order_keeps_its_status": (
         receive_completed_out_of_order_keeps_its_status
     ),
