@@ -633,6 +633,12 @@ def interrupted_hand_off() -> dict[str, Any]:
     r = comm.get_rank()
     out: dict[str, Any] = {}
     modes = ("wait", "wait_timeout", "await", "await_all_reduce")
+    begin = quiesce.begin
+
+    def interrupt(handle: Any) -> None:
+        quiesce.begin = begin
+        raise KeyboardInterrupt
+
     for mode in modes:
         collective = mode == "await_all_reduce"
         if r != 0:
@@ -647,12 +653,6 @@ def interrupted_hand_off() -> dict[str, Any]:
             if collective
             else comm.irecv(torch.zeros(2), src=1, tag=7)
         )
-        begin = quiesce.begin
-
-        def interrupt(handle: Any) -> None:
-            quiesce.begin = begin
-            raise KeyboardInterrupt
-
         quiesce.begin = interrupt
         try:
             if mode == "wait":

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +111,23 @@ def test_host_placement_from_processor_names_and_torchrun_env(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("GROUP_RANK", "2")
     assert _env_placement() == (4, 2)
+
+
+def test_pid_alive_counts_a_zombie_as_ended() -> None:
+    """The leftover sweeps ask pid_alive whether a region's or a namespace's creator is
+    gone: a creator that exited but is not reaped yet (a rank killed with its launcher)
+    is gone. Before, it counted as alive and its /dev/shm regions were left behind."""
+    from overlap.runtime import pid_alive
+
+    assert pid_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        deadline = time.monotonic() + 30
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        assert not pid_alive(child.pid)
+    finally:
+        child.wait()
+    assert not pid_alive(child.pid)
