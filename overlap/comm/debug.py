@@ -8,8 +8,8 @@ name, and every tensor's dtype and shape. If any rank differs, every rank raises
 issued, instead of hanging in (or silently mis-reducing) the real collective.
 
 It costs one small blocking all_gather per collective: a mode for finding bugs, not for
-training runs. Point-to-point messages on gloo get a header instead, checked where the
-message lands (overlap.comm.p2p_debug).
+training runs. Point-to-point messages (gloo, and MPI on the CPU) get a header instead,
+checked where the message lands (overlap.comm.p2p_debug).
 
 Each group has its own debug group and sequence counter, keyed by the group itself, not by
 its ranks: the BucketScheduler's two groups have the world's ranks, and their checks run on

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
+from overlap.comm import debug as _debug
 from overlap.comm import hooks as _hooks
+from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm.aliasing import apart
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import EVENT_ENGINE, Handle
@@ -825,6 +827,18 @@ class MpiBackend:
         dest = self._peer(dst, "dst", g)
         if tag > self.tag_ub:
             raise self._tag_refused(tag)
+        if _debug._enabled and _p2p_debug.is_framed(t):
+            frame = _p2p_debug.frame(t, self.global_rank)  # debug mode: a header in front
+            sent: Handle = self._launch(
+                "isend",
+                g,
+                lambda: g.comm.Isend(self._buf(frame), dest, tag),
+                t,
+                nbytes_of(t),
+                True,
+                keep=frame,
+            )
+            return sent
         host, _ = self._host(t)
         h: Handle = self._launch(
             "isend",
@@ -843,6 +857,8 @@ class MpiBackend:
         source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
         if tag > self.tag_ub:
             raise self._tag_refused(tag)
+        if _debug._enabled and _p2p_debug.is_framed(t):
+            return self._framed_irecv(t, source, g, tag, sender)
         host, back = self._host(t, copy_in=False)
         want = nbytes_of(t)
         me = self.global_rank
@@ -871,6 +887,31 @@ class MpiBackend:
             True,
             post,
             keep=host,
+        )
+        return h
+
+    def _framed_irecv(
+        self, t: torch.Tensor, source: int, g: MpiGroup, tag: int, sender: list[int]
+    ) -> Handle:
+        """Debug mode's receive (overlap.comm.p2p_debug.frame): into a buffer for the header
+        and the payload; the tensor gets the payload only if the header says it fits. A
+        message larger than the buffer is MPI's truncation error, the tensor unchanged."""
+        frame = torch.empty(_p2p_debug.FRAME_HEADER_BYTES + nbytes_of(t), dtype=torch.uint8)
+        me = self.global_rank
+
+        def post(status: Any) -> None:
+            got = status.Get_count(self.MPI.BYTE)
+            sender.append(_p2p_debug.land_frame(frame, got, t, tag, me))
+
+        h: Handle = self._launch(
+            "irecv",
+            g,
+            lambda: g.comm.Irecv(self._buf(frame), source, tag),
+            t,
+            nbytes_of(t),
+            True,
+            post,
+            keep=frame,
         )
         return h
 

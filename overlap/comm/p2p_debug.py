@@ -1,4 +1,5 @@
-"""Debug mode for point-to-point messages on gloo: a header before each message.
+"""Debug mode for point-to-point messages: a header before each message (gloo; MPI: see
+:func:`frame`).
 
 gloo reports nothing about a received message's size. A receive into a larger tensor is
 filled partly and completes as if nothing were wrong; one into a smaller tensor makes gloo
@@ -44,13 +45,14 @@ from overlap.comm.handle import Handle
 from overlap.comm.p2p import PAYLOAD_TAGS, describe, dtype_name
 from overlap.errors import MessageMismatchError
 
-__all__ = ["isend", "irecv"]
+__all__ = ["FRAME_HEADER_BYTES", "frame", "irecv", "isend", "land_frame"]
 
 _MAGIC = 0x6F766C7064626731  # "ovlpdbg1"
 _FIELDS = 16  # int64s: magic, seq, sender, nbytes, numel, ndim, 7 dims, 3 for the dtype's name
 _DIMS = 7
 _NAME = 24  # bytes of the dtype's name
 _seq = itertools.count()
+FRAME_HEADER_BYTES = _FIELDS * 8
 
 RawSend = Callable[[torch.Tensor, int], Handle]  # (tensor, tag), to the destination
 RawRecv = Callable[[torch.Tensor, "int | None", int], Handle]  # (tensor, src or None, tag)
@@ -152,6 +154,39 @@ def _land(
         ranks=[frm, me],
     )
     return frm, seq, torch.empty(nbytes, dtype=torch.uint8), err
+
+
+def frame(tensor: torch.Tensor, me: int) -> torch.Tensor:
+    """Debug mode's message on MPI: the header and the payload in one byte buffer.
+
+    MPI keeps messages between two ranks on one tag in order, and reports a received
+    message's byte count, so on MPI one message carries both (one copy each way, in debug
+    mode only) and no payload tags are needed: MPI's largest tag (MPICH: 2**29 - 1) is below
+    gloo's payload range, and reserving tags of the user's range was the alternative."""
+    nbytes = tensor.numel() * tensor.element_size()
+    out = torch.empty(FRAME_HEADER_BYTES + nbytes, dtype=torch.uint8)
+    out[:FRAME_HEADER_BYTES] = _header(tensor, next(_seq), me).view(torch.uint8)
+    if nbytes:
+        out[FRAME_HEADER_BYTES:] = tensor.reshape(-1).view(torch.uint8)
+    return out
+
+
+def land_frame(buf: torch.Tensor, got: int, tensor: torch.Tensor, tag: int, me: int) -> int:
+    """Land a received :func:`frame` of ``got`` bytes in ``tensor``; return the sender's
+    rank. Raises MessageMismatchError, with ``tensor`` unchanged, for a message of another
+    dtype or element count, or one with no header (a sender not in debug mode)."""
+    head = buf[:FRAME_HEADER_BYTES].view(torch.int64)
+    if got < FRAME_HEADER_BYTES:
+        head = torch.zeros(_FIELDS, dtype=torch.int64)  # no header: _land says so
+    frm, _, _, err = _land(head, tensor, tag, me)
+    if err is not None:
+        raise err
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes:
+        tensor.reshape(-1).view(torch.uint8).copy_(
+            buf[FRAME_HEADER_BYTES : FRAME_HEADER_BYTES + nbytes]
+        )
+    return frm
 
 
 def is_framed(tensor: Any) -> bool:

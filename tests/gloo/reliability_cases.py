@@ -58,12 +58,13 @@ def mismatch_is_detected() -> dict[str, Any]:
     return out
 
 
-def message_mismatch_is_detected() -> dict[str, Any]:
-    """Rank 0 sends rank 1 (tag 5) messages that do not fit the receive, in debug mode,
-    then messages that do. Rank 1's outcome per case: ``("ok", sender, values)`` or
-    ``(error class, error ranks, message, the receiving tensor after)``."""
+def message_mismatch_is_detected(in_debug_mode: bool = True) -> dict[str, Any]:
+    """Rank 0 sends rank 1 (tag 5) messages that do not fit the receive, in debug mode
+    unless told otherwise, then messages that do. Rank 1's outcome per case: ``("ok",
+    sender, values)`` or ``(error class, error ranks, message, the receiving tensor
+    after)``."""
     r = comm.get_rank()
-    debug.set_enabled(True)
+    debug.set_enabled(in_debug_mode)
     out: dict[str, Any] = {}
     f32, i32 = torch.float32, torch.int32
     cases = [  # name, sent shape, receiving shape and dtype, receive from any rank

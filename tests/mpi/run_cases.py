@@ -49,6 +49,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["multiphase_without_waiter"] = hc.multiphase_progress_without_waiter
     out["debug_mode"] = _debug_mode
     out["message_mismatch"] = _message_mismatch
+    out["message_mismatch/debug_mode"] = _message_mismatch_in_debug_mode
     out["aliased_buffers"] = _aliased_buffers
     out["object_failures"] = _object_failures
     out["split_size_types"] = _split_size_types
@@ -90,9 +91,9 @@ def _debug_mode() -> None:
 def _message_mismatch() -> None:
     """MPI reports a received message's size: a receive larger than the message raises
     MessageMismatchError (MPI wrote the message's bytes, the rest is unchanged), a smaller
-    one CommError (MPI's truncation); a dtype mismatch of one size is not seen (MPI moves
-    bytes; gloo's debug-mode headers catch it)."""
-    out = rc.message_mismatch_is_detected()
+    one CommError (MPI's truncation). Outside debug mode a dtype mismatch of one size is
+    not seen (MPI moves bytes)."""
+    out = rc.message_mismatch_is_detected(in_debug_mode=False)
     if comm.get_rank() != 1:
         return
     kind, ranks, msg, after = out["bigger"]
@@ -105,6 +106,17 @@ def _message_mismatch() -> None:
     assert out["reshaped"] == ("ok", 0, [1.0, 2.0, 3.0, 4.0]), out
     assert out["after"] == ("ok", 0, [1.0, 2.0, 3.0, 4.0]), out
     assert out["in_flight"] == [[2.0, 2.0], [3.0, 3.0, 3.0]], out
+
+
+def _message_mismatch_in_debug_mode() -> None:
+    """In debug mode each message carries a header (overlap.comm.p2p_debug.frame): a dtype
+    or size mismatch is MessageMismatchError naming both, the tensor unchanged, as on gloo;
+    a message larger than the receive is MPI's truncation error, the tensor unchanged."""
+    from tests.gloo.test_reliability import check_message_mismatch
+
+    out = rc.message_mismatch_is_detected()
+    if comm.get_rank() == 1:
+        check_message_mismatch(out, smaller_is_truncated=True)
 
 
 def _aliased_buffers() -> None:
