@@ -828,26 +828,17 @@ class MpiBackend:
         if tag > self.tag_ub:
             raise self._tag_refused(tag)
         if _debug._enabled and _p2p_debug.is_framed(t):
-            frame = _p2p_debug.frame(t, self.global_rank)  # debug mode: a header in front
-            sent: Handle = self._launch(
-                "isend",
-                g,
-                lambda: g.comm.Isend(self._buf(frame), dest, tag),
-                t,
-                nbytes_of(t),
-                True,
-                keep=frame,
-            )
-            return sent
-        host, _ = self._host(t)
+            buf = _p2p_debug.frame(t, self.global_rank)  # debug mode: a header in front
+        else:
+            buf, _ = self._host(t)
         h: Handle = self._launch(
             "isend",
             g,
-            lambda: g.comm.Isend(self._buf(host), dest, tag),
+            lambda: g.comm.Isend(self._buf(buf), dest, tag),
             t,
             nbytes_of(t),
             True,
-            keep=host,
+            keep=buf,
         )
         return h
 

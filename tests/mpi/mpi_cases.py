@@ -123,13 +123,22 @@ def onebit_gather_pattern_matches_reference() -> None:
     cc.segmented_onebit_is_consistent()
 
 
+def _pair_rank() -> int | None:
+    """This rank, for a check between ranks 0 and 1 that takes one world barrier; the
+    others take theirs here and get None."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    if w < 2 or r > 1:
+        comm.barrier()
+        return None
+    return r
+
+
 def out_of_order_receive_is_seen() -> None:
     """The progress engine tests the oldest pending requests and a rotating window over the
     rest (overlap.comm.progress): a receive posted behind 100 that never complete still
     completes when its message comes, while the older ones stay pending."""
-    r, w = comm.get_rank(), comm.get_world_size()
-    if w < 2 or r > 1:
-        comm.barrier()
+    r = _pair_rank()
+    if r is None:
         return
 
     async def main() -> None:
@@ -161,9 +170,8 @@ def receive_completed_out_of_order_keeps_its_status() -> None:
     the engine read the status at the request's index, an empty one (a message of 0 bytes
     from MPI_ANY_SOURCE), and the receive failed with MessageMismatchError (about one run in
     four of run_cases on 3 ranks; before the size check it only named the wrong sender)."""
-    r, w = comm.get_rank(), comm.get_world_size()
-    if w < 2 or r > 1:
-        comm.barrier()
+    r = _pair_rank()
+    if r is None:
         return
 
     async def main() -> None:
@@ -197,9 +205,8 @@ def interrupts_never_wedge_the_engine(rounds: int = 3, storm_s: float = 0.4) -> 
     shorter than the engine's busy phase): afterwards every receive still completes. Before,
     an interrupt raised between a poll's lock acquisition and its release left the op's
     lock held, and every later wait() on that handle hung (3 runs in 8)."""
-    r, w = comm.get_rank(), comm.get_world_size()
-    if w < 2 or r > 1:
-        comm.barrier()
+    r = _pair_rank()
+    if r is None:
         return
     n = 16
     for rnd in range(rounds):
