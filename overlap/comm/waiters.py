@@ -127,7 +127,7 @@ class TorchOp:
     An op of a job that was destroyed since it was issued fails with CommError.
     """
 
-    __slots__ = ("_claimed", "_lock", "_taken", "future", "gen", "post", "rank", "stream", "work")
+    __slots__ = ("_claimed", "_taken", "future", "gen", "post", "rank", "stream", "work")
 
     def __init__(
         self,
@@ -143,16 +143,12 @@ class TorchOp:
         self.stream = stream  # NCCL: the CUDA stream current at issue, None otherwise
         self.future = future and post is None and stream is None
         self.gen = _state.generation
-        self._claimed = False
-        self._taken = False
-        self._lock = threading.Lock()
+        # Two atomic test-and-set flags: a lock is held once its flag is set
+        self._claimed = threading.Lock()  # someone hands the Work off (can be given back)
+        self._taken = threading.Lock()  # a thread observes the Work (for good)
 
     def _claim(self) -> bool:
-        with self._lock:
-            if self._claimed:
-                return False
-            self._claimed = True
-            return True
+        return self._claimed.acquire(blocking=False)
 
     def _stale(self, handle: Handle) -> bool:
         if self.gen == _state.generation:
@@ -177,15 +173,11 @@ class TorchOp:
         A hand-off that had taken is harmless to repeat: the future's callback completes
         the handle idempotently and a pool thread observes the Work only once (``_take``)."""
         if handle._state is PENDING:
-            self._claimed = False
+            self._claimed.release()
 
     def _take(self) -> bool:
         """The one observation of the Work: only its first caller may call ``wait()``."""
-        with self._lock:
-            if self._taken:
-                return False
-            self._taken = True
-            return True
+        return self._taken.acquire(blocking=False)
 
     def _hand_off(self, handle: Handle) -> None:
         _inflight.track(handle)
