@@ -104,4 +104,3 @@ def _ended(pid: int) -> bool:
     # "pid (comm) state ...": the command name may itself hold ") ", so the last one ends it
     end = stat.rfind(b")")
     return stat[end + 2 : end + 3] == b"Z"
-    return True

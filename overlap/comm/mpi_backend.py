@@ -887,7 +887,8 @@ class MpiBackend:
         """Debug mode's receive (overlap.comm.p2p_debug.frame): into a buffer for the header
         and the payload; the tensor gets the payload only if the header says it fits. A
         message larger than the buffer is MPI's truncation error, the tensor unchanged."""
-        frame = torch.empty(_p2p_debug.FRAME_HEADER_BYTES + nbytes_of(t), dtype=torch.uint8)
+        want = nbytes_of(t)
+        frame = torch.empty(_p2p_debug.FRAME_HEADER_BYTES + want, dtype=torch.uint8)
         me = self.global_rank
 
         def post(status: Any) -> None:
@@ -899,7 +900,7 @@ class MpiBackend:
             g,
             lambda: g.comm.Irecv(self._buf(frame), source, tag),
             t,
-            nbytes_of(t),
+            want,
             True,
             post,
             keep=frame,
