@@ -7,7 +7,6 @@ Each rank issues several all_reduces at once, keeps computing, then awaits them 
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import torch
@@ -21,7 +20,7 @@ async def main() -> None:
     grads = [torch.full((1024,), float(rank + i)) for i in range(4)]
     handles = [comm.all_reduce(g, op="avg", async_op=True) for g in grads]
     busy = torch.randn(256, 256) @ torch.randn(256, 256)  # compute while the ops fly
-    results = await asyncio.gather(*handles)
+    results = await comm.collect_all(handles)  # one Handle for all four
     want = [(world - 1) / 2 + i for i in range(4)]
     assert [r[0].item() for r in results] == want, results
     if rank == 0:

@@ -15,7 +15,6 @@ await/torch measured side by side in the same run.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -194,7 +193,7 @@ def bench_ops_rank(
                         else:
                             h = issue(True)
                             if isinstance(h, list):
-                                await asyncio.gather(*h)
+                                await comm.collect_all(h)
                             else:
                                 await h
                         dt = time.perf_counter() - t0
@@ -240,7 +239,7 @@ def bench_concurrent_rank(n: int, reps: int, loop: str = "uvloop") -> list[dict[
                 w.wait()
 
     async def ours() -> None:
-        await asyncio.gather(*[comm.all_reduce(t, async_op=True) for t in ts])
+        await comm.collect_all([comm.all_reduce(t, async_op=True) for t in ts])
 
     async def main() -> list[dict[str, Any]]:
         times: dict[str, list[float]] = {"ours": [], "raw": []}

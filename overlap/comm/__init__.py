@@ -30,6 +30,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from overlap.comm import comms_logger as _logger
 from overlap.comm import debug as _debug
 from overlap.comm import state
+from overlap.comm.collect import collect_all
 from overlap.comm.comms_logger import (
     BYPASS,
     configure,
@@ -96,6 +97,7 @@ __all__ = [
     "broadcast",
     "broadcast_comm_off",
     "broadcast_object_list",
+    "collect_all",
     "configure",
     "destroy_process_group",
     "enable_symm_mem_for_group",

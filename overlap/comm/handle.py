@@ -5,7 +5,8 @@ A Handle is what every ``async_op=True`` call and every ``isend``/``irecv`` retu
 * awaited (``out = await h``) from any event loop, uvloop or the default one; awaiting never
   blocks the loop: the backend's completion engine resolves the awaiting future;
 * combined with ``asyncio.gather``, ``asyncio.wait_for`` and ``asyncio.as_completed``
-  (``asyncio.ensure_future(h)`` wraps it in a task);
+  (``asyncio.ensure_future(h)`` wraps it in a task), or into one Handle with
+  :func:`overlap.comm.collect_all` (no task per handle);
 * waited on from plain threads with ``h.wait(timeout=None)``, with no event loop at all;
 * polled with ``h.done()`` and inspected with ``h.exception()`` / ``h.result()``.
 
@@ -24,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from overlap.comm import hooks as _hooks
 from overlap.comm.waker import LoopWaker, resolve
@@ -123,6 +124,10 @@ class Handle:
         "world",
     )
 
+    # False for a handle that stands for other handles (overlap.comm.collect): its ops
+    # report themselves, so a tracer sees each op once.
+    _observed: ClassVar[bool] = True
+
     def __init__(
         self,
         op: str,
@@ -181,7 +186,7 @@ class Handle:
         if done_lock is not None:
             done_lock.release()
         obs = _hooks.observer
-        if obs is not None:
+        if obs is not None and self._observed:
             obs(self.op, self.start_ns, end, self.nbytes, self.group, self.backend, self.world)
         if waiters:
             for loop, waker, fut in waiters:
@@ -258,16 +263,21 @@ class Handle:
         ``fn`` may run on a backend thread: it must be quick and must not block or wait on
         other handles.
         """
-        with self._lock:
-            pending = self._state is PENDING
-            if pending:
-                if self._callbacks is None:
-                    self._callbacks = []
-                self._callbacks.append(fn)
-        if pending:
+        if self._subscribe(fn):
             self._engine.start(self)
         else:
             fn(self)
+
+    def _subscribe(self, fn: Callable[[Handle], None]) -> bool:
+        """Register ``fn`` for the completion without starting the engine (the caller
+        observes the op itself); False, and ``fn`` not kept, if the op is already over."""
+        with self._lock:
+            if self._state is not PENDING:
+                return False
+            if self._callbacks is None:
+                self._callbacks = []
+            self._callbacks.append(fn)
+            return True
 
     def __del__(self) -> None:
         # Dropped while in flight: let the engine observe the op to the end. The engine keeps

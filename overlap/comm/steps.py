@@ -29,6 +29,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+from overlap.comm.collect import collect_all
 from overlap.comm.handle import Handle
 from overlap.errors import CommTimeoutError, NonFiniteError
 
@@ -72,7 +73,7 @@ async def run_async(steps: Steps) -> Any:
         pending = next(steps)
         while True:
             try:
-                await asyncio.gather(*pending)
+                await collect_all(pending)
             except BaseException as exc:
                 pending = steps.throw(exc)
                 continue
@@ -133,7 +134,7 @@ class _StepsOp:
     async def _drive(self, handle: Handle) -> None:
         try:
             while True:
-                await asyncio.gather(*self.pending)
+                await collect_all(self.pending)
                 self.pending = self.steps.send(None)
         except StopIteration as stop:
             handle._result = stop.value

@@ -228,6 +228,32 @@ def case_batch_isend_irecv(mode: str) -> None:
     _allclose(buf, torch.full((2,), float(prv)))
 
 
+def case_collect_all(mode: str) -> None:
+    """collect_all over the real backend: sixteen collectives and a ring exchange in one
+    Handle, waited or awaited; the result is each op's own result, in issue order."""
+    r, w = rw()
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    if mode == "blocking":
+        return
+    ts = [torch.full((4,), float(r + i)) for i in range(16)]
+    buf = torch.empty(3)
+
+    def issue(_: bool) -> Any:
+        hs = [comm.all_reduce(t, async_op=True) for t in ts]
+        if w > 1:
+            hs += [comm.irecv(buf, src=prv), comm.isend(torch.full((3,), float(r)), dst=nxt)]
+        return comm.collect_all(hs)
+
+    out = go(issue, mode)
+    total = sum(range(w))
+    assert len(out) == 16 + (2 if w > 1 else 0)
+    for i, t in enumerate(ts):
+        assert out[i] is t
+        _allclose(t, torch.full((4,), float(total + w * i)))
+    if w > 1:
+        _allclose(buf, torch.full((3,), float(prv)))
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -280,6 +280,47 @@ def _sigint_storm(loop: asyncio.AbstractEventLoop, seconds: float) -> int:
             hits += 1
 
 
+def collect_all_waits_for_a_late_sender_and_fails_fast() -> None:
+    """``await comm.collect_all(...)``: a receive whose sender is 0.8 s late completes through
+    the progress engine's ticks and back-off while the loop keeps running other tasks; a
+    receive that fails (a message larger than its tensor) fails the whole at once, while the
+    other receive stays pending and completes later on its own."""
+    r = _pair_rank()
+    if r is None:
+        return
+
+    async def main() -> None:
+        if r == 0:
+            late, sent = torch.zeros(2), torch.full((3,), 5.0)
+            hs = [comm.irecv(late, src=1, tag=41), comm.isend(sent, dst=1, tag=42)]
+            comm.barrier()
+            t0 = time.monotonic()
+            async with LoopTicks() as ticks:
+                out = await asyncio.wait_for(comm.collect_all(hs), 20)
+            assert out[0] is late and out[1] is sent and late.tolist() == [4.0, 4.0]
+            assert time.monotonic() - t0 > 0.7 and ticks.count > 10, ticks.count
+            small, other = torch.zeros(3), torch.zeros(2)
+            bad, pending = comm.irecv(small, src=1, tag=43), comm.irecv(other, src=1, tag=44)
+            try:
+                await asyncio.wait_for(comm.collect_all([pending, bad]), 20)
+                raise AssertionError("no error for a message larger than its receive")
+            except overlap.CommError as exc:
+                assert bad.exception() is exc and not pending.done(), (exc, pending)
+            finally:
+                comm.send(torch.ones(1), dst=1, tag=45)  # rank 1 goes on either way
+            assert (await asyncio.wait_for(pending, 20)).tolist() == [6.0, 6.0]
+        else:
+            comm.barrier()
+            time.sleep(0.8)
+            comm.recv(torch.zeros(3), src=0, tag=42)
+            comm.send(torch.full((2,), 4.0), dst=0, tag=41)
+            comm.send(torch.ones(4), dst=0, tag=43)
+            comm.recv(torch.zeros(1), src=0, tag=45)
+            comm.send(torch.full((2,), 6.0), dst=0, tag=44)
+
+    overlap.run(main())
+
+
 def tag_above_tag_ub_is_refused() -> None:
     """A tag above MPI_TAG_UB (MPICH: 2**29 - 1, below overlap's own 2**30 limit) is refused
     with a ValueError naming the limit, before anything is posted (MPI said "Invalid tag"
@@ -300,6 +341,9 @@ def tag_above_tag_ub_is_refused() -> None:
 
 CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/tag_above_tag_ub_is_refused": tag_above_tag_ub_is_refused,
+    "mpi/collect_all_waits_for_a_late_sender_and_fails_fast": (
+        collect_all_waits_for_a_late_sender_and_fails_fast
+    ),
     "mpi/onebit_gather_pattern_matches_reference": onebit_gather_pattern_matches_reference,
     "mpi/loop_stays_responsive": loop_stays_responsive,
     "mpi/no_thread_per_request": no_thread_per_request,
