@@ -11,17 +11,19 @@ So each event loop that awaits MPI handles gets one :class:`ProgressEngine`:
   an op waiting for progress) it backs off, doubling the delay up to 1 ms, and returns to
   every-tick polling as soon as anything completes or a new op is awaited;
 * with nothing in flight it does not run at all;
-* the first op awaited on an idle loop is tested in a tight loop for up to 50 us
+* the first op awaited on an idle loop is tested in a tight loop for up to 200 us
   (``OVERLAP_MPI_SPIN_US``) before joining the ticks: small ops then complete without two
-  loop round trips. Measured on 2 ranks: an awaited 8-byte Iallreduce took 21.7 us with no
-  spin and 12.5 us with a 20 us spin; a 1 MiB one 1.21x the blocking time with none, 1.09x
-  when spinning to completion;
+  loop round trips, and a 1 MiB one (about 140 us here) without any. Measured on 2 ranks:
+  an awaited 8-byte Iallreduce took 21.7 us with no spin and 12.5 us with a 20 us spin;
+  against mpi4py's Iallreduce + Wait, side by side, a 50 us spin made an awaited 256 KiB
+  one 1.18x and a 1 MiB one 1.17x, 200 us 1.03x and 1.03x, 500 us no better;
 * each later tick first tests the oldest pending request in a tight loop for up to 20 us
   (``OVERLAP_MPI_TICK_SPIN_US``; not while backing off), then polls the batch. MPI moves a
   large message a piece per MPI call, so the rate of calls sets its speed, and a batch
   ``Testsome`` plus a loop round trip per piece made an awaited 64 KiB all_reduce take 156 us
   against 49 us for mpi4py's Iallreduce + Wait (2 ranks); with the spin, 58-74 us. Spinning
   with the batch poll instead (a ``Testsome`` over a status list per call) gained nothing.
+  A spin takes the op's lock once, not per Test (:meth:`MpiOp.spin`).
 
 Measured figures behind these choices (DESIGN.md): tight polling costs about 1-3 us over a
 blocking ``MPI_Wait``; 1 ms polling made a 64 KiB Iallreduce take 5.5 ms instead of 76 us;
@@ -57,7 +59,7 @@ PostFn = Callable[[Any], object]  # called with the MPI.Status of the completed 
 BUSY_S = 0.5
 MAX_DELAY_S = 1e-3
 _graveyard: list[Any] = []  # requests that expired: MPI may still use their buffers
-SPIN_S = float(os.environ.get("OVERLAP_MPI_SPIN_US", "50")) * 1e-6
+SPIN_S = float(os.environ.get("OVERLAP_MPI_SPIN_US", "200")) * 1e-6
 TICK_SPIN_S = float(os.environ.get("OVERLAP_MPI_TICK_SPIN_US", "20")) * 1e-6
 
 
@@ -113,6 +115,18 @@ class MpiOp:
 
     def test(self, handle: Handle) -> bool:
         """One non-blocking Test if nobody else holds the op; True once the handle is done."""
+        return self.spin(handle, 0.0)
+
+    def spin(self, handle: Handle, seconds: float) -> bool:
+        """Test in a tight loop for up to ``seconds`` (at least once) if nobody else holds
+        the op; True once the handle is done.
+
+        The lock is taken, and the Status made, once for the whole spin, not per Test: MPI
+        moves a large message a piece per MPI call, so the rate of calls sets its speed. A
+        ``test()`` per iteration (a lock and a Status each) made an awaited all_reduce take
+        1.24x mpi4py's Iallreduce + Wait at 64 KiB and 1.10-1.13x at 1 MiB; one lock per
+        spin, 1.12-1.13x and 1.06-1.08x (2 ranks, side by side in one run).
+        """
         if handle._state is not PENDING:
             return True
         if not self.lock.acquire(blocking=False):
@@ -122,14 +136,19 @@ class MpiOp:
                 return True
             # A Status only where the post-processing reads it (irecv's sender).
             status = self.status = None if self.post is None else self.MPI.Status()
-            try:
-                flag = self.req.Test(status)
-            except Exception as exc:
-                self._fail(handle, exc)
-                return True
-            if flag:
-                self._complete(handle, status)
-            return bool(flag)
+            test, clock = self.req.Test, time.perf_counter
+            deadline = clock() + seconds
+            while True:
+                try:
+                    flag = test(status)
+                except Exception as exc:
+                    self._fail(handle, exc)
+                    return True
+                if flag:
+                    self._complete(handle, status)
+                    return True
+                if clock() >= deadline:
+                    return False
         finally:
             self.lock.release()
 
@@ -211,18 +230,12 @@ class MpiOp:
 
     def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
         engine = ProgressEngine.for_loop(loop)
-        if not engine.has_pending() and SPIN_S > 0:
-            # Nothing else to progress on this loop: test this request in a tight loop for
-            # up to SPIN_S, as MPI_Wait would, so a small op completes without two loop
-            # round trips. Bounded, so the loop is never held longer than a short callback.
-            # The handle is then done before the awaiting coroutine makes any future.
-            clock = time.perf_counter
-            deadline = clock() + SPIN_S
-            while not self.test(handle):
-                if clock() >= deadline:
-                    break
-            else:
-                return
+        # Nothing else to progress on this loop: test this request in a tight loop for up
+        # to SPIN_S, as MPI_Wait would, so the op completes without loop round trips.
+        # Bounded, so the loop is never held longer than a short callback. The handle is
+        # then done before the awaiting coroutine makes any future.
+        if not engine.has_pending() and SPIN_S > 0 and self.spin(handle, SPIN_S):
+            return
         engine.add(self, handle)
 
 
@@ -403,9 +416,7 @@ class ProgressEngine(_Poller):
             # for up to TICK_SPIN_S before the batch poll: MPI moves a large message only
             # inside MPI calls, a piece per call, so the rate of calls sets its speed.
             op, h = self._pending[self._head]
-            end = time.perf_counter() + TICK_SPIN_S
-            while not op.test(h) and time.perf_counter() < end:
-                pass
+            op.spin(h, TICK_SPIN_S)
         self._poll()
         if self.has_pending() and not self._loop.is_closed():
             self._scheduled = True
