@@ -30,7 +30,7 @@ from collections.abc import Generator
 from typing import Any
 
 from overlap.comm.collect import collect_all
-from overlap.comm.handle import Handle
+from overlap.comm.handle import Handle, HandleState
 from overlap.errors import CommTimeoutError, NonFiniteError
 
 __all__ = ["Steps", "in_step", "run", "run_async", "steps_handle"]
@@ -96,12 +96,19 @@ class _StepsOp:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                for h in self.pending:
-                    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    h.wait(left)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                phase = collect_all(self.pending)
+                try:
+                    phase.wait(left)
+                except CommTimeoutError:
+                    if phase.state is HandleState.PENDING:
+                        return False  # resumable: the next wait continues where this stopped
+                    # An op of the phase failed with CommTimeoutError (MPI's job timeout):
+                    # the steps handle fails with it. Before, that error was taken for this
+                    # wait's own timeout: the handle stayed pending for good, and every
+                    # wait() said it "did not complete within None s".
+                    raise
                 self.pending = self.steps.send(None)
-        except CommTimeoutError:
-            return False  # resumable: the next wait continues where this one stopped
         except StopIteration as stop:
             handle._result = stop.value
             handle._finish(None)
