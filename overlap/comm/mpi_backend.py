@@ -869,15 +869,22 @@ class MpiBackend:
             if back is not None:
                 back()
 
+        return self._post_irecv(host, source, g, tag, t, want, post)
+
+    def _post_irecv(
+        self, into: Any, source: int, g: MpiGroup, tag: int, t: torch.Tensor, want: int, post: Post
+    ) -> Handle:
+        """Post MPI_Irecv into ``into`` (the tensor's host buffer, or debug mode's frame),
+        which the Handle keeps until ``post`` has run on the completed request's Status."""
         h: Handle = self._launch(
             "irecv",
             g,
-            lambda: g.comm.Irecv(self._buf(host), source, tag),
+            lambda: g.comm.Irecv(self._buf(into), source, tag),
             t,
             want,
             True,
             post,
-            keep=host,
+            keep=into,
         )
         return h
 
@@ -895,17 +902,7 @@ class MpiBackend:
             got = status.Get_count(self.MPI.BYTE)
             sender.append(_p2p_debug.land_frame(frame, got, t, tag, me))
 
-        h: Handle = self._launch(
-            "irecv",
-            g,
-            lambda: g.comm.Irecv(self._buf(frame), source, tag),
-            t,
-            want,
-            True,
-            post,
-            keep=frame,
-        )
-        return h
+        return self._post_irecv(frame, source, g, tag, t, want, post)
 
     def irecv(
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
