@@ -15,7 +15,7 @@ from typing import Any
 
 from overlap.errors import CommError
 
-__all__ = ["fail_all", "track", "untrack"]
+__all__ = ["busy", "fail_all", "track", "untrack"]
 
 _handles: dict[int, Any] = {}  # dict operations are atomic under the GIL: no lock
 
@@ -26,6 +26,11 @@ def track(handle: Any) -> None:
 
 def untrack(handle: Any) -> None:
     _handles.pop(id(handle), None)
+
+
+def busy() -> bool:
+    """Whether any op of this process is being observed asynchronously right now."""
+    return bool(_handles)
 
 
 def fail_all() -> int:

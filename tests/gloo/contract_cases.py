@@ -208,3 +208,60 @@ def dropped_handle_still_completes() -> list[float]:
     comm.send(torch.tensor([1.0, 2.0, 3.0]), dst=0)
     comm.all_reduce(torch.ones(1))
     return [1.0, 2.0, 3.0]
+
+
+def awaited_ops_spin_on_an_idle_loop() -> list[bool]:
+    """An awaited gloo op is polled on the loop's thread for up to ``waiters.SPIN_S`` when
+    nothing else is observed: a collective and a receive whose peer is 0.3 s late complete
+    inside ``on_await`` (no future made), a short spin gives up in time, and no spin runs
+    while another op of the process is in flight. Returns rank 0's observations."""
+    r = comm.get_rank()
+    saved = waiters.SPIN_S
+    seen: list[bool] = []
+
+    async def issue_late(spin: float, make: Any) -> tuple[Any, float]:
+        waiters.SPIN_S = spin
+        comm.barrier()
+        if r == 1:
+            time.sleep(0.3)
+        h = make()
+        t0 = time.perf_counter()
+        h._engine.on_await(h, asyncio.get_running_loop())
+        return h, time.perf_counter() - t0
+
+    async def main() -> None:
+        t = torch.ones(2)
+        # 1. a collective completes within a long spin
+        h, _ = await issue_late(30.0, lambda: comm.all_reduce(t, async_op=True))
+        seen.append(h.done())
+        assert (await h).tolist() == [2.0, 2.0]
+        # 2. so does a receive (no future: a pool thread waits, the loop polls the handle)
+        buf = torch.zeros(2)
+        h, _ = await issue_late(
+            30.0,
+            lambda: comm.irecv(buf, src=1) if r == 0 else comm.isend(torch.full((2,), 3.0), dst=0),
+        )
+        seen.append(h.done())
+        await h
+        assert r == 1 or buf.tolist() == [3.0, 3.0]
+        # 3. a short spin gives up in time; the op then completes through its engine
+        h, dt = await issue_late(0.05, lambda: comm.all_reduce(t, async_op=True))
+        seen.append(not h.done() and dt < 0.25)
+        assert (await h).tolist() == [4.0, 4.0]
+        # 4. no spin while another op is observed (rank 0: a receive rank 1 sends last)
+        other = comm.irecv(torch.zeros(1), src=1) if r == 0 else None
+        if other is not None:
+            assert not other.done()  # observed from now on
+        h, dt = await issue_late(30.0, lambda: comm.all_reduce(t, async_op=True))
+        seen.append(not h.done() and dt < 0.25)
+        assert (await h).tolist() == [8.0, 8.0]
+        if other is not None:
+            await other
+        else:
+            await comm.isend(torch.ones(1), dst=0)
+
+    try:
+        overlap.run(main())
+    finally:
+        waiters.SPIN_S = saved
+    return seen if r == 0 else []

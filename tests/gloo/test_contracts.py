@@ -63,3 +63,7 @@ def test_awaiting_a_failed_op_raises_comm_error_with_cause() -> None:
 
 def test_dropped_handle_still_completes_and_is_freed(pools: Callable[[int], RankPool]) -> None:
     assert pools(2).run(cc.dropped_handle_still_completes, timeout=60) == [[1.0, 2.0, 3.0]] * 2
+
+
+def test_awaited_ops_spin_on_an_idle_loop(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(cc.awaited_ops_spin_on_an_idle_loop, timeout=60)[0] == [True] * 4
