@@ -5,7 +5,8 @@ names, the comms logger's ds_config keys and defaults, and the default timeout a
 from __future__ import annotations
 
 import datetime
-import os
+
+from overlap.comm import knobs as _knobs
 
 __all__ = [
     "CCL_BACKEND",
@@ -45,7 +46,9 @@ DEFAULT_AML_NCCL_SOCKET_IFNAME = "^docker0,lo"
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 # DeepSpeed's: 30 minutes, or DEEPSPEED_TIMEOUT minutes (read once, at import, as DeepSpeed does)
-default_pg_timeout = datetime.timedelta(minutes=int(os.environ.get("DEEPSPEED_TIMEOUT", "30")))
+default_pg_timeout = datetime.timedelta(
+    minutes=_knobs.number("DEEPSPEED_TIMEOUT", 30, low=1e-3, high=1e7, unit="minutes")
+)
 
 # The comms logger's section of a ds_config (``"comms_logger": {...}``) and its defaults.
 COMMS_LOGGER = "comms_logger"

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from overlap.comm import knobs as _knobs
 from overlap.comm.handle import PENDING, Handle
 from overlap.errors import CommError, CommTimeoutError
 
@@ -59,8 +59,10 @@ PostFn = Callable[[Any], object]  # called with the MPI.Status of the completed 
 BUSY_S = 0.5
 MAX_DELAY_S = 1e-3
 _graveyard: list[Any] = []  # requests that expired: MPI may still use their buffers
-SPIN_S = float(os.environ.get("OVERLAP_MPI_SPIN_US", "200")) * 1e-6
-TICK_SPIN_S = float(os.environ.get("OVERLAP_MPI_TICK_SPIN_US", "20")) * 1e-6
+SPIN_S = _knobs.number("OVERLAP_MPI_SPIN_US", 200, low=0, high=1e5, unit="microseconds") * 1e-6
+TICK_SPIN_S = (
+    _knobs.number("OVERLAP_MPI_TICK_SPIN_US", 20, low=0, high=1e5, unit="microseconds") * 1e-6
+)
 
 
 class MpiOp:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from overlap.comm import inflight as _inflight
+from overlap.comm import knobs as _knobs
 from overlap.comm import quiesce as _quiesce
 from overlap.comm import state as _state
 from overlap.comm.handle import PENDING, Handle
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 PostFn = Callable[[], object]
 _Item = tuple["TorchOp", Handle]
-SPIN_S = float(os.environ.get("OVERLAP_GLOO_SPIN_US", "300")) * 1e-6
+SPIN_S = _knobs.number("OVERLAP_GLOO_SPIN_US", 300, low=0, high=1e5, unit="microseconds") * 1e-6
 
 
 def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseException:
