@@ -5,8 +5,9 @@ handle. On this project's machine that costs about 10 us for two handles that ar
 done (uvloop), as much as an 8-byte MPI sendrecv itself: an awaited sendrecv as gather took
 2.5x mpi4py's Irecv + Isend + Waitall, awaiting the two handles one after the other 1.2-1.3x
 (docs/benchmarks.md). ``await comm.collect_all(handles)`` lets each backend observe its
-handles as a lone ``await`` would (MPI: the same tight test spin; gloo: the future callback or
-a waiter thread) and wakes the awaiting coroutine once, when the last one completes.
+handles as a lone ``await`` would (a short spin on the loop's thread, then MPI's progress
+engine, gloo's future callback or a waiter thread; the spins of one collect_all share one
+window, overlap.comm.spin) and wakes the awaiting coroutine once, when the last one completes.
 
 Contract, as for any Handle and as ``asyncio.gather``'s default:
 
@@ -29,6 +30,7 @@ import functools
 import time
 from collections.abc import Iterable
 
+from overlap.comm import spin as _spin
 from overlap.comm.handle import _LOCK, FAILED, PENDING, Handle
 
 __all__ = ["collect_all"]
@@ -109,9 +111,15 @@ class _AllOf:
         return True
 
     def on_await(self, whole: Handle, loop: asyncio.AbstractEventLoop) -> None:
-        for h in self.handles:
-            if h._state is PENDING:
-                h._engine.on_await(h, loop)
+        # The handles' spins share one window (overlap.comm.spin): a collect_all of many
+        # small ops must not hold the loop for all of them in this one callback.
+        outer = _spin.shared()
+        try:
+            for h in self.handles:
+                if h._state is PENDING:
+                    h._engine.on_await(h, loop)
+        finally:
+            _spin.end_shared(outer)
         if not self._settle(whole):
             self._watch(whole)
 

@@ -40,6 +40,7 @@ from typing import Any
 from overlap.comm import inflight as _inflight
 from overlap.comm import knobs as _knobs
 from overlap.comm import quiesce as _quiesce
+from overlap.comm import spin as _spin
 from overlap.comm import state as _state
 from overlap.comm.handle import PENDING, Handle
 from overlap.errors import CommError
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 PostFn = Callable[[], object]
 _Item = tuple["TorchOp", Handle]
+_YIELD = getattr(os, "sched_yield", lambda: time.sleep(0))  # releases the GIL either way
 SPIN_S = _knobs.number("OVERLAP_GLOO_SPIN_US", 300, low=0, high=1e5, unit="microseconds") * 1e-6
 
 
@@ -243,22 +245,25 @@ class TorchOp:
         # for the op on its own thread, for up to SPIN_S (see _spin_until): a gather of
         # many handles spins for the first alone, and an op already being observed, or one
         # awaited beside others in flight, goes straight to its engine.
-        spin = SPIN_S > 0 and self.stream is None and not _inflight.busy()
-        if spin and self.future:
+        seconds = SPIN_S if SPIN_S > 0 and self.stream is None and not _inflight.busy() else 0.0
+        if seconds:
+            seconds = _spin.window(seconds)
+        if seconds and self.future:
             # The Work is polled before any callback exists: gloo's thread then completes
             # the op without taking the GIL, and start() below finds the future done and
             # runs the callback right here.
-            _spin_until(self.work.is_completed)
+            _spin_until(self.work.is_completed, seconds)
         self.start(handle)
-        if spin and not self.future and handle._state is PENDING:
+        if seconds and not self.future and handle._state is PENDING:
             # p2p and reduce_scatter have no future and is_completed() stays False until
             # wait(): a pool thread waits, and the loop polls the handle meanwhile.
-            _spin_until(lambda: handle._state is not PENDING)
+            _spin_until(lambda: handle._state is not PENDING, seconds)
 
 
-def _spin_until(done: Callable[[], bool]) -> None:
-    """Poll ``done()`` for up to ``SPIN_S`` (``OVERLAP_GLOO_SPIN_US``, default 300 us),
-    yielding the CPU between polls.
+def _spin_until(done: Callable[[], bool], seconds: float) -> None:
+    """Poll ``done()`` for up to ``seconds`` (``SPIN_S``: ``OVERLAP_GLOO_SPIN_US``, default
+    300 us; less where a collect_all's ops share one window, overlap.comm.spin), yielding the
+    CPU between polls.
 
     Why: an awaited op that completes from gloo's thread costs a wake-up of the loop (it
     sleeps in epoll; gloo's thread writes its eventfd) where torch's blocking call is
@@ -271,8 +276,8 @@ def _spin_until(done: Callable[[], bool]) -> None:
     so the loop is never held longer than a short callback, as MPI's spin
     (overlap.comm.progress); an interrupt here loses nothing, as nothing is claimed.
     """
-    clock, pause = time.perf_counter, os.sched_yield
-    deadline = clock() + SPIN_S
+    clock, pause = time.perf_counter, _YIELD
+    deadline = clock() + seconds
     try:
         while not done() and clock() < deadline:
             pause()

@@ -265,3 +265,44 @@ def awaited_ops_spin_on_an_idle_loop() -> list[bool]:
     finally:
         waiters.SPIN_S = saved
     return seen if r == 0 else []
+
+
+def collect_all_spins_share_one_window() -> float:
+    """The ops of one ``collect_all`` share one spin window (overlap.comm.spin): rank 0
+    awaits 20 all_reduces that the other ranks issue 20 ms apart, with a 50 ms window. Each
+    op alone would complete inside its own window, so without the shared bound the loop was
+    held for all of them (about 0.4 s) in one callback. Any backend (gloo and MPI). Returns
+    how long rank 0's loop was held."""
+    from overlap.comm import progress
+
+    r = comm.get_rank()
+    saved = waiters.SPIN_S, progress.SPIN_S
+    held = 0.0
+
+    async def main() -> None:
+        nonlocal held
+        ts = [torch.full((2,), float(i)) for i in range(20)]
+        comm.barrier()
+        if r == 0:
+            whole = comm.collect_all([comm.all_reduce(t, async_op=True) for t in ts])
+            t0 = time.perf_counter()
+            whole._engine.on_await(whole, asyncio.get_running_loop())
+            held = time.perf_counter() - t0
+            await asyncio.wait_for(whole, 60)
+        else:
+            hs = []
+            for t in ts:
+                hs.append(comm.all_reduce(t, async_op=True))
+                time.sleep(0.02)
+            for h in hs:
+                h.wait(60)
+        w = comm.get_world_size()
+        assert [t.tolist() for t in ts] == [[float(i * w)] * 2 for i in range(20)]
+
+    waiters.SPIN_S = progress.SPIN_S = 0.05
+    try:
+        overlap.run(main())
+    finally:
+        waiters.SPIN_S, progress.SPIN_S = saved
+    assert held < 0.2, f"one collect_all held the loop {held:.3f} s; its window is 0.05 s"
+    return held

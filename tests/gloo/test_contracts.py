@@ -67,3 +67,8 @@ def test_dropped_handle_still_completes_and_is_freed(pools: Callable[[int], Rank
 
 def test_awaited_ops_spin_on_an_idle_loop(pools: Callable[[int], RankPool]) -> None:
     assert pools(2).run(cc.awaited_ops_spin_on_an_idle_loop, timeout=60)[0] == [True] * 4
+
+
+def test_collect_all_spins_share_one_window(pools: Callable[[int], RankPool]) -> None:
+    held = pools(2).run(cc.collect_all_spins_share_one_window, timeout=60)
+    assert 0.0 < held[0] < 0.2

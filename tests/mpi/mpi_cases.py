@@ -14,6 +14,7 @@ import overlap
 from overlap import comm
 from overlap.comm import state
 from overlap.comm.progress import ProgressEngine
+from tests.gloo.contract_cases import collect_all_spins_share_one_window
 from tests.loop_ticks import LoopTicks
 
 
@@ -341,6 +342,7 @@ def tag_above_tag_ub_is_refused() -> None:
 
 CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/tag_above_tag_ub_is_refused": tag_above_tag_ub_is_refused,
+    "mpi/collect_all_spins_share_one_window": collect_all_spins_share_one_window,
     "mpi/collect_all_waits_for_a_late_sender_and_fails_fast": (
         collect_all_waits_for_a_late_sender_and_fails_fast
     ),
