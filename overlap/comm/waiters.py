@@ -242,9 +242,10 @@ class TorchOp:
 
     def on_await(self, handle: Handle, loop: Any) -> None:
         # An idle loop (nothing else of this process observed asynchronously) first waits
-        # for the op on its own thread, for up to SPIN_S (see _spin_until): a gather of
-        # many handles spins for the first alone, and an op already being observed, or one
-        # awaited beside others in flight, goes straight to its engine.
+        # for the op on its own thread, for up to SPIN_S (see _spin_until). An op awaited
+        # while another is still being observed (the later handles of a gather whose first
+        # op is in flight) goes straight to its engine; the ops of one collect_all share
+        # one window (overlap.comm.spin).
         seconds = SPIN_S if SPIN_S > 0 and self.stream is None and not _inflight.busy() else 0.0
         if seconds:
             seconds = _spin.window(seconds)
