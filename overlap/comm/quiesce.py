@@ -61,8 +61,8 @@ def begin(handle: Any) -> None:
 def end(handle: Any) -> None:
     """The observation's last Python line has run (call from a ``finally``)."""
     global _last_end
-    _observing.pop(id(handle), None)
-    _last_end = time.monotonic()
+    if _observing.pop(id(handle), None) is not None:  # a p2p op was never registered
+        _last_end = time.monotonic()
 
 
 def outstanding() -> int:

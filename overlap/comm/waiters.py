@@ -28,7 +28,6 @@ keeps a few idle threads, so the thread count is stable in a steady training loo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -83,10 +82,11 @@ def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: A
     try:
         err: BaseException | None = None
         try:
-            with contextlib.nullcontext() if stream is None else _on_stream(stream):
-                work.wait()
-                if post is not None:
-                    post()
+            if stream is None:  # gloo: no context to enter (a nullcontext cost 0.3 us a wait)
+                _wait_and_post(work, post)
+            else:
+                with _on_stream(stream):
+                    _wait_and_post(work, post)
         except (KeyboardInterrupt, SystemExit) as exc:
             interrupted = exc
             if post is None and _completed(work):
@@ -106,6 +106,12 @@ def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: A
         _quiesce.end(handle)
     if interrupted is not None:
         raise interrupted
+
+
+def _wait_and_post(work: Any, post: PostFn | None) -> None:
+    work.wait()
+    if post is not None:
+        post()
 
 
 def _completed(work: Any) -> bool:
@@ -226,12 +232,15 @@ class TorchOp:
         return True
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
-        if self._stale(handle):
+        # _stale, _claim and observe_once written out: this is every blocking call's path
+        if self.gen != _state.generation and self._stale(handle):
             return True
-        if timeout is None and self._claim():
+        if timeout is None and self._claimed.acquire(blocking=False):
             try:
                 _quiesce.begin(handle)
-                if not self.observe_once(handle):  # a pool thread took it before an interrupt
+                if self._taken.acquire(blocking=False):
+                    observe(self.work, handle, self.post, self.rank, self.stream)
+                else:  # a pool thread took it before an interrupt
                     handle._block_until_done(None)
             except BaseException:
                 self._unclaim(handle)
