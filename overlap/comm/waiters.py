@@ -255,9 +255,9 @@ class TorchOp:
         # while another is still being observed (the later handles of a gather whose first
         # op is in flight) goes straight to its engine; the ops of one collect_all share
         # one window (overlap.comm.spin).
-        seconds = SPIN_S if SPIN_S > 0 and self.stream is None and not _inflight.busy() else 0.0
-        if seconds:
-            seconds = _spin.window(seconds)
+        seconds = 0.0
+        if SPIN_S > 0 and self.stream is None and not _inflight.busy():
+            seconds = _spin.window(SPIN_S)
         if seconds and self.future:
             # The Work is polled before any callback exists: gloo's thread then completes
             # the op without taking the GIL, and start() below finds the future done and
