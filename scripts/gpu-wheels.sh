@@ -14,3 +14,14 @@ mkdir -p .whl
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
     -d .whl "pytest-asyncio>=0.24" "mpi4py>=3.1" mpich 2>&1 | grep -v "^WARNING: Location" || true
 ls .whl/*.whl
+# The GPU image has no iproute2: `ip` and `tc` (with the libraries they need beyond glibc)
+# travel too, for scripts/device-cpu-bench.sh's namespace hosts and shaped links.
+mkdir -p .whl/netbin/lib
+for tool in ip tc; do
+    bin="$(command -v "$tool" || true)"
+    [ -n "$bin" ] || { echo "gpu-wheels: no $tool here; the namespace benches will not run there" >&2; continue; }
+    cp "$(readlink -f "$bin")" ".whl/netbin/$tool"
+    ldd "$bin" | awk '/=> \// {print $3}' | grep -v -E '/lib(c|m|pthread|dl|rt)\.so' \
+        | xargs -r -I{} cp -L {} .whl/netbin/lib/
+done
+ls .whl/netbin

@@ -199,8 +199,10 @@ def bench_train_rank(
     nparams = sum(p.numel() for p in vs[0]["model"].parameters())
     gen = torch.Generator().manual_seed(comm.get_rank())
     rec: dict[str, dict[str, list[float]]] = {
-        v["name"]: {"step": [], "comm": [], "hidden": [], "exposed": [], "all": []} for v in vs
+        v["name"]: {k: [] for k in ("step", "comm", "hidden", "exposed", "all", "backward", "cpu")}
+        for v in vs
     }
+    worker: dict[str, list[float]] = {v["name"]: [] for v in vs}  # worker CPU s after each step
     bar = Progress((warmup + steps) * len(vs), enabled=comm.get_rank() == 0)
     xs = [torch.randn(batch, WIDTH, generator=gen).to(device) for _ in range(warmup + steps)]
 
@@ -210,12 +212,15 @@ def bench_train_rank(
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         v["opt"].zero_grad()
         v["forward"](xs[i]).pow(2).mean().backward()
         t_bwd = time.perf_counter()
         if v["sched"] is not None:
             v["sched"].synchronize()
         t_sync = time.perf_counter()
+        if v["sched"] is not None:
+            worker[v["name"]].append(v["sched"].statistics()["worker_cpu_s"])
         v["opt"].step()
         if v["diloco"] is not None:
             v["diloco"].step()
@@ -227,8 +232,16 @@ def bench_train_rank(
         if i < warmup:
             return
         r["step"].append(t1 - t0)
+        r["backward"].append(t_bwd - t0)
+        r["cpu"].append(time.thread_time() - c0)
         if v["sched"] is not None:
-            c, h = comm_overlap(v["sched"].statistics()["timeline"], t0, t_bwd)
+            tl = v["sched"].statistics()["timeline"]
+            # the last step's buckets: (index, ready, start, end) in ms from the step's start
+            v["timeline"] = [
+                [e["bucket"], *(round((e[k] - t0) * 1e3, 1) for k in ("ready", "start", "end"))]
+                for e in tl
+            ]
+            c, h = comm_overlap(tl, t0, t_bwd)
             r["comm"].append(c)
             r["hidden"].append(h)
             r["exposed"].append(t_sync - t_bwd)
@@ -309,7 +322,14 @@ def bench_train_rank(
             "bytes_per_rank": sent.get(n),
             "steps_ms": [round(t * 1e3, 1) for t in r["all"]],
             "max_step_ms": max(r["step"]) * 1e3,
+            # forward + backward, and the training thread's CPU over the whole step
+            "backward_ms": median(r["backward"]) * 1e3,
+            "train_cpu_ms": median(r["cpu"]) * 1e3,
         }
+        if v["sched"] is not None:
+            cpu = worker[n][-steps - 1 :]  # the measured steps, from the warm-up's last
+            row["worker_cpu_ms"] = (cpu[-1] - cpu[0]) / max(len(cpu) - 1, 1) * 1e3
+            row["buckets_ms"] = v["timeline"]
         # +1: the scheduler rebuilds its buckets after step 0, which resets the compressor's
         # per-bucket state, so its warm-up counts again from step 1
         first = COMPRESS_FROM + 1

@@ -859,6 +859,9 @@ class BucketScheduler:
             # read where backward left them, never copied into the bucket
             "read_in_place": sum(len(b.sourced & b.direct) for b in self.buckets),
             "timeline": list(self._timeline),
+            # cumulative CPU seconds of the worker thread (CPU: the codec and the copies of
+            # every bucket, which compete with backward for cores; docs/cluster.md)
+            "worker_cpu_s": self._launcher.cpu_s,
         }
         self._step += 1
         try:

@@ -41,6 +41,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -149,6 +150,9 @@ class Launcher:
         # The error of this rank's own that put it out of step (None when a peer's did).
         self.origin: BaseException | None = None
         self._stop_lock = threading.Lock()
+        # CPU seconds the worker thread has used, as of the last queue item it finished
+        # (written by the worker only): what compression and the copies cost a step.
+        self.cpu_s = 0.0
         self._thread = threading.Thread(target=self._run, name="overlap-bucket-worker", daemon=True)
         self._thread.start()
 
@@ -276,6 +280,7 @@ class Launcher:
             # Drop the closure now, not at the next get(): it holds the bucket, and the
             # caller may rely on the bucket's memory going back once the job is issued.
             del job
+            self.cpu_s = time.thread_time()
 
     def close(self) -> None:
         self._queue.put(None)

@@ -426,6 +426,7 @@ def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
     hand, hand_group = OneBit(), comm.new_group(list(range(w)))  # its own group: no race
     gen = torch.Generator().manual_seed(20 + r)
     direct = 0
+    worker_cpu: list[float] = []  # the worker thread's CPU seconds after each step
     for _ in range(3):
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
         model.zero_grad()
@@ -442,12 +443,14 @@ def onebit_into_grads_equals_the_compressor() -> dict[str, Any]:
         ours.synchronize()
         direct = ours.statistics()["direct"]
         in_place = ours.statistics()["read_in_place"]
+        worker_cpu.append(ours.statistics()["worker_cpu_s"])
         for b in ours.buckets:
             for pos, p in enumerate(b.params):
                 if p.grad is not None:
                     want = flats[b.index][b.offsets[pos] : b.offsets[pos] + p.numel()]
                     assert torch.equal(p.grad.reshape(-1), want), (b.index, pos, p.shape)
     assert model.branch.weight.grad is not None  # used on rank 1: averaged in everywhere
+    assert 0 < worker_cpu[0] < worker_cpu[1] < worker_cpu[2], worker_cpu  # it compressed
     stages = [
         s[0]
         for s in sorted(tracer.spans, key=lambda s: s[2])

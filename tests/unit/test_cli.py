@@ -157,6 +157,24 @@ def test_bench_train_pin_heap_reaches_the_ranks() -> None:
     assert row["heap_pinned"] is True and row["step_ms"] > 0, row
 
 
+def test_bench_train_reports_backward_cpu_and_bucket_timeline() -> None:
+    """The JSON rows say where a step's time went: forward + backward, the training
+    thread's CPU, the scheduler worker's CPU per step and the last step's bucket timeline."""
+    out = run(
+        "bench", "train", "--variant", "compute", "--variant", "overlap-onebit",
+        "--model-size", "0.05", "--steps", "2", "--warmup", "1", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    compute, onebit = json.loads(out.stdout)
+    for row in (compute, onebit):
+        assert 0 < row["backward_ms"] <= row["step_ms"] and row["train_cpu_ms"] > 0, row
+    assert "worker_cpu_ms" not in compute and "buckets_ms" not in compute
+    assert onebit["worker_cpu_ms"] > 0, onebit
+    assert onebit["buckets_ms"], onebit
+    for index, ready, start, end in onebit["buckets_ms"]:
+        assert isinstance(index, int) and 0 <= ready <= start <= end, onebit["buckets_ms"]
+
+
 def test_bench_train_diloco_fragments_reach_the_ranks_and_zero_is_refused() -> None:
     out = run(
         "bench", "train", "--variant", "diloco-streaming", "--model-size", "0.05", "--steps",
