@@ -811,6 +811,14 @@ def cmd_env(args: argparse.Namespace) -> int:
         _out(f"uvloop: {version('uvloop')}")
     else:
         _out("uvloop: not installed (asyncio's default loop is used)")
+    from overlap.compression import codec_numba
+
+    if codec_numba.available():
+        from importlib.metadata import version
+
+        _out(f"1-bit codec on CPU: numba kernels (numba {version('numba')})")
+    else:
+        _out("1-bit codec on CPU: torch ops, several times slower (pip install numba)")
     return 0
 
 

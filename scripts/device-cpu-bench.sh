@@ -17,6 +17,8 @@ bench() {  # name, seconds, arguments
     timeout "$secs" "$PY" -m overlap.cli bench "$@" --markdown 2>"$OUTDIR/$name.err" \
         | tee "$OUTDIR/$name.md" | grep '^|'
 }
+"$PY" -m overlap.cli env | tee "$OUTDIR/env.txt"  # which CPU codec ran (numba or torch ops)
+nproc >> "$OUTDIR/env.txt"
 bench hosts-1gbit 240 train --hosts 2 --procs-per-host 2 --link 1gbit --variant compute \
     --variant ddp --variant ddp-fp16 --variant overlap-onebit-flat --variant overlap-onebit \
     --steps 8 --warmup 3

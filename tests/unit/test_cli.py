@@ -23,6 +23,8 @@ def test_env_reports_backends() -> None:
     assert out.returncode == 0, out.stderr
     for word in ("torch 2.", "gloo: yes", "nccl:", "mpi:", "cuda:", "uvloop:"):
         assert word in out.stdout
+    # numba is a default dependency: the fast codec is what a plain install gets
+    assert "1-bit codec on CPU: numba kernels (numba 0." in out.stdout, out.stdout
 
 
 def test_demo_runs_two_ranks_and_writes_trace_and_timeline(tmp_path: Path) -> None:
