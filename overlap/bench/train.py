@@ -219,8 +219,9 @@ def bench_train_rank(
         if v["sched"] is not None:
             v["sched"].synchronize()
         t_sync = time.perf_counter()
-        if v["sched"] is not None:
-            worker[v["name"]].append(v["sched"].statistics()["worker_cpu_s"])
+        stats = v["sched"].statistics() if v["sched"] is not None else None
+        if stats is not None:
+            worker[v["name"]].append(stats["worker_cpu_s"])
         v["opt"].step()
         if v["diloco"] is not None:
             v["diloco"].step()
@@ -234,8 +235,8 @@ def bench_train_rank(
         r["step"].append(t1 - t0)
         r["backward"].append(t_bwd - t0)
         r["cpu"].append(time.thread_time() - c0)
-        if v["sched"] is not None:
-            tl = v["sched"].statistics()["timeline"]
+        if stats is not None:
+            tl = stats["timeline"]
             # the last step's buckets: (index, ready, start, end) in ms from the step's start
             v["timeline"] = [
                 [e["bucket"], *(round((e[k] - t0) * 1e3, 1) for k in ("ready", "start", "end"))]
