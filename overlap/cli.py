@@ -622,6 +622,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             "comm ms",
             "exposed ms",
             "overlap ratio",
+            "worker CPU ms",
             "1st compressed step ms",
         ],
         title=f"overlap bench train: {rows[0]['params'] / 1e6:.1f}M params, batch {batch}, "
@@ -648,6 +649,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 "comm ms": ms(r.get("comm_ms")),
                 "exposed ms": ms(r.get("exposed_ms")),
                 "overlap ratio": round(r["overlap_ratio"], 2) if "overlap_ratio" in r else "",
+                "worker CPU ms": ms(r.get("worker_cpu_ms")),
                 "1st compressed step ms": ms(r.get("first_compressed_ms")),
             }
         )
