@@ -785,11 +785,13 @@ def cmd_trace_plot(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     import platform
+    from importlib.metadata import version
 
     import torch
     import torch.distributed as dist
 
     import overlap
+    from overlap.compression import codec_numba
     from overlap.runtime import uvloop_available
 
     _out(f"overlap {overlap.__version__} on Python {platform.python_version()}")
@@ -808,16 +810,10 @@ def cmd_env(args: argparse.Namespace) -> int:
         + (f", {torch.cuda.device_count()} device(s)" if cuda else "")
     )
     if uvloop_available():
-        from importlib.metadata import version
-
         _out(f"uvloop: {version('uvloop')}")
     else:
         _out("uvloop: not installed (asyncio's default loop is used)")
-    from overlap.compression import codec_numba
-
     if codec_numba.available():
-        from importlib.metadata import version
-
         _out(f"1-bit codec on CPU: numba kernels (numba {version('numba')})")
     else:
         _out("1-bit codec on CPU: torch ops, several times slower (pip install numba)")

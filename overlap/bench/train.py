@@ -236,13 +236,8 @@ def bench_train_rank(
         r["backward"].append(t_bwd - t0)
         r["cpu"].append(time.thread_time() - c0)
         if stats is not None:
-            tl = stats["timeline"]
-            # the last step's buckets: (index, ready, start, end) in ms from the step's start
-            v["timeline"] = [
-                [e["bucket"], *(round((e[k] - t0) * 1e3, 1) for k in ("ready", "start", "end"))]
-                for e in tl
-            ]
-            c, h = comm_overlap(tl, t0, t_bwd)
+            v["timeline"] = stats["timeline"], t0  # the row reports the last step's buckets
+            c, h = comm_overlap(stats["timeline"], t0, t_bwd)
             r["comm"].append(c)
             r["hidden"].append(h)
             r["exposed"].append(t_sync - t_bwd)
@@ -330,7 +325,11 @@ def bench_train_rank(
         if v["sched"] is not None:
             cpu = worker[n][-steps - 1 :]  # the measured steps, from the warm-up's last
             row["worker_cpu_ms"] = (cpu[-1] - cpu[0]) / max(len(cpu) - 1, 1) * 1e3
-            row["buckets_ms"] = v["timeline"]
+            tl, t0 = v["timeline"]  # the last step's buckets, in ms from the step's start
+            row["buckets_ms"] = [
+                [e["bucket"], *(round((e[k] - t0) * 1e3, 1) for k in ("ready", "start", "end"))]
+                for e in tl
+            ]
         # +1: the scheduler rebuilds its buckets after step 0, which resets the compressor's
         # per-bucket state, so its warm-up counts again from step 1
         first = COMPRESS_FROM + 1
