@@ -20,6 +20,14 @@ import overlap
 from overlap import comm
 
 
+def _record(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: the test polls for the file and reads it at
+    once, so it must never see it created but still empty."""
+    with open(path + ".part", "w") as f:
+        f.write(text)
+    os.replace(path + ".part", path)
+
+
 def main() -> None:
     out, timeout = sys.argv[1], float(sys.argv[2])
     overlap.init_distributed(timeout=timeout)
@@ -48,12 +56,12 @@ def main() -> None:
             one(x, op="avg")
             last = time.monotonic()
             if i == 0:
-                with open(os.path.join(out, f"ready.{rank}"), "w") as f:
-                    f.write(str(os.getpid()))  # names rank 0's shared regions (hierarchy)
+                # the pid names rank 0's shared regions (hierarchy)
+                _record(os.path.join(out, f"ready.{rank}"), str(os.getpid()))
             time.sleep(0.01)
     except Exception as e:  # what the user sees: the type and when
-        with open(os.path.join(out, f"error.{rank}"), "w") as f:
-            f.write(f"{type(e).__name__} {time.monotonic() - last:.2f} {str(e)[:300]}")
+        text = f"{type(e).__name__} {time.monotonic() - last:.2f} {str(e)[:300]}"
+        _record(os.path.join(out, f"error.{rank}"), text)
         os._exit(3)
 
 
