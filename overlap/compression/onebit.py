@@ -31,7 +31,7 @@ one, and the rows made once per state, 2.5 ms. The extra copies are 1/32 of a pa
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,6 +101,15 @@ def _check(buffer: Any, worker_error: Any, server_error: Any, w: int) -> tuple[i
     return n, P
 
 
+Publish = Callable[[torch.Tensor, torch.Tensor, Layout], bool]
+"""``publish(signs, sscales, lay)``: the reduced result in its compressed form (every chunk's
+packed signs, P/8 bytes, and the server scales, (W, segments) float32), offered before it
+is rebuilt. True: the callee took it (it copies what it needs: both are scratch reused by
+the next call on the state) and will rebuild it itself with :meth:`Codec.rebuild`; the
+buffer is left as it was. False: rebuilt as usual. The hierarchical reduction shares it
+with the other ranks of a host, so that each rebuilds the whole bucket straight into its
+gradients (overlap.scheduler.hierarchy)."""
+
 _THREAD = threading.local()  # the blocking raw API's scratch buffers, per thread
 
 
@@ -168,13 +177,15 @@ def onebit_steps(
     group: Any = None,
     direct: Sequence[tuple[int, torch.Tensor]] = (),
     read_direct: bool = False,
+    publish: Publish | None = None,
 ) -> Steps:
     """The algorithm as a steps generator (see overlap.comm.steps), written once; the
     arithmetic of each phase is the ``codec``'s. ``ef`` is the buffer's error feedback (lazy
     form, :class:`~overlap.compression.codec.ErrorFeedback`), ``lay`` its :class:`Layout`;
     ``direct`` as in :meth:`Codec.rebuild`; ``read_direct``: the ``direct`` tensors also
     hold the input for their elements (``buffer``'s copy of them is stale), read by
-    :meth:`Codec.encode` as its ``sources``."""
+    :meth:`Codec.encode` as its ``sources``. ``publish``: see :data:`Publish`; when it takes
+    the result, nothing is rebuilt here."""
     n, w, me = lay.n, lay.w, lay.me
     if n == 0:
         return buffer
@@ -233,6 +244,8 @@ def onebit_steps(
     m.all_signs_rows.copy_(m.rows_signs)
     m.sscales_bytes.copy_(m.rows_scales)
     all_signs, sscales = m.all_signs, m.sscales
+    if publish is not None and publish(all_signs, sscales, lay):
+        return buffer  # the caller rebuilds it (elsewhere, or on other ranks too)
 
     # 5. rebuild: element i of chunk j is sscale[j, segment(i)] * sign, straight into the
     # buffer when it is float32
@@ -411,10 +424,12 @@ class OneBit(Compressor):
         shapes: Any = None,
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
         read_outputs: bool = False,
+        publish: Publish | None = None,
     ) -> Steps:
         """``read_outputs`` (see :meth:`Compressor.reduce_steps`): the encode stage reads
         each output tensor that is one of the layout's segments in place; the others, and
-        the warm-up's uncompressed allreduce, take a copy into ``flat`` first."""
+        the warm-up's uncompressed allreduce, take a copy into ``flat`` first. ``publish``
+        (:data:`Publish`) is offered a compressed result; a warm-up step has none."""
         w = comm.get_world_size(group)
         self._check_world(w)
         st = self._entry(key, flat)
@@ -431,7 +446,7 @@ class OneBit(Compressor):
         ef, lay = self._state_for(st, flat, group, shapes)
         try:
             yield from onebit_steps(
-                flat, ef, lay, codec_for(flat.device), group, outputs, read_outputs
+                flat, ef, lay, codec_for(flat.device), group, outputs, read_outputs, publish
             )
         except NonFiniteError:
             if self.on_nonfinite == "raise":

@@ -16,7 +16,12 @@ On CPU, steps 1 and 3 go through shared memory (``/dev/shm``), as NCCL's SHM tra
 does: each rank writes its bucket, less its own chunk, into its slot of a region the host's
 ranks all map, averages its own chunk from its gradients and the other slots (with two
 ranks a host, one ``lerp``), and after step 2 publishes the chunk for the others to read;
-two small barriers on the host's group order it. With L = 2 that is half a pass of the
+two small barriers on the host's group order it. When the wrapped compressor is a 1-bit
+one past its warm-up, the chunk is published in its compressed form (the server scales and
+the packed signs, 1/32 of the floats) and every rank rebuilds all L chunks from there
+straight into its own gradients: the owner does not rebuild its chunk into the region, nor
+does every rank copy the whole result out of it (per rank, one write of the bucket where
+there were half a write, a read and a write). With L = 2 that is half a pass of the
 bucket in, one and a half for the average of the half-size chunk, and one out; sockets on
 loopback (an allreduce, then an allgather) cost far more CPU (docs/cluster.md). These
 passes run on cold memory that the host's ranks share, so on CPU they cost about as much
@@ -25,7 +30,8 @@ every rank and then unlinked, so nothing is left in /dev/shm even after a crash;
 room there (a container's 64 MB default), the host falls back to the socket path, saying so.
 
 Every rank ends with the same buffer: step 2 gives one result per chunk to every member of
-its group (the wrapped compressor's contract), step 3 copies it to every rank. A non-finite
+its group (the wrapped compressor's contract), step 3 copies it (or rebuilds it from the
+same bits, with the same kernel: bitwise the same floats) to every rank. A non-finite
 chunk is seen only by the ranks that reduce it (a NaN on one rank reaches one chunk), so the
 host's ranks agree on it before step 3, in the barrier that orders it (a max over their
 outcomes, no extra collective on the shared-memory path): with ``on_nonfinite="raise"``
@@ -56,7 +62,9 @@ import torch
 from overlap import comm
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
-from overlap.compression.codec import gather_sources, write_outputs
+from overlap.compression.codec import codec_for, gather_sources, write_outputs
+from overlap.compression.layout import Layout, layout
+from overlap.compression.onebit import OneBit
 from overlap.errors import NonFiniteError
 from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
@@ -67,6 +75,9 @@ log = logging.getLogger(__name__)
 _SHM = "/dev/shm"
 # How a rank's chunk ended (the host takes the max of its ranks'): see Hierarchical._agree
 _OK, _SKIPPED, _RAISED = 0, 1, 2
+# What a chunk's owner left in its part of the shared result (each rank's vote says it):
+# the averaged floats, or the inner 1-bit reduction's signs and scales (Hierarchical._publish)
+_FLOATS, _SIGNS = 0, 1
 
 
 def node_layout(ctrl: Any, device: torch.device) -> tuple[int, int] | None:
@@ -227,6 +238,7 @@ class Hierarchical(Compressor):
             )
         self.device = device
         self.state: dict[Any, Any] = {}
+        self._scratch: dict[str, torch.Tensor] = {}  # _rebuild's padding chunk
         # this rank's NonFiniteError per bucket, from step 2 until the host agrees on it
         self._nonfinite: dict[Hashable, NonFiniteError] = {}
         # Shared memory for the exchange inside a host (module docstring), named by a token
@@ -280,8 +292,11 @@ class Hierarchical(Compressor):
         contract makes the outcome the same on every rank of the cross group."""
         cur = self.inner.current()
         before = getattr(cur, "skipped_steps", None)
+        # ``publish`` is OneBit's own keyword: give it to the active OneBit itself (an Auto
+        # would pass the call on to it unchanged)
+        target = cur if "publish" in kw else self.inner
         try:
-            yield from self.inner.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
+            yield from target.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
         except NonFiniteError as exc:
             self._nonfinite[key] = exc
             return _RAISED
@@ -289,13 +304,16 @@ class Hierarchical(Compressor):
         # skipped anyway, and the count moves at the same phase on every rank.
         return _OK if getattr(cur, "skipped_steps", None) == before else _SKIPPED
 
-    def _agree(self, key: Hashable, outcome: int) -> Steps:
-        """The host's barrier after step 2, carrying each rank's chunk outcome: every rank
-        learns the worst one. Raises NonFiniteError on every rank of the host if any chunk
-        raised; marks this rank's compressor skipped if any chunk was skipped."""
-        vote = torch.tensor([outcome], dtype=torch.int32, device=self.device)
+    def _agree(self, key: Hashable, outcome: int, kind: int = _FLOATS) -> Steps:
+        """The host's barrier after step 2, carrying each rank's chunk outcome and the form
+        of its published chunk (``kind``): every rank learns the worst outcome and every
+        chunk's form, returned as (worst, forms by local rank). Raises NonFiniteError on
+        every rank of the host if any chunk raised; marks this rank's compressor skipped if
+        any chunk was skipped."""
+        vote = torch.zeros(1 + self.local, dtype=torch.int32, device=self.device)
+        vote[0], vote[1 + self.local_rank] = outcome, kind
         yield [comm.all_reduce(vote, op="max", group=self.local_group, async_op=True)]
-        worst = int(vote)
+        worst, *kinds = (int(v) for v in vote.tolist())
         if worst == _RAISED:
             own = self._nonfinite.pop(key, None)
             if outcome == _RAISED and own is not None:
@@ -312,7 +330,7 @@ class Hierarchical(Compressor):
                 cur.skipped_steps += 1
             if hasattr(cur, "last_skipped"):
                 cur.last_skipped = True
-        return worst
+        return worst, kinds
 
     def _region(self, key: Hashable, flat: torch.Tensor) -> Steps:
         """This key's shared memory (L input slots and one result, each a padded bucket),
@@ -429,22 +447,94 @@ class Hierarchical(Compressor):
             for other in others[1:]:
                 chunk.add_(other[lo:hi])
             chunk.div_(L)
-        # a compressor that writes outputs rebuilds straight into the published result
+        # a compressor that writes outputs rebuilds straight into the published result; a
+        # 1-bit one publishes its compressed result there instead (_publish)
         mine_out = result[lo:hi]
-        direct = self.inner.current().writes_outputs
+        cur = self.inner.current()
+        direct = cur.writes_outputs
         kw: dict[str, Any] = {"outputs": [(0, mine_out)]} if direct else {}
+        taken: list[bool] = []
+        if isinstance(cur, OneBit) and flat.dtype == torch.float32:
+            kw["publish"] = lambda signs, sscales, lay: self._publish(
+                signs, sscales, lay, mine_out, taken
+            )
         outcome = yield from self._inner_chunk(key, chunk, kw)
         if outcome == _OK and not direct:
             mine_out.copy_(chunk)
         # every chunk published, and the host agrees on how its chunks ended
-        if (yield from self._agree(key, outcome)) != _OK:
+        worst, kinds = yield from self._agree(key, outcome, _SIGNS if taken else _FLOATS)
+        if worst != _OK:
             if not read_outputs:  # else the outputs are the (unchanged) input already
                 write_outputs(flat, outputs)
             return flat  # skipped: the bucket stays as it was, as a flat reduction leaves it
         # into the outputs (whether or not they held the input) and flat for the rest
-        for a, b, dst in _sources(flat, outputs, bool(outputs)):
-            dst.copy_(result[a:b])
+        dests = _sources(flat, outputs, bool(outputs))
+        for j, kind in enumerate(kinds):
+            a0, a1 = j * per, min((j + 1) * per, n)
+            if a1 <= a0:
+                continue
+            if kind == _SIGNS:
+                self._rebuild(result[a0 : a0 + per], per, _pieces(dests, a0, a1), a0)
+            else:
+                for a, b, dst in _pieces(dests, a0, a1):
+                    dst.copy_(result[a:b])
         return flat
+
+    def _publish(
+        self,
+        signs: torch.Tensor,
+        sscales: torch.Tensor,
+        lay: Layout,
+        dst: torch.Tensor,
+        taken: list[bool],
+    ) -> bool:
+        """Put this rank's reduced chunk into its part of the shared result in the 1-bit
+        form: the server scales, then the packed signs (about 1/32 of the floats). Every
+        rank of the host then rebuilds every chunk from there straight into its own
+        gradients (:meth:`_rebuild`), instead of the owner rebuilding its chunk into the
+        result and every rank copying the whole result out: per rank, the bucket written
+        once, where it was written, read and written again (half a pass and two). False
+        (the floats are published instead) when the form does not fit the chunk's room or
+        is not the one :meth:`_rebuild` assumes."""
+        ns, nb = sscales.numel(), signs.numel()
+        if lay.n != dst.numel() or lay.nseg != 1 or lay.w != self.hosts:
+            return False
+        if 4 * ns + nb > 4 * dst.numel():
+            return False
+        raw = dst.view(torch.uint8)
+        raw[: 4 * ns].copy_(sscales.reshape(-1).view(torch.uint8))
+        raw[4 * ns : 4 * ns + nb].copy_(signs.reshape(-1))
+        taken.append(True)
+        return True
+
+    def _rebuild(
+        self,
+        published: torch.Tensor,
+        per: int,
+        dests: list[tuple[int, int, torch.Tensor]],
+        a0: int,
+    ) -> None:
+        """Rebuild one chunk that its owner published in the 1-bit form (:meth:`_publish`)
+        into ``dests`` (pieces of the bucket's elements from ``a0``, as :func:`_pieces`
+        gives). The layout is the owner's: a chunk of ``per`` elements over the hosts, one
+        segment (which rank of the cross group is "me" does not change a rebuild)."""
+        lay = layout(per, self.hosts, comm.get_rank() // self.local, None)
+        raw = published.view(torch.uint8)
+        ns = lay.w * lay.nseg
+        sscales = raw[: 4 * ns].view(torch.float32).view(lay.w, lay.nseg)
+        signs = raw[4 * ns : 4 * ns + lay.P // 8]
+        # the chunk's padding (and any destination the codec cannot write in place) goes
+        # to a scratch chunk
+        pad = self._scratch.get("pad")
+        if pad is None or pad.numel() < per:  # one for every bucket: the largest chunk's size
+            pad = self._scratch["pad"] = torch.empty(per, dtype=torch.float32)
+        pad = pad[:per]
+        ok = [(a - a0, d) for a, _, d in dests if d.dtype == torch.float32 and d.is_contiguous()]
+        codec_for(published.device).rebuild(signs, sscales, lay, pad, ok)
+        if len(ok) < len(dests):
+            for a, b, d in dests:
+                if not (d.dtype == torch.float32 and d.is_contiguous()):
+                    d.copy_(pad[a - a0 : b - a0])
 
     def _socket_steps(self, key: Hashable, flat: torch.Tensor) -> Steps:
         n, L = flat.numel(), self.local
@@ -457,7 +547,7 @@ class Hierarchical(Compressor):
         chunks = list(buf.view(L, per).unbind(0))
         mine = chunks[self.local_rank]
         outcome = yield from self._inner_chunk(key, mine, {})
-        if (yield from self._agree(key, outcome)) != _OK:
+        if (yield from self._agree(key, outcome))[0] != _OK:
             return flat  # skipped: flat still holds this host's average, the input here
         yield [comm.all_gather(chunks, mine.clone(), group=self.local_group, async_op=True)]
         flat.copy_(buf[:n])

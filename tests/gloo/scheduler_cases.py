@@ -585,6 +585,63 @@ def hierarchical_pipelined_equals_the_average(
         hierarchy._SHM = shm
 
 
+def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
+    """Hierarchical OneBit with each chunk published in its 1-bit form (every rank of a host
+    rebuilds every chunk from the signs into its own gradients) against the same reduction
+    with the floats published (the owner rebuilds, the others copy): bitwise the same
+    gradients, step after step (four compressed steps).
+    ``layout`` as in :func:`hierarchical_pipelined_equals_the_average`. Returns [steps whose
+    gradients were all equal, chunks published as signs, buckets]."""
+    from overlap.scheduler.hierarchy import Hierarchical
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 63), nn.Linear(63, 5))
+    ref = copy.deepcopy(model)
+    w = comm.get_world_size()
+    hosts, local = (w, 1) if layout == "hosts" else (1, w)
+    comps = [Hierarchical(OneBit(), hosts=hosts, local=local) for _ in range(2)]
+    published = [0]
+    real = comps[0]._publish
+
+    def counting(*args: Any) -> bool:
+        took = real(*args)
+        published[0] += took
+        return took
+
+    comps[0]._publish = counting  # type: ignore[method-assign]
+    comps[1]._publish = lambda *args: False  # type: ignore[method-assign]
+    scheds = [
+        BucketScheduler(
+            m, compression=c, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
+        )
+        for m, c in zip((model, ref), comps, strict=True)
+    ]
+    equal = 0
+    try:
+        for step in range(4):
+            x = torch.randn(
+                8, 32, generator=torch.Generator().manual_seed(10 * step + comm.get_rank())
+            )
+            for m, sched in zip((model, ref), scheds, strict=True):
+                m.zero_grad()
+                m(x).pow(2).mean().backward()
+                sched.synchronize()
+            same = all(
+                p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+            )
+            equal += same
+            with torch.no_grad():  # both step alike, so the next gradients differ by step
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                    assert p.grad is not None and q.grad is not None
+                    p.sub_(0.1 * p.grad)
+                    q.sub_(0.1 * q.grad)
+        return [equal, published[0], len(scheds[0].buckets)]
+    finally:
+        for sched in scheds:
+            sched.remove()
+
+
 class FailsOnOneRank(Compressor):
     """Two summing all_reduces a bucket (then the average); on ``rank``, at ``step``, bucket
     ``key`` raises a RuntimeError of its own, ``where`` "start" (before its first

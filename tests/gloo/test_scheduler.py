@@ -177,6 +177,21 @@ def test_hierarchical_pipelines_buckets_each_in_its_own_region(
         assert direct == in_place == want, out
 
 
+@pytest.mark.parametrize(("ranks", "layout"), [(2, "hosts"), (2, "local"), (3, "local")])
+def test_hierarchical_onebit_rebuilt_from_published_signs_is_bitwise_the_same(
+    pools: Callable[[int], RankPool], ranks: int, layout: str
+) -> None:
+    """Each chunk's owner publishes its 1-bit result (signs and scales) and every rank of
+    the host rebuilds every chunk straight into its gradients: the same bits as the owner
+    rebuilding the floats for the others to copy, on every step, with a padded last chunk
+    (3 ranks) and with a 1-bit exchange between hosts (2 "hosts")."""
+    out = pools(ranks).run(sc.hierarchical_onebit_publishes_what_it_rebuilt, layout, timeout=120)
+    for equal, published, buckets in out:
+        # 4 steps equal; the 3 compressed ones published every chunk of every bucket
+        assert equal == 4 and buckets >= 3, out
+        assert published == 4 * buckets, out
+
+
 def test_hierarchical_hosts_with_and_without_shared_memory_stay_in_step(
     pools: Callable[[int], RankPool],
 ) -> None:
