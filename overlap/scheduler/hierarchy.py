@@ -57,6 +57,7 @@ import secrets
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from overlap import comm
@@ -69,7 +70,7 @@ from overlap.errors import NonFiniteError
 from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
 
-__all__ = ["Hierarchical", "check_hierarchy", "node_layout", "resolve"]
+__all__ = ["Hierarchical", "check_hierarchy", "chunk_segments", "node_layout", "resolve"]
 
 log = logging.getLogger(__name__)
 _SHM = "/dev/shm"
@@ -163,6 +164,26 @@ def _pieces(
         if b2 > a2:
             pieces.append((a2, b2, src[a2 - a : b2 - a]))
     return pieces
+
+
+def chunk_segments(shapes: Sequence[torch.Size] | None, n: int, per: int, j: int) -> list[int]:
+    """The lengths of the bucket's tensors within chunk j (elements [j per, (j + 1) per)),
+    in order, the chunk's padding past the bucket's ``n`` elements a segment of its own: a
+    1-bit reduction of the chunk then gives each tensor piece its own scales, as a flat
+    one gives each tensor (OneBit's ``per_tensor_scales``). One segment, the whole chunk,
+    without shapes or when they do not describe the bucket."""
+    sizes = [int(torch.Size(x).numel()) for x in shapes or ()]
+    if sum(sizes) != n or len(sizes) < 2:
+        return [per]
+    lo, hi, out, at = j * per, (j + 1) * per, [], 0
+    for k in sizes:
+        a, b = max(at, lo), min(at + k, hi)
+        if b > a:
+            out.append(b - a)
+        at += k
+    if hi > max(n, lo):
+        out.append(hi - max(n, lo))
+    return out
 
 
 def _sweep_shm() -> None:
@@ -275,26 +296,40 @@ class Hierarchical(Compressor):
         if flat.device.type == "cpu":
             region = yield from self._region(key, flat)
             if region is not None:
-                return (yield from self._shm_steps(key, flat, region, outputs, read_outputs))
+                return (
+                    yield from self._shm_steps(key, flat, region, outputs, read_outputs, shapes)
+                )
         if read_outputs:
             gather_sources(flat, outputs)
-        yield from self._socket_steps(key, flat)
+        yield from self._socket_steps(key, flat, shapes)
         write_outputs(flat, outputs)
         return flat
 
     def _barrier(self) -> list[Any]:
         return [comm.all_reduce(torch.zeros(1), group=self.local_group, async_op=True)]
 
-    def _inner_chunk(self, key: Hashable, chunk: torch.Tensor, kw: dict[str, Any]) -> Steps:
+    def _inner_chunk(
+        self, key: Hashable, chunk: torch.Tensor, kw: dict[str, Any], segments: list[int]
+    ) -> Steps:
         """Reduce this rank's chunk across hosts; its outcome: _OK, _SKIPPED (the inner
         compressor kept a non-finite chunk as it was) or _RAISED (it raised NonFiniteError,
         kept per bucket for :meth:`_agree`). The inner compressor's own
-        contract makes the outcome the same on every rank of the cross group."""
+        contract makes the outcome the same on every rank of the cross group.
+
+        A 1-bit compressor gets ``segments`` (:func:`chunk_segments`) as the chunk's tensor
+        shapes, so each tensor piece has its own scales as in a flat reduction, and ``kw``'s
+        ``publish`` if there is one; it is called itself (an Auto would pass the call on to
+        it unchanged). Any other gets neither: 1-D pieces are not the bucket's tensors (a
+        PowerSGD would take them for vectors)."""
         cur = self.inner.current()
         before = getattr(cur, "skipped_steps", None)
-        # ``publish`` is OneBit's own keyword: give it to the active OneBit itself (an Auto
-        # would pass the call on to it unchanged)
-        target = cur if "publish" in kw else self.inner
+        target: Compressor = self.inner
+        if isinstance(cur, OneBit):
+            target = cur
+            if len(segments) > 1:
+                kw = {**kw, "shapes": [torch.Size([k]) for k in segments]}
+        else:
+            kw = {k: v for k, v in kw.items() if k != "publish"}
         try:
             yield from target.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
         except NonFiniteError as exc:
@@ -408,6 +443,7 @@ class Hierarchical(Compressor):
         region: Any,
         outputs: Sequence[tuple[int, torch.Tensor]],
         read_outputs: bool,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> Steps:
         """Inside the host through shared memory: write the bucket, but for this rank's own
         chunk, to this rank's slot; average the own chunk over this rank's values and the
@@ -454,11 +490,13 @@ class Hierarchical(Compressor):
         direct = cur.writes_outputs
         kw: dict[str, Any] = {"outputs": [(0, mine_out)]} if direct else {}
         taken: list[bool] = []
+        segments = chunk_segments(shapes, n, per, mine)
         if isinstance(cur, OneBit) and flat.dtype == torch.float32:
+            want = self._chunk_layout(per, segments)
             kw["publish"] = lambda signs, sscales, lay: self._publish(
-                signs, sscales, lay, mine_out, taken
+                signs, sscales, lay, want, mine_out, taken
             )
-        outcome = yield from self._inner_chunk(key, chunk, kw)
+        outcome = yield from self._inner_chunk(key, chunk, kw, segments)
         if outcome == _OK and not direct:
             mine_out.copy_(chunk)
         # every chunk published, and the host agrees on how its chunks ended
@@ -474,7 +512,8 @@ class Hierarchical(Compressor):
             if a1 <= a0:
                 continue
             if kind == _SIGNS:
-                self._rebuild(result[a0 : a0 + per], per, _pieces(dests, a0, a1), a0)
+                lay = self._chunk_layout(per, chunk_segments(shapes, n, per, j))
+                self._rebuild(result[a0 : a0 + per], lay, _pieces(dests, a0, a1), a0)
             else:
                 for a, b, dst in _pieces(dests, a0, a1):
                     dst.copy_(result[a:b])
@@ -485,6 +524,7 @@ class Hierarchical(Compressor):
         signs: torch.Tensor,
         sscales: torch.Tensor,
         lay: Layout,
+        want: Layout,
         dst: torch.Tensor,
         taken: list[bool],
     ) -> bool:
@@ -495,9 +535,12 @@ class Hierarchical(Compressor):
         result and every rank copying the whole result out: per rank, the bucket written
         once, where it was written, read and written again (half a pass and two). False
         (the floats are published instead) when the form does not fit the chunk's room or
-        is not the one :meth:`_rebuild` assumes."""
+        the reduction's layout is not ``want``, the one every reader rebuilds with (a
+        OneBit without per-tensor scales)."""
         ns, nb = sscales.numel(), signs.numel()
-        if lay.n != dst.numel() or lay.nseg != 1 or lay.w != self.hosts:
+        if lay is not want and (
+            lay.n != want.n or lay.w != want.w or not np.array_equal(lay.seg_len, want.seg_len)
+        ):
             return False
         if 4 * ns + nb > 4 * dst.numel():
             return False
@@ -507,18 +550,22 @@ class Hierarchical(Compressor):
         taken.append(True)
         return True
 
+    def _chunk_layout(self, per: int, segments: list[int]) -> Layout:
+        """The layout of a chunk's 1-bit reduction: ``per`` elements over the hosts, in
+        ``segments`` (which rank of the cross group is "me" does not change a rebuild)."""
+        return layout(per, self.hosts, comm.get_rank() // self.local, segments)
+
     def _rebuild(
         self,
         published: torch.Tensor,
-        per: int,
+        lay: Layout,
         dests: list[tuple[int, int, torch.Tensor]],
         a0: int,
     ) -> None:
         """Rebuild one chunk that its owner published in the 1-bit form (:meth:`_publish`)
-        into ``dests`` (pieces of the bucket's elements from ``a0``, as :func:`_pieces`
-        gives). The layout is the owner's: a chunk of ``per`` elements over the hosts, one
-        segment (which rank of the cross group is "me" does not change a rebuild)."""
-        lay = layout(per, self.hosts, comm.get_rank() // self.local, None)
+        with the owner's layout ``lay`` into ``dests`` (pieces of the bucket's elements from
+        ``a0``, as :func:`_pieces` gives)."""
+        per = lay.n
         raw = published.view(torch.uint8)
         ns = lay.w * lay.nseg
         sscales = raw[: 4 * ns].view(torch.float32).view(lay.w, lay.nseg)
@@ -536,7 +583,9 @@ class Hierarchical(Compressor):
                 if not (d.dtype == torch.float32 and d.is_contiguous()):
                     d.copy_(pad[a - a0 : b - a0])
 
-    def _socket_steps(self, key: Hashable, flat: torch.Tensor) -> Steps:
+    def _socket_steps(
+        self, key: Hashable, flat: torch.Tensor, shapes: Sequence[torch.Size] | None = None
+    ) -> Steps:
         n, L = flat.numel(), self.local
         yield [comm.all_reduce(flat, op="avg", group=self.local_group, async_op=True)]
         per = -(-n // L)
@@ -546,7 +595,8 @@ class Hierarchical(Compressor):
         buf[:n].copy_(flat)
         chunks = list(buf.view(L, per).unbind(0))
         mine = chunks[self.local_rank]
-        outcome = yield from self._inner_chunk(key, mine, {})
+        segments = chunk_segments(shapes, n, per, self.local_rank)
+        outcome = yield from self._inner_chunk(key, mine, {}, segments)
         if (yield from self._agree(key, outcome))[0] != _OK:
             return flat  # skipped: flat still holds this host's average, the input here
         yield [comm.all_gather(chunks, mine.clone(), group=self.local_group, async_op=True)]

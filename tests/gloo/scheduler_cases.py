@@ -591,7 +591,8 @@ def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
     with the floats published (the owner rebuilds, the others copy): bitwise the same
     gradients, step after step (four compressed steps).
     ``layout`` as in :func:`hierarchical_pipelined_equals_the_average`. Returns [steps whose
-    gradients were all equal, chunks published as signs, buckets]."""
+    gradients were all equal, chunks published as signs, buckets, the most scales a chunk
+    had (per tensor piece, as a flat reduction has per tensor)]."""
     from overlap.scheduler.hierarchy import Hierarchical
 
     torch.manual_seed(0)
@@ -636,7 +637,10 @@ def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
                     assert p.grad is not None and q.grad is not None
                     p.sub_(0.1 * p.grad)
                     q.sub_(0.1 * q.grad)
-        return [equal, published[0], len(scheds[0].buckets)]
+        inner = comps[0].inner
+        assert isinstance(inner, OneBit)
+        most = max(st["lay"].nseg for st in inner.state.values())
+        return [equal, published[0], len(scheds[0].buckets), most]
     finally:
         for sched in scheds:
             sched.remove()

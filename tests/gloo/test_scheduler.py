@@ -184,12 +184,16 @@ def test_hierarchical_onebit_rebuilt_from_published_signs_is_bitwise_the_same(
     """Each chunk's owner publishes its 1-bit result (signs and scales) and every rank of
     the host rebuilds every chunk straight into its gradients: the same bits as the owner
     rebuilding the floats for the others to copy, on every step, with a padded last chunk
-    (3 ranks) and with a 1-bit exchange between hosts (2 "hosts")."""
+    (3 ranks) and with a 1-bit exchange between hosts (2 "hosts"). Each chunk has scales
+    per tensor piece, as a flat reduction has per tensor."""
     out = pools(ranks).run(sc.hierarchical_onebit_publishes_what_it_rebuilt, layout, timeout=120)
-    for equal, published, buckets in out:
-        # 4 steps equal; the 3 compressed ones published every chunk of every bucket
+    for equal, published, buckets, _ in out:
+        # 4 steps equal, and every chunk of every bucket was published on each
         assert equal == 4 and buckets >= 3, out
         assert published == 4 * buckets, out
+    # a bucket of several tensors: a chunk across them has a scale per tensor piece (and one
+    # for the padding), not one for the whole chunk
+    assert max(most for *_, most in out) >= 3, out
 
 
 def test_hierarchical_hosts_with_and_without_shared_memory_stay_in_step(
