@@ -589,33 +589,38 @@ def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
     """Hierarchical OneBit with each chunk published in its 1-bit form (every rank of a host
     rebuilds every chunk from the signs into its own gradients) against the same reduction
     with the floats published (the owner rebuilds, the others copy): bitwise the same
-    gradients, step after step (four compressed steps).
-    ``layout`` as in :func:`hierarchical_pipelined_equals_the_average`. Returns [steps whose
-    gradients were all equal, chunks published as signs, buckets, the most scales a chunk
-    had (per tensor piece, as a flat reduction has per tensor)]."""
+    gradients, step after step (four compressed steps). With ``layout`` "hosts" (one rank a
+    host, so a chunk is the whole bucket) also against a flat OneBit: bitwise the same too,
+    as each tensor gets its own scales in both. ``layout`` as in
+    :func:`hierarchical_pipelined_equals_the_average`. Returns [steps whose gradients were
+    all equal, chunks published as signs, buckets, the most scales a chunk had]."""
     from overlap.scheduler.hierarchy import Hierarchical
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 63), nn.Linear(63, 5))
-    ref = copy.deepcopy(model)
     w = comm.get_world_size()
     hosts, local = (w, 1) if layout == "hosts" else (1, w)
-    comps = [Hierarchical(OneBit(), hosts=hosts, local=local) for _ in range(2)]
+    comps: list[Compressor] = [Hierarchical(OneBit(), hosts=hosts, local=local) for _ in range(2)]
+    if layout == "hosts":
+        comps.append(OneBit())
+    models = [model] + [copy.deepcopy(model) for _ in comps[1:]]
     published = [0]
-    real = comps[0]._publish
+    hier, floats = comps[0], comps[1]
+    assert isinstance(hier, Hierarchical) and isinstance(floats, Hierarchical)
+    real = hier._publish
 
     def counting(*args: Any) -> bool:
         took = real(*args)
         published[0] += took
         return took
 
-    comps[0]._publish = counting  # type: ignore[method-assign]
-    comps[1]._publish = lambda *args: False  # type: ignore[method-assign]
+    hier._publish = counting  # type: ignore[method-assign]
+    floats._publish = lambda *args: False  # type: ignore[method-assign]
     scheds = [
         BucketScheduler(
             m, compression=c, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
         )
-        for m, c in zip((model, ref), comps, strict=True)
+        for m, c in zip(models, comps, strict=True)
     ]
     equal = 0
     try:
@@ -623,21 +628,21 @@ def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
             x = torch.randn(
                 8, 32, generator=torch.Generator().manual_seed(10 * step + comm.get_rank())
             )
-            for m, sched in zip((model, ref), scheds, strict=True):
+            for m, sched in zip(models, scheds, strict=True):
                 m.zero_grad()
                 m(x).pow(2).mean().backward()
                 sched.synchronize()
-            same = all(
+            equal += all(
                 p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
-                for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+                for other in models[1:]
+                for p, q in zip(model.parameters(), other.parameters(), strict=True)
             )
-            equal += same
-            with torch.no_grad():  # both step alike, so the next gradients differ by step
-                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                    assert p.grad is not None and q.grad is not None
-                    p.sub_(0.1 * p.grad)
-                    q.sub_(0.1 * q.grad)
-        inner = comps[0].inner
+            with torch.no_grad():  # all step alike, so the next gradients differ by step
+                for m in models:
+                    for p in m.parameters():
+                        assert p.grad is not None
+                        p.sub_(0.1 * p.grad)
+        inner = hier.inner
         assert isinstance(inner, OneBit)
         most = max(st["lay"].nseg for st in inner.state.values())
         return [equal, published[0], len(scheds[0].buckets), most]
