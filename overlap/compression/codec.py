@@ -175,6 +175,7 @@ class Codec(ABC):
         lay: Layout,
         ef: ErrorFeedback,
         sources: Sequence[tuple[int, torch.Tensor]] = (),
+        mean_with: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """b = x + worker error into ``ef.take_spare()``; returns (packed signs of b (P/8
         bytes), per-segment scales ||b_seg|| / sqrt(len) (float32), b). ``ef`` unchanged.
@@ -182,7 +183,11 @@ class Codec(ABC):
         ``sources``: (start, tensor) pairs, as :meth:`rebuild`'s ``direct``: elements
         [start, start + numel) of x are read from the tensor (x's copy of them may be
         stale). The numba codec reads a tensor that is exactly one segment in place; any
-        other is first copied into x (:func:`gather_sources`)."""
+        other is first copied into x (:func:`gather_sources`).
+
+        ``mean_with``: a contiguous float32 tensor of n elements; the input is then
+        (x + mean_with) * 0.5 elementwise (x as ``sources`` give it), computed in the same
+        pass (numba) or first, into x (torch ops: x is then overwritten)."""
 
     @abstractmethod
     def server(

@@ -175,7 +175,9 @@ class NumbaCodec(Codec):
             raise RuntimeError("NumbaCodec needs numba (pip install numba)")
         self.k = k
 
-    def encode(self, x: Any, lay: Layout, ef: ErrorFeedback, sources: Any = ()) -> Any:
+    def encode(
+        self, x: Any, lay: Layout, ef: ErrorFeedback, sources: Any = (), mean_with: Any = None
+    ) -> Any:
         import torch
 
         xn = x.reshape(-1)
@@ -186,7 +188,18 @@ class NumbaCodec(Codec):
         packed = ef.scratch("packed", lay.P // 8, torch.uint8).numpy()
         pc = lay.worker
         partial = np.empty(len(pc), dtype=np.float64)
-        args = (xn.numpy(), src, lay.seg_start, ef.wb.numpy(), ef.ws.numpy(), b.numpy(), packed)
+        y = xn if mean_with is None else mean_with.reshape(-1)
+        args = (
+            xn.numpy(),
+            src,
+            lay.seg_start,
+            y.numpy(),
+            int(mean_with is not None),
+            ef.wb.numpy(),
+            ef.ws.numpy(),
+            b.numpy(),
+            packed,
+        )
         enc = self.k["encode"]
         parallel(pc, lambda q, lo, hi: enc(*args, pc.start, pc.end, pc.seg, q, lo, hi, partial))
         return torch.from_numpy(packed), _scales(partial, pc, lay.seg_len, lay.nseg), b

@@ -119,8 +119,11 @@ class TorchCodec(Codec):
         lay: Layout,
         ef: ErrorFeedback,
         sources: Sequence[tuple[int, torch.Tensor]] = (),
+        mean_with: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gather_sources(x, sources)
+        if mean_with is not None:  # (x + y) * 0.5, rounded as the numba kernel rounds it
+            x.reshape(-1).add_(mean_with.reshape(-1)).mul_(0.5)
         ix = self._index(lay, x.device)
         b = ef.take_spare()
         ws = ef.ws if lay.nseg == 1 else torch.index_select(ef.ws, 0, ix.seg_id)

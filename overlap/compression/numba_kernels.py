@@ -212,6 +212,28 @@ enc8 = _enc8(True)  # a new buffer far larger than the caches: write around them
 upd8 = _enc8(False)  # in place over lines just read (the server's chunk)
 
 
+@intrinsic
+def enc8m(
+    typingctx: Any, x: Any, xidx: Any, y: Any, wb: Any, s: Any, bn: Any, idx: Any, acc: Any
+) -> Any:
+    """``enc8`` of the mean of two inputs: x[xidx:] and y[idx:] (8 lanes each) summed and
+    halved, ((x + y) * 0.5), then the stage as ``enc8`` with its non-temporal store. A
+    hierarchical host of two ranks averages a chunk of its two ranks' gradients this way
+    inside the encode pass: the mean is never written out and read back."""
+    sig = types.uint8(x, xidx, y, wb, s, bn, idx, acc)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        a = signature.args
+        xv = builder.load(_v8ptr(context, builder, a[0], args[0], args[1]), align=4)
+        yv = builder.load(_v8ptr(context, builder, a[2], args[2], args[6]), align=4)
+        mv = builder.fmul(builder.fadd(xv, yv), _splat(builder, ir.Constant(ir.FloatType(), 0.5)))
+        wv = builder.load(_v8ptr(context, builder, a[3], args[3], args[6]), align=4)
+        out = _v8ptr(context, builder, a[5], args[5], args[6])
+        return _stage8(context, builder, mv, wv, args[4], out, True, a[7], args[7])
+
+    return sig, codegen
+
+
 # Row b (8 floats) holds the +-1.0 of byte b's bits, MSB first.
 _SIGNS = (
     (((np.arange(256)[:, None] >> np.arange(7, -1, -1)) & 1) * 2 - 1).astype(np.float32).ravel()
@@ -300,19 +322,22 @@ def fill(buf: Any, vals: Any, lo: int, hi: int, ps: Any, pe: Any, pseg: Any, q: 
 
 
 @nb.njit(
-    f"void({_F4}, {_I8}, {_I8}, {_F4}, {_F4}, {_F4}, {_U1}, {_PIECES}, int64, int64, int64, {_F8})",
+    f"void({_F4}, {_I8}, {_I8}, {_F4}, int64, {_F4}, {_F4}, {_F4}, {_U1}, {_PIECES}, "
+    f"int64, int64, int64, {_F8})",
     **_OPTS,
 )
 def encode(
-    x: Any, src: Any, sstart: Any, wb: Any, ws: Any, bn: Any, packed: Any,
+    x: Any, src: Any, sstart: Any, y: Any, mean: int, wb: Any, ws: Any, bn: Any, packed: Any,
     ps: Any, pe: Any, pseg: Any, q: int, lo: int, hi: int, partial: Any,
 ) -> None:  # fmt: skip
     # bn = x + (wb - ws[seg] * sign(wb)) + 0.0 over [lo, hi); pack; sum of squares per piece.
     # src[seg] != 0: segment seg's x is the float32 array at that address (its element 0 is
     # element sstart[seg] of the buffer, its length sstart[seg + 1] - sstart[seg]), not x's
     # copy of it. The padding segment (the last) never has a source.
+    # mean != 0: x is replaced by (x + y) * 0.5 (y indexed as the buffer, at least n long).
     n = x.shape[0]
     zero = np.float32(0.0)
+    half = np.float32(0.5)
     acc = np.zeros(8, np.float64)
     aligned = bn.ctypes.data % 32 == 0
     for t0 in range(lo, hi, TILE):
@@ -324,9 +349,14 @@ def encode(
             s = ws[k]
             xa, off = _source(x, src, sstart, k)
             acc[:] = 0.0
-            for j in range((t1 - t0) >> 3):
-                i = t0 + 8 * j
-                packed[(t0 >> 3) + j] = enc8(xa, i - off, wb, s, bn, i, acc)  # type: ignore[call-arg]
+            if mean:
+                for j in range((t1 - t0) >> 3):
+                    i = t0 + 8 * j
+                    packed[(t0 >> 3) + j] = enc8m(xa, i - off, y, wb, s, bn, i, acc)  # type: ignore[call-arg]
+            else:
+                for j in range((t1 - t0) >> 3):
+                    i = t0 + 8 * j
+                    packed[(t0 >> 3) + j] = enc8(xa, i - off, wb, s, bn, i, acc)  # type: ignore[call-arg]
             partial[q] = _lanes(acc)
             q += 1
             continue
@@ -338,9 +368,16 @@ def encode(
             if c > a:  # slices: the loop vectorises (measured 3x faster than indexing)
                 xa, off = _source(x, src, sstart, k)
                 xs, vs, bs = xa[a - off : c - off], wb[a:c], bn[a:c]
-                for t in range(c - a):
-                    v = vs[t]
-                    bs[t] = (xs[t] + (v - np.float32(np.copysign(s, v)))) + zero
+                if mean:
+                    ys = y[a:c]
+                    for t in range(c - a):
+                        v = vs[t]
+                        m = (xs[t] + ys[t]) * half
+                        bs[t] = (m + (v - np.float32(np.copysign(s, v)))) + zero
+                else:
+                    for t in range(c - a):
+                        v = vs[t]
+                        bs[t] = (xs[t] + (v - np.float32(np.copysign(s, v)))) + zero
             for i in range(max(a, n), e):  # the padding: the error alone
                 v = wb[i]
                 bn[i] = (v - np.float32(np.copysign(s, v))) + zero

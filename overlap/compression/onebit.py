@@ -178,6 +178,8 @@ def onebit_steps(
     direct: Sequence[tuple[int, torch.Tensor]] = (),
     read_direct: bool = False,
     publish: Publish | None = None,
+    inputs: Sequence[tuple[int, torch.Tensor]] | None = None,
+    mean_with: torch.Tensor | None = None,
 ) -> Steps:
     """The algorithm as a steps generator (see overlap.comm.steps), written once; the
     arithmetic of each phase is the ``codec``'s. ``ef`` is the buffer's error feedback (lazy
@@ -185,7 +187,9 @@ def onebit_steps(
     ``direct`` as in :meth:`Codec.rebuild`; ``read_direct``: the ``direct`` tensors also
     hold the input for their elements (``buffer``'s copy of them is stale), read by
     :meth:`Codec.encode` as its ``sources``. ``publish``: see :data:`Publish`; when it takes
-    the result, nothing is rebuilt here."""
+    the result, nothing is rebuilt here. ``inputs`` (instead of ``direct`` with
+    ``read_direct``) and ``mean_with``: :meth:`Codec.encode`'s ``sources`` and
+    ``mean_with``."""
     n, w, me = lay.n, lay.w, lay.me
     if n == 0:
         return buffer
@@ -193,7 +197,8 @@ def onebit_steps(
 
     # 1. worker side: b = x + e into a spare buffer; the state is committed only once every
     # rank's scales are known finite
-    packed, scale, b = codec.encode(buffer, lay, ef, direct if read_direct else ())
+    sources = inputs if inputs is not None else direct if read_direct else ()
+    packed, scale, b = codec.encode(buffer, lay, ef, sources, mean_with)
     m = _messages(ef, lay, dev)
 
     # 2. phase 1: sign chunk j to rank j, each with this rank's worker scales in the same
@@ -425,17 +430,39 @@ class OneBit(Compressor):
         outputs: Sequence[tuple[int, torch.Tensor]] = (),
         read_outputs: bool = False,
         publish: Publish | None = None,
+        inputs: Sequence[tuple[int, torch.Tensor]] = (),
+        mean_with: torch.Tensor | None = None,
     ) -> Steps:
         """``read_outputs`` (see :meth:`Compressor.reduce_steps`): the encode stage reads
         each output tensor that is one of the layout's segments in place; the others, and
         the warm-up's uncompressed allreduce, take a copy into ``flat`` first. ``publish``
-        (:data:`Publish`) is offered a compressed result; a warm-up step has none."""
+        (:data:`Publish`) is offered a compressed result; a warm-up step has none.
+
+        ``inputs`` ((start, tensor) pairs, read as ``read_outputs`` reads the outputs) and
+        ``mean_with`` (float32, ``flat``'s size; needs a float32 ``flat``): the input is the
+        elementwise mean of ``flat`` with ``inputs`` over it and ``mean_with``, taken inside
+        the encode pass (a warm-up step first writes it into ``flat``). A hierarchical
+        host of two ranks averages its chunk this way. With either, a skipped (non-finite)
+        step writes nothing to the outputs."""
         w = comm.get_world_size(group)
         self._check_world(w)
         st = self._entry(key, flat)
+        fused = bool(inputs) or mean_with is not None
+        if mean_with is not None and not (
+            flat.dtype == mean_with.dtype == torch.float32 and mean_with.numel() == flat.numel()
+        ):
+            raise ValueError(
+                "mean_with must be a float32 tensor of the buffer's size, with a float32 "
+                f"buffer; got {mean_with.dtype} x {mean_with.numel()} for {flat.dtype} x "
+                f"{flat.numel()}"
+            )
         if st["step"] < self.warmup_steps:
             if read_outputs:
                 gather_sources(flat, outputs)
+            if fused:
+                gather_sources(flat, inputs)
+                if mean_with is not None:
+                    flat.add_(mean_with.view(flat.shape)).mul_(0.5)
             self.prepare(key, flat, group, shapes)
             yield [comm.all_reduce(flat, op="avg", group=group, async_op=True)]
             st["step"] += 1
@@ -446,14 +473,25 @@ class OneBit(Compressor):
         ef, lay = self._state_for(st, flat, group, shapes)
         try:
             yield from onebit_steps(
-                flat, ef, lay, codec_for(flat.device), group, outputs, read_outputs, publish
+                flat,
+                ef,
+                lay,
+                codec_for(flat.device),
+                group,
+                outputs,
+                read_outputs,
+                publish,
+                inputs if fused else None,
+                mean_with,
             )
         except NonFiniteError:
             if self.on_nonfinite == "raise":
                 raise
             self.skipped_steps += 1
             self.last_skipped = True
-            if not read_outputs:  # else the outputs are the (unchanged) input already
+            # read_outputs: the outputs are the (unchanged) input already; fused: the input
+            # was never written anywhere, and the caller keeps its own (as documented)
+            if not (read_outputs or fused):
                 write_outputs(flat, outputs)  # the buffer is unchanged: so are the outputs
             return flat
         st["step"] += 1

@@ -51,6 +51,7 @@ The groups come from a :class:`~overlap.topology.ProcessTopology` with axes
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -166,6 +167,26 @@ def _pieces(
     return pieces
 
 
+def _by_segment(
+    pieces: list[tuple[int, int, torch.Tensor]], segments: list[int], lo: int
+) -> list[tuple[int, torch.Tensor]]:
+    """``pieces`` (bucket positions from ``lo``) as (chunk position, view) inputs cut at the
+    chunk's segment boundaries, so that each is one whole segment and the encode kernel
+    reads it in place (a piece across two segments would be copied first)."""
+    bounds = list(itertools.accumulate(segments))
+    out = []
+    for a, b, src in pieces:
+        at = a - lo
+        for cut in bounds:
+            if at >= b - lo:
+                break
+            if cut > at:
+                end = min(cut, b - lo)
+                out.append((at, src[at - (a - lo) : end - (a - lo)]))
+                at = end
+    return out
+
+
 def chunk_segments(shapes: Sequence[torch.Size] | None, n: int, per: int, j: int) -> list[int]:
     """The lengths of the bucket's tensors within chunk j (elements [j per, (j + 1) per)),
     in order, the chunk's padding past the bucket's ``n`` elements a segment of its own: a
@@ -260,6 +281,7 @@ class Hierarchical(Compressor):
         self.device = device
         self.state: dict[Any, Any] = {}
         self._scratch: dict[str, torch.Tensor] = {}  # _rebuild's padding chunk
+        self._fuse = True  # a 1-bit chunk averaged inside its encode (False: tests' reference)
         # this rank's NonFiniteError per bucket, from step 2 until the host agrees on it
         self._nonfinite: dict[Hashable, NonFiniteError] = {}
         # Shared memory for the exchange inside a host (module docstring), named by a token
@@ -469,16 +491,25 @@ class Hierarchical(Compressor):
         if chunk is None or chunk.numel() != per or chunk.dtype != flat.dtype:
             chunk = self.state[("chunk", key)] = torch.empty(per, dtype=flat.dtype)
         others = [slots[j] for j in range(L) if j != mine]
-        for a, b, src in _pieces(sources, lo, mine_n):
-            out = chunk[a - lo : b - lo]
-            if not others:  # one rank per host: its own values
-                out.copy_(src)
-            elif L == 2:  # the mean of two, in one pass
-                torch.lerp(src, others[0][a:b], 0.5, out=out)
-            else:
-                torch.add(src, others[0][a:b], out=out)
+        cur = self.inner.current()
+        onebit = isinstance(cur, OneBit) and flat.dtype == torch.float32
+        cuts = self._segments(key, shapes, n, per)
+        segments = cuts[mine]
+        # A 1-bit chunk of a host of one or two ranks is averaged inside the encode pass,
+        # its inputs read where they are (the mean is never written out and read back)
+        fuse = onebit and L <= 2 and self._fuse
+        if not fuse:
+            for a, b, src in _pieces(sources, lo, mine_n):
+                out = chunk[a - lo : b - lo]
+                if not others:  # one rank per host: its own values
+                    out.copy_(src)
+                elif L == 2:  # the mean of two, in one pass
+                    torch.lerp(src, others[0][a:b], 0.5, out=out)
+                else:
+                    torch.add(src, others[0][a:b], out=out)
         if mine_n < hi:
-            chunk[max(mine_n - lo, 0) :].zero_()  # padding: every slot holds 0 there
+            # padding: every slot holds 0 there (and the fused encode reads it from chunk)
+            chunk[max(mine_n - lo, 0) :].zero_()
         if L > 2:
             for other in others[1:]:
                 chunk.add_(other[lo:hi])
@@ -486,16 +517,18 @@ class Hierarchical(Compressor):
         # a compressor that writes outputs rebuilds straight into the published result; a
         # 1-bit one publishes its compressed result there instead (_publish)
         mine_out = result[lo:hi]
-        cur = self.inner.current()
         direct = cur.writes_outputs
         kw: dict[str, Any] = {"outputs": [(0, mine_out)]} if direct else {}
         taken: list[bool] = []
-        segments = chunk_segments(shapes, n, per, mine)
-        if isinstance(cur, OneBit) and flat.dtype == torch.float32:
+        if onebit:
             want = self._chunk_layout(per, segments)
             kw["publish"] = lambda signs, sscales, lay: self._publish(
                 signs, sscales, lay, want, mine_out, taken
             )
+        if fuse:
+            kw["inputs"] = _by_segment(_pieces(sources, lo, mine_n), segments, lo)
+            if others:
+                kw["mean_with"] = others[0][lo:hi]
         outcome = yield from self._inner_chunk(key, chunk, kw, segments)
         if outcome == _OK and not direct:
             mine_out.copy_(chunk)
@@ -512,7 +545,7 @@ class Hierarchical(Compressor):
             if a1 <= a0:
                 continue
             if kind == _SIGNS:
-                lay = self._chunk_layout(per, chunk_segments(shapes, n, per, j))
+                lay = self._chunk_layout(per, cuts[j])
                 self._rebuild(result[a0 : a0 + per], lay, _pieces(dests, a0, a1), a0)
             else:
                 for a, b, dst in _pieces(dests, a0, a1):
@@ -549,6 +582,19 @@ class Hierarchical(Compressor):
         raw[4 * ns : 4 * ns + nb].copy_(signs.reshape(-1))
         taken.append(True)
         return True
+
+    def _segments(
+        self, key: Hashable, shapes: Sequence[torch.Size] | None, n: int, per: int
+    ) -> list[list[int]]:
+        """:func:`chunk_segments` of every chunk of this bucket, worked out once per key (a
+        loop over the bucket's tensors, per chunk, on every step otherwise)."""
+        sig = (n, per, len(shapes or ()))
+        have = self.state.get(("segments", key))
+        if have is None or have[0] != sig:
+            made = [chunk_segments(shapes, n, per, j) for j in range(self.local)]
+            have = self.state[("segments", key)] = (sig, made)
+        cuts: list[list[int]] = have[1]
+        return cuts
 
     def _chunk_layout(self, per: int, segments: list[int]) -> Layout:
         """The layout of a chunk's 1-bit reduction: ``per`` elements over the hosts, in
@@ -595,7 +641,7 @@ class Hierarchical(Compressor):
         buf[:n].copy_(flat)
         chunks = list(buf.view(L, per).unbind(0))
         mine = chunks[self.local_rank]
-        segments = chunk_segments(shapes, n, per, self.local_rank)
+        segments = self._segments(key, shapes, n, per)[self.local_rank]
         outcome = yield from self._inner_chunk(key, mine, {}, segments)
         if (yield from self._agree(key, outcome))[0] != _OK:
             return flat  # skipped: flat still holds this host's average, the input here

@@ -651,6 +651,62 @@ def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
             sched.remove()
 
 
+class _SideBySide(nn.Module):
+    """Linear layers side by side on one input: each weight's gradient is c x^T and each
+    bias's c, whatever the weights, so dyadic inputs give exact gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, k) for k in (64, 63, 5, 40)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        terms = [lin(x).sum() * (k + 1) * 0.5 for k, lin in enumerate(self.layers)]
+        return torch.stack(terms).sum()
+
+
+def hierarchical_fused_mean_is_the_unfused_one() -> list[Any]:
+    """Hierarchical OneBit on one host of two ranks averages each rank's chunk inside the
+    encode pass ((x + y) * 0.5, its inputs read where they are) against the same reduction
+    with the mean written out first (``lerp``): bitwise the same gradients over three steps,
+    the first a warm-up (the fused inputs then averaged into the chunk for a plain
+    allreduce).
+    The gradients are exact (dyadic inputs, :class:`_SideBySide`), so the two means agree
+    exactly and any difference is a wrong input, slot or offset. Returns [steps equal,
+    buckets]."""
+    from overlap.scheduler.hierarchy import Hierarchical
+
+    torch.manual_seed(0)
+    models = [_SideBySide(), _SideBySide()]
+    models[1].load_state_dict(models[0].state_dict())
+    comps = [
+        Hierarchical(OneBit(warmup_steps=1), hosts=1, local=comm.get_world_size()) for _ in range(2)
+    ]
+    comps[1]._fuse = False
+    scheds = [
+        BucketScheduler(
+            m, compression=c, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
+        )
+        for m, c in zip(models, comps, strict=True)
+    ]
+    equal = 0
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * step + comm.get_rank())
+            x = torch.randint(-4, 5, (8, 32), generator=g).float() * 0.25
+            for m, sched in zip(models, scheds, strict=True):
+                m.zero_grad()
+                m(x).backward()
+                sched.synchronize()
+            equal += all(
+                p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+                for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True)
+            )
+        return [equal, len(scheds[0].buckets)]
+    finally:
+        for sched in scheds:
+            sched.remove()
+
+
 class FailsOnOneRank(Compressor):
     """Two summing all_reduces a bucket (then the average); on ``rank``, at ``step``, bucket
     ``key`` raises a RuntimeError of its own, ``where`` "start" (before its first

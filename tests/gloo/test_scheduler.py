@@ -196,6 +196,17 @@ def test_hierarchical_onebit_rebuilt_from_published_signs_is_bitwise_the_same(
     assert max(most for *_, most in out) >= 3, out
 
 
+def test_hierarchical_onebit_averages_a_two_rank_host_inside_the_encode(
+    pools: Callable[[int], RankPool],
+) -> None:
+    """Two ranks a host: each rank's 1-bit chunk is the mean of its gradients and the peer's
+    slot, taken inside the encode pass: bitwise the chunk a written-out mean gives, on
+    exact gradients, over several buckets and steps."""
+    out = pools(2).run(sc.hierarchical_fused_mean_is_the_unfused_one, timeout=120)
+    for equal, buckets in out:
+        assert equal == 3 and buckets >= 3, out
+
+
 def test_hierarchical_hosts_with_and_without_shared_memory_stay_in_step(
     pools: Callable[[int], RankPool],
 ) -> None:

@@ -195,6 +195,39 @@ def test_encode_reads_its_sources_where_they_are(
     assert all(torch.equal(t, p) for (_, t), p in zip(sources[:3], parts, strict=False))
 
 
+@pytest.mark.parametrize("segments", [[5, 6147, 70000, 7], None])
+def test_encode_of_a_mean_equals_encode_of_the_mean_in_both_codecs(
+    segments: list[int] | None,
+) -> None:
+    """encode(..., mean_with=y) over sources read in place (numba: in the same pass, through
+    the register path and the piece loops alike; torch: into x first) equals encode of
+    (x + y) * 0.5 written out beforehand, bitwise, in both codecs, and the two agree."""
+    lens = [5, 6147, 70000, 7]
+    n, w = sum(lens), 2
+    lay = Layout(n, w, 0, segments)
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(k, generator=gen) for k in lens]
+    y = torch.randn(n, generator=gen)
+    mean = (torch.cat(parts) + y) * 0.5
+    starts = [0, 5, 6152, 76152]
+    codecs = [TorchCodec()] + ([codec_numba.NumbaCodec()] if codec_numba.available() else [])
+    got = []
+    for codec in codecs:
+        for fused in (False, True):
+            ef = ErrorFeedback.zeros(lay, torch.device("cpu"))
+            ef.wb.copy_(torch.randn(lay.P, generator=torch.Generator().manual_seed(1)))
+            ef.ws.fill_(0.05)
+            if fused:
+                sources = list(zip(starts, parts, strict=True))
+                out = codec.encode(torch.full((n,), 7.0), lay, ef, sources, mean_with=y)
+            else:
+                out = codec.encode(mean.clone(), lay, ef)
+            got.append(tuple(t.clone() for t in out))
+    for other in got[1:]:
+        for a, b in zip(got[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
 @needs_numba
 @pytest.mark.parametrize(("n", "in_place"), [(4096, True), (4100, False)])
 def test_a_one_tensor_bucket_is_read_in_place_when_it_needs_no_padding(
