@@ -21,8 +21,10 @@ one past its warm-up, the chunk is published in its compressed form (the server 
 the packed signs, 1/32 of the floats) and every rank rebuilds all L chunks from there
 straight into its own gradients: the owner does not rebuild its chunk into the region, nor
 does every rank copy the whole result out of it (per rank, one write of the bucket where
-there were half a write, a read and a write). With L = 2 that is half a pass of the
-bucket in, one and a half for the average of the half-size chunk, and one out; sockets on
+there were half a write, a read and a write). With one or two ranks a host the 1-bit
+encode pass also takes the chunk's mean itself, reading this rank's gradients and the
+peer's slot where they are: the mean is never written out and read back. With L = 2 that
+is half a pass of the bucket in, the encode's reads, and one write out; sockets on
 loopback (an allreduce, then an allgather) cost far more CPU (docs/cluster.md). These
 passes run on cold memory that the host's ranks share, so on CPU they cost about as much
 as the codec work they save: docs/cluster.md has the measurements. A region is mapped by
