@@ -585,6 +585,46 @@ def hierarchical_pipelined_equals_the_average(
         hierarchy._SHM = shm
 
 
+def _same_gradients(
+    models: list[nn.Module],
+    comps: list[Compressor],
+    batches: list[torch.Tensor],
+    loss: Any,
+    update: bool,
+) -> tuple[int, int]:
+    """Each model under a scheduler of its own compressor, on the same batches: the steps on
+    which every model's gradients equal the first's bitwise, and the first scheduler's
+    bucket count. ``update``: every model steps by -0.1 x its gradient after each batch."""
+    scheds = [
+        BucketScheduler(
+            m, compression=c, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
+        )
+        for m, c in zip(models, comps, strict=True)
+    ]
+    equal = 0
+    try:
+        for x in batches:
+            for m, sched in zip(models, scheds, strict=True):
+                m.zero_grad()
+                loss(m, x).backward()
+                sched.synchronize()
+            equal += all(
+                p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+                for other in models[1:]
+                for p, q in zip(models[0].parameters(), other.parameters(), strict=True)
+            )
+            if update:
+                with torch.no_grad():
+                    for m in models:
+                        for p in m.parameters():
+                            assert p.grad is not None
+                            p.sub_(0.1 * p.grad)
+        return equal, len(scheds[0].buckets)
+    finally:
+        for sched in scheds:
+            sched.remove()
+
+
 def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
     """Hierarchical OneBit with each chunk published in its 1-bit form (every rank of a host
     rebuilds every chunk from the signs into its own gradients) against the same reduction
@@ -616,39 +656,17 @@ def hierarchical_onebit_publishes_what_it_rebuilt(layout: str) -> list[Any]:
 
     hier._publish = counting  # type: ignore[method-assign]
     floats._publish = lambda *args: False  # type: ignore[method-assign]
-    scheds = [
-        BucketScheduler(
-            m, compression=c, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
-        )
-        for m, c in zip(models, comps, strict=True)
+    batches = [
+        torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + comm.get_rank()))
+        for step in range(4)
     ]
-    equal = 0
-    try:
-        for step in range(4):
-            x = torch.randn(
-                8, 32, generator=torch.Generator().manual_seed(10 * step + comm.get_rank())
-            )
-            for m, sched in zip(models, scheds, strict=True):
-                m.zero_grad()
-                m(x).pow(2).mean().backward()
-                sched.synchronize()
-            equal += all(
-                p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
-                for other in models[1:]
-                for p, q in zip(model.parameters(), other.parameters(), strict=True)
-            )
-            with torch.no_grad():  # all step alike, so the next gradients differ by step
-                for m in models:
-                    for p in m.parameters():
-                        assert p.grad is not None
-                        p.sub_(0.1 * p.grad)
-        inner = hier.inner
-        assert isinstance(inner, OneBit)
-        most = max(st["lay"].nseg for st in inner.state.values())
-        return [equal, published[0], len(scheds[0].buckets), most]
-    finally:
-        for sched in scheds:
-            sched.remove()
+    equal, buckets = _same_gradients(
+        models, comps, batches, lambda m, x: m(x).pow(2).mean(), update=True
+    )
+    inner = hier.inner
+    assert isinstance(inner, OneBit)
+    most = max(st["lay"].nseg for st in inner.state.values())
+    return [equal, published[0], buckets, most]
 
 
 class _SideBySide(nn.Module):
@@ -682,29 +700,14 @@ def hierarchical_fused_mean_is_the_unfused_one() -> list[Any]:
         Hierarchical(OneBit(warmup_steps=1), hosts=1, local=comm.get_world_size()) for _ in range(2)
     ]
     comps[1]._fuse = False
-    scheds = [
-        BucketScheduler(
-            m, compression=c, hierarchy="flat", bucket_cap_mb=0.004, first_bucket_mb=0.004
-        )
-        for m, c in zip(models, comps, strict=True)
-    ]
-    equal = 0
-    try:
-        for step in range(3):
-            g = torch.Generator().manual_seed(10 * step + comm.get_rank())
-            x = torch.randint(-4, 5, (8, 32), generator=g).float() * 0.25
-            for m, sched in zip(models, scheds, strict=True):
-                m.zero_grad()
-                m(x).backward()
-                sched.synchronize()
-            equal += all(
-                p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
-                for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True)
-            )
-        return [equal, len(scheds[0].buckets)]
-    finally:
-        for sched in scheds:
-            sched.remove()
+    batches = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + comm.get_rank())
+        batches.append(torch.randint(-4, 5, (8, 32), generator=g).float() * 0.25)
+    equal, buckets = _same_gradients(
+        list(models), list(comps), batches, lambda m, x: m(x), update=False
+    )
+    return [equal, buckets]
 
 
 class FailsOnOneRank(Compressor):
