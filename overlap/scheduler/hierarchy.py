@@ -342,9 +342,10 @@ class Hierarchical(Compressor):
 
         A 1-bit compressor gets ``segments`` (:func:`chunk_segments`) as the chunk's tensor
         shapes, so each tensor piece has its own scales as in a flat reduction, and ``kw``'s
-        ``publish`` if there is one; it is called itself (an Auto would pass the call on to
-        it unchanged). Any other gets neither: 1-D pieces are not the bucket's tensors (a
-        PowerSGD would take them for vectors)."""
+        OneBit-only keywords (``publish``, ``inputs``, ``mean_with``: the caller adds them
+        only when the active compressor is a OneBit); it is called itself (an Auto would
+        pass the call on to it unchanged). Any other gets no shapes: 1-D pieces are not the
+        bucket's tensors (a PowerSGD would take them for vectors)."""
         cur = self.inner.current()
         before = getattr(cur, "skipped_steps", None)
         target: Compressor = self.inner
@@ -352,8 +353,9 @@ class Hierarchical(Compressor):
             target = cur
             if len(segments) > 1:
                 kw = {**kw, "shapes": [torch.Size([k]) for k in segments]}
-        else:
-            kw = {k: v for k, v in kw.items() if k != "publish"}
+        elif {"publish", "inputs", "mean_with"} & kw.keys():
+            # dropping inputs or mean_with would reduce a chunk that was never written
+            raise RuntimeError(f"OneBit-only keywords for {cur!r}: {sorted(kw)}")
         try:
             yield from target.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
         except NonFiniteError as exc:
