@@ -53,7 +53,6 @@ The groups come from a :class:`~overlap.topology.ProcessTopology` with axes
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import secrets
@@ -170,23 +169,30 @@ def _pieces(
 
 
 def _by_segment(
-    pieces: list[tuple[int, int, torch.Tensor]], segments: list[int], lo: int
+    sources: list[tuple[int, int, torch.Tensor]], segments: list[int], lo: int, end: int
 ) -> list[tuple[int, torch.Tensor]]:
-    """``pieces`` (bucket positions from ``lo``) as (chunk position, view) inputs cut at the
-    chunk's segment boundaries, so that each is one whole segment and the encode kernel
-    reads it in place (a piece across two segments would be copied first)."""
-    bounds = list(itertools.accumulate(segments))
-    out = []
-    for a, b, src in pieces:
-        at = a - lo
-        for cut in bounds:
-            if at >= b - lo:
-                break
-            if cut > at:
-                end = min(cut, b - lo)
-                out.append((at, src[at - (a - lo) : end - (a - lo)]))
-                at = end
+    """The bucket's elements [lo, end) from ``sources`` (:func:`_sources`) as (chunk
+    position, view) inputs, cut at the chunk's ``segments`` so that each is one whole
+    segment and the encode kernel reads it in place (a piece across two segments would be
+    copied first)."""
+    out, at = [], lo
+    for k in segments:
+        out += [(a - lo, view) for a, _, view in _pieces(sources, at, min(at + k, end))]
+        at += k
     return out
+
+
+def _compressed_form(room: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where a chunk's 1-bit result of layout ``lay`` sits in its part of the shared result
+    (``room``, float32): the server scales ((W, segments) float32) first, then the packed
+    signs (P/8 bytes). None when they do not fit. The owner writes them there
+    (:meth:`Hierarchical._publish`) and every rank reads them back
+    (:meth:`Hierarchical._rebuild`) through this one description of the format."""
+    ns, nb = lay.w * lay.nseg, lay.P // 8
+    if 4 * ns + nb > 4 * room.numel():
+        return None
+    raw = room.view(torch.uint8)
+    return raw[: 4 * ns].view(torch.float32).view(lay.w, lay.nseg), raw[4 * ns : 4 * ns + nb]
 
 
 def chunk_segments(shapes: Sequence[torch.Size] | None, n: int, per: int, j: int) -> list[int]:
@@ -530,7 +536,7 @@ class Hierarchical(Compressor):
                 signs, sscales, lay, want, mine_out, taken
             )
         if fuse:
-            kw["inputs"] = _by_segment(_pieces(sources, lo, mine_n), segments, lo)
+            kw["inputs"] = _by_segment(sources, segments, lo, mine_n)
             if others:
                 kw["mean_with"] = others[0][lo:hi]
         outcome = yield from self._inner_chunk(key, chunk, kw, segments)
@@ -574,16 +580,15 @@ class Hierarchical(Compressor):
         (the floats are published instead) when the form does not fit the chunk's room or
         the reduction's layout is not ``want``, the one every reader rebuilds with (a
         OneBit without per-tensor scales)."""
-        ns, nb = sscales.numel(), signs.numel()
         if lay is not want and (
             lay.n != want.n or lay.w != want.w or not np.array_equal(lay.seg_len, want.seg_len)
         ):
             return False
-        if 4 * ns + nb > 4 * dst.numel():
+        form = _compressed_form(dst, lay)
+        if form is None:
             return False
-        raw = dst.view(torch.uint8)
-        raw[: 4 * ns].copy_(sscales.reshape(-1).view(torch.uint8))
-        raw[4 * ns : 4 * ns + nb].copy_(signs.reshape(-1))
+        form[0].copy_(sscales.view(lay.w, lay.nseg))
+        form[1].copy_(signs.reshape(-1))
         taken.append(True)
         return True
 
@@ -616,10 +621,9 @@ class Hierarchical(Compressor):
         with the owner's layout ``lay`` into ``dests`` (pieces of the bucket's elements from
         ``a0``, as :func:`_pieces` gives)."""
         per = lay.n
-        raw = published.view(torch.uint8)
-        ns = lay.w * lay.nseg
-        sscales = raw[: 4 * ns].view(torch.float32).view(lay.w, lay.nseg)
-        signs = raw[4 * ns : 4 * ns + lay.P // 8]
+        form = _compressed_form(published, lay)
+        assert form is not None, "published in a form that fits (_publish checked it)"
+        sscales, signs = form
         # the chunk's padding (and any destination the codec cannot write in place) goes
         # to a scratch chunk
         pad = self._scratch.get("pad")
