@@ -630,12 +630,16 @@ class Hierarchical(Compressor):
         if pad is None or pad.numel() < per:  # one for every bucket: the largest chunk's size
             pad = self._scratch["pad"] = torch.empty(per, dtype=torch.float32)
         pad = pad[:per]
-        ok = [(a - a0, d) for a, _, d in dests if d.dtype == torch.float32 and d.is_contiguous()]
-        codec_for(published.device).rebuild(signs, sscales, lay, pad, ok)
-        if len(ok) < len(dests):
-            for a, b, d in dests:
-                if not (d.dtype == torch.float32 and d.is_contiguous()):
-                    d.copy_(pad[a - a0 : b - a0])
+        direct: list[tuple[int, torch.Tensor]] = []
+        copied: list[tuple[int, int, torch.Tensor]] = []
+        for a, b, d in dests:
+            if d.dtype == torch.float32 and d.is_contiguous():
+                direct.append((a - a0, d))
+            else:
+                copied.append((a, b, d))
+        codec_for(published.device).rebuild(signs, sscales, lay, pad, direct)
+        for a, b, d in copied:
+            d.copy_(pad[a - a0 : b - a0])
 
     def _socket_steps(
         self, key: Hashable, flat: torch.Tensor, shapes: Sequence[torch.Size] | None = None
