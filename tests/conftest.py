@@ -55,9 +55,9 @@ def short_pool() -> Iterator[RankPool]:
 _SHM = "/dev/shm"
 
 
-def _mpich_regions() -> set[str]:
+def _regions(prefix: str) -> set[str]:
     try:
-        return {f for f in os.listdir(_SHM) if f.startswith("mpich_shm_")}
+        return {f for f in os.listdir(_SHM) if f.startswith(prefix)}
     except OSError:
         return set()
 
@@ -83,11 +83,33 @@ def _no_leaked_mpich_regions() -> Iterator[None]:
     with ``os._exit`` or a kill, which skips it, and each such job left 2 MiB behind for
     good. Only regions that appeared during the test and that no living process maps are
     removed, so a concurrent MPI job is never touched."""
-    before = _mpich_regions()
+    before = _regions("mpich_shm_")
     yield
-    new = _mpich_regions() - before
+    new = _regions("mpich_shm_") - before
     if not new:
         return
     for name in new - _mapped(new):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(_SHM, name))
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_overlap_regions() -> Iterator[None]:
+    """Fail a test after which a hierarchical reduction's shared region (``overlap-*``) is
+    left in /dev/shm with no living process mapping it.
+
+    Every rank of a host unlinks the region once it is mapped (or once making it failed), so
+    a region outlives its ranks only when all of them died inside the few ms between making
+    and unlinking it: no test does that, so a leftover is a bug. It is removed before the
+    test fails, so one leak fails one test, not every later one."""
+    before = _regions("overlap-")
+    yield
+    new = _regions("overlap-") - before
+    if not new:
+        return
+    leaked = new - _mapped(new)
+    for name in leaked:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_SHM, name))
+    if leaked:
+        pytest.fail(f"shared regions left in {_SHM}: {sorted(leaked)}")

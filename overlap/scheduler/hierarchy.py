@@ -450,20 +450,19 @@ class Hierarchical(Compressor):
         self._regions += 1
         if self.local_rank == 0:
             buf = torch.from_file(path, shared=True, size=(L + 1) * per * L, dtype=flat.dtype)
-        mapped = False
         try:
             yield self._barrier()
             if self.local_rank != 0:
                 buf = torch.from_file(path, shared=True, size=(L + 1) * per * L, dtype=flat.dtype)
             yield self._barrier()
-            mapped = True
         finally:
-            # Every rank has it mapped: local rank 0 unlinks it, and nothing is left behind
-            # even on a crash. If the job broke before that (a barrier failed, the step
-            # was abandoned), any rank removes it on the way out.
-            if self.local_rank == 0 or not mapped:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            # Every rank has it mapped (or the job broke before that: a barrier failed, the
+            # step was abandoned): every rank unlinks it, the first one wins. Any one rank
+            # living on past this line is enough for nothing to be left in /dev/shm, where
+            # an unlink by local rank 0 alone left the file behind when that rank died
+            # between the second barrier and the unlink.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         region = (buf.view(L + 1, per * L), per)
         self.state[("shm", key)] = region
         return region
