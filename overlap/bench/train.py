@@ -208,6 +208,7 @@ def bench_train_rank(
 
     def one_step(v: dict[str, Any], i: int) -> None:
         bar.advance(f"{v['name']} step {i + 1}/{warmup + steps}")
+        p0 = time.process_time()
         comm.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -235,6 +236,7 @@ def bench_train_rank(
         r["step"].append(t1 - t0)
         r["backward"].append(t_bwd - t0)
         r["cpu"].append(time.thread_time() - c0)
+        r.setdefault("proc", []).append(time.process_time() - p0)
         if stats is not None:
             v["timeline"] = stats["timeline"], t0  # the row reports the last step's buckets
             c, h = comm_overlap(stats["timeline"], t0, t_bwd)
@@ -321,6 +323,7 @@ def bench_train_rank(
             # forward + backward, and the training thread's CPU over the whole step
             "backward_ms": median(r["backward"]) * 1e3,
             "train_cpu_ms": median(r["cpu"]) * 1e3,
+            "proc_cpu_ms": median(r["proc"]) * 1e3,
         }
         if v["sched"] is not None:
             cpu = worker[n][-steps - 1 :]  # the measured steps, from the warm-up's last

@@ -261,7 +261,15 @@ class DiLoCo:
         src = comm.get_global_rank(g, 0)
         with torch.no_grad():
             for p in self.params:
-                comm.broadcast(p.data, src=src, group=g)
+                if p.is_contiguous():
+                    comm.broadcast(p.data, src=src, group=g)
+                    continue
+                # a channels_last convolution's weight, a transposed one: collectives take
+                # contiguous tensors (every rank's own layout then cannot matter), so the
+                # weights travel in a contiguous copy, in their logical order
+                flat = p.detach().contiguous()
+                comm.broadcast(flat, src=src, group=g)
+                p.copy_(flat)
 
     def _prepare(self) -> None:
         """Allocate and touch every buffer the syncs keep (pseudo-gradients, the

@@ -30,10 +30,16 @@ LR_OUT, MOM = 0.7, 0.9
 
 
 class Params(nn.Module):
-    def __init__(self, seed: int = 0) -> None:
+    """``strided``: the same values, every 2-D parameter stored transposed (not contiguous,
+    as a channels_last convolution's weight is)."""
+
+    def __init__(self, seed: int = 0, strided: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES)
+        ts = [torch.randn(s, generator=g) for s in SHAPES]
+        if strided:
+            ts = [t.t().contiguous().t() if t.dim() == 2 else t for t in ts]
+        self.ps = nn.ParameterList(nn.Parameter(t) for t in ts)
 
 
 def _grads(params: list[torch.Tensor], rank: int, t: int) -> list[torch.Tensor]:
@@ -93,8 +99,10 @@ class Reference:
                     p.copy_(self.alpha * p + (1 - self.alpha) * self.glob[j])
 
 
-def _build(h: int, frags: int = 1, delay: int = 0, **kw: Any) -> tuple[Params, Any, DiLoCo]:
-    model = Params()
+def _build(
+    h: int, frags: int = 1, delay: int = 0, strided: bool = False, **kw: Any
+) -> tuple[Params, Any, DiLoCo]:
+    model = Params(strided=strided)
     inner = torch.optim.AdamW(model.parameters(), lr=LR_IN)
     outer = torch.optim.SGD(model.parameters(), lr=LR_OUT, momentum=MOM, nesterov=True)
     d = DiLoCo(model, inner, outer, sync_every=h, fragments=frags, delay=delay, **kw)
@@ -124,20 +132,25 @@ def matches_reference(
     alpha: float = 0.0,
     group: Any = None,
     landing: str = "fused",
+    strided: bool = False,
 ) -> list[Any]:
     """Run DiLoCo against the reference for each H (``group``'s ranks are the simulated
     ranks 0..W-1, so it must hold the lowest global ranks); return, per H, the fragments,
     their offsets and the syncs issued. ``landing``: "fused" checks that the landings run
     the fused kernel; "torch" puts an LR scheduler on the outer optimizer (it patches
-    ``step``), so they run ``outer.step()`` itself."""
+    ``step``), so they run ``outer.step()`` itself. ``strided``: the model's 2-D parameters
+    are not contiguous (:class:`Params`), so the fragment holding them (fragment 0) lands
+    through ``outer.step()`` and any other fused, against the contiguous reference."""
     w, r = comm.get_world_size(group), comm.get_rank()
     out: list[Any] = []
     for h in hs:
-        model, inner, d = _build(h, frags, delay, alpha=alpha, group=group)
+        model, inner, d = _build(h, frags, delay, strided, alpha=alpha, group=group)
+        if strided and any(p.is_contiguous() for p in model.ps if p.dim() == 2):
+            raise AssertionError("the strided model's 2-D parameters are contiguous")
         if landing == "torch":
             torch.optim.lr_scheduler.LambdaLR(d.outer, lambda epoch: 1.0)
         fused = d._kernels is not None and d._fusable(0, torch.zeros(1))
-        if fused != (landing == "fused"):
+        if fused != (landing == "fused" and not strided):
             raise AssertionError(f"wanted the {landing} landing, fused={fused}")
         ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
         try:

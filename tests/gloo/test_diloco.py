@@ -55,6 +55,19 @@ def test_torch_landing_equals_the_math(pools: Callable[[int], RankPool]) -> None
     assert out == [[[[[0, 1, 2], [3, 4]], [2, 0], 6]]] * 2
 
 
+def test_parameters_that_are_not_contiguous_equal_the_math(
+    pools: Callable[[int], RankPool],
+) -> None:
+    """A channels_last convolution's weight is not contiguous: DiLoCo takes rank 0's
+    weights, syncs and lands such parameters as it does any other (it refused them, in the
+    broadcast that starts it). Two fragments, streamed: the strided one lands through
+    ``outer.step()``, the other fused, both against the contiguous reference."""
+    out = pools(2).run(
+        dc.matches_reference, [4], 2, 1, "blocking", 12, 0.5, None, "fused", True, timeout=120
+    )
+    assert out == [[[[[0, 1, 2], [3, 4]], [2, 0], 6]]] * 2
+
+
 def test_on_a_subgroup_equals_the_math(pools: Callable[[int], RankPool]) -> None:
     want = [[[[0, 1, 2], [3, 4]], [2, 0], 6]]  # 6 syncs in 12 steps
     assert pools(3).run(dc.on_a_subgroup, timeout=120) == [want, want, None]
