@@ -137,6 +137,20 @@ def _direct_ok(grad: torch.Tensor, flat: torch.Tensor) -> bool:
 _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
+def _refuse_sparse(model: torch.nn.Module, reduced: set[int]) -> None:
+    """Refuse, before any group is made, a module that will produce sparse gradients for a
+    parameter this scheduler reduces (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``):
+    the hook would refuse them anyway, but only in the middle of the first backward."""
+    for name, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if getattr(mod, "sparse", False) is True and w is not None and id(w) in reduced:
+            raise TypeError(
+                f"{name or 'the model'} ({type(mod).__name__}) has sparse=True, so its "
+                "gradient is sparse, and a BucketScheduler reduces dense gradients only: "
+                "build it with sparse=False, or pass the scheduler the other parameters"
+            )
+
+
 class BucketScheduler:
     """Overlap (compressed) gradient reduction with backward.
 
@@ -203,6 +217,8 @@ class BucketScheduler:
             self.params.append(p)
         if not self.params:
             raise ValueError("no parameter requires grad: nothing to reduce")
+        if isinstance(model_or_params, torch.nn.Module):
+            _refuse_sparse(model_or_params, seen)
         devices = sorted({str(p.device) for p in self.params})
         if len(devices) > 1:
             raise ValueError(

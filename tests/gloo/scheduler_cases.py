@@ -312,7 +312,8 @@ def bad_inputs() -> dict[str, str]:
     catch = catcher(out)
 
     emb = nn.Embedding(10, 4, sparse=True)
-    s1 = BucketScheduler(emb)
+    catch("sparse_module", lambda: BucketScheduler(emb))  # refused before any group is made
+    s1 = BucketScheduler(emb.parameters())  # parameters alone: seen in the first backward
     catch("sparse", lambda: emb(torch.tensor([1, 2])).sum().backward())
     s1.remove()
     lin = nn.Linear(3, 3)

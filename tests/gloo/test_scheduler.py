@@ -78,6 +78,9 @@ def test_checkpoint_resume_is_bit_identical(pools: Callable[[int], RankPool]) ->
 def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
     res = pools(2).run(sc.bad_inputs, timeout=120)
     for r, out in enumerate(res):
+        assert out["sparse_module"].startswith(
+            "TypeError: the model (Embedding) has sparse=True, so its gradient is sparse"
+        ), out
         assert out["sparse"].startswith("TypeError: BucketScheduler got a sparse gradient"), r
         assert out["sync_without_backward"].startswith(
             "RuntimeError: synchronize() was called but no rank produced a gradient"
