@@ -199,7 +199,9 @@ def bench_train_rank(
     nparams = sum(p.numel() for p in vs[0]["model"].parameters())
     gen = torch.Generator().manual_seed(comm.get_rank())
     rec: dict[str, dict[str, list[float]]] = {
-        v["name"]: {k: [] for k in ("step", "comm", "hidden", "exposed", "all", "backward", "cpu")}
+        v["name"]: {
+            k: [] for k in ("step", "comm", "hidden", "exposed", "all", "backward", "cpu", "proc")
+        }
         for v in vs
     }
     worker: dict[str, list[float]] = {v["name"]: [] for v in vs}  # worker CPU s after each step
@@ -208,7 +210,7 @@ def bench_train_rank(
 
     def one_step(v: dict[str, Any], i: int) -> None:
         bar.advance(f"{v['name']} step {i + 1}/{warmup + steps}")
-        p0 = time.process_time()
+        p0 = time.process_time()  # every thread of this rank, the step's barrier included
         comm.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -236,7 +238,7 @@ def bench_train_rank(
         r["step"].append(t1 - t0)
         r["backward"].append(t_bwd - t0)
         r["cpu"].append(time.thread_time() - c0)
-        r.setdefault("proc", []).append(time.process_time() - p0)
+        r["proc"].append(time.process_time() - p0)
         if stats is not None:
             v["timeline"] = stats["timeline"], t0  # the row reports the last step's buckets
             c, h = comm_overlap(stats["timeline"], t0, t_bwd)
@@ -323,7 +325,10 @@ def bench_train_rank(
             # forward + backward, and the training thread's CPU over the whole step
             "backward_ms": median(r["backward"]) * 1e3,
             "train_cpu_ms": median(r["cpu"]) * 1e3,
-            "proc_cpu_ms": median(r["proc"]) * 1e3,
+            # the whole rank's CPU over the step and its barrier (driver, gloo's threads):
+            # less train_cpu_ms, what runs beside the training thread and competes with it
+            # for a core (a DiLoCo sync's reduction, a scheduler's worker)
+            "rank_cpu_ms": median(r["proc"]) * 1e3,
         }
         if v["sched"] is not None:
             cpu = worker[n][-steps - 1 :]  # the measured steps, from the warm-up's last

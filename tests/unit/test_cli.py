@@ -161,7 +161,8 @@ def test_bench_train_pin_heap_reaches_the_ranks() -> None:
 
 def test_bench_train_reports_backward_cpu_and_bucket_timeline() -> None:
     """The JSON rows say where a step's time went: forward + backward, the training
-    thread's CPU, the scheduler worker's CPU per step and the last step's bucket timeline."""
+    thread's CPU, the whole rank's CPU (a superset of the training thread's, step by step),
+    the scheduler worker's CPU per step and the last step's bucket timeline."""
     out = run(
         "bench", "train", "--variant", "compute", "--variant", "overlap-onebit",
         "--model-size", "0.05", "--steps", "2", "--warmup", "1", "--json",
@@ -170,6 +171,7 @@ def test_bench_train_reports_backward_cpu_and_bucket_timeline() -> None:
     compute, onebit = json.loads(out.stdout)
     for row in (compute, onebit):
         assert 0 < row["backward_ms"] <= row["step_ms"] and row["train_cpu_ms"] > 0, row
+        assert row["rank_cpu_ms"] >= row["train_cpu_ms"], row
     assert "worker_cpu_ms" not in compute and "buckets_ms" not in compute
     assert onebit["worker_cpu_ms"] > 0, onebit
     assert onebit["buckets_ms"], onebit
