@@ -138,12 +138,15 @@ _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 def _refuse_sparse(model: torch.nn.Module, reduced: set[int]) -> None:
-    """Refuse, before any group is made, a module that will produce sparse gradients for a
-    parameter this scheduler reduces (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``):
-    the hook would refuse them anyway, but only in the middle of the first backward."""
+    """Refuse, before any group is made, an ``nn.Embedding`` or ``nn.EmbeddingBag`` built with
+    ``sparse=True`` whose weight this scheduler reduces: its gradient is sparse, which the
+    hook would refuse anyway, but only in the middle of the first backward. Only those two
+    torch modules: another module's ``sparse`` attribute may mean anything (sparse
+    attention), and the hook still catches whatever they make."""
     for name, mod in model.named_modules():
-        w = getattr(mod, "weight", None)
-        if getattr(mod, "sparse", False) is True and w is not None and id(w) in reduced:
+        if not isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            continue
+        if mod.sparse and id(mod.weight) in reduced:
             raise TypeError(
                 f"{name or 'the model'} ({type(mod).__name__}) has sparse=True, so its "
                 "gradient is sparse, and a BucketScheduler reduces dense gradients only: "

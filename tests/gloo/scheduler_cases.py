@@ -313,6 +313,9 @@ def bad_inputs() -> dict[str, str]:
 
     emb = nn.Embedding(10, 4, sparse=True)
     catch("sparse_module", lambda: BucketScheduler(emb))  # refused before any group is made
+    attn = nn.Linear(3, 3)
+    attn.sparse = True  # a module's own flag (sparse attention): its gradients are dense
+    catch("sparse_flag", lambda: BucketScheduler(attn).remove())
     s1 = BucketScheduler(emb.parameters())  # parameters alone: seen in the first backward
     catch("sparse", lambda: emb(torch.tensor([1, 2])).sum().backward())
     s1.remove()
