@@ -53,11 +53,12 @@ def short_pool() -> Iterator[RankPool]:
 
 
 _SHM = "/dev/shm"
+_MPICH, _OURS = "mpich_shm_", "overlap-"
 
 
-def _regions(prefix: str) -> set[str]:
+def _regions() -> set[str]:
     try:
-        return {f for f in os.listdir(_SHM) if f.startswith(prefix)}
+        return {f for f in os.listdir(_SHM) if f.startswith((_MPICH, _OURS))}
     except OSError:
         return set()
 
@@ -76,40 +77,28 @@ def _mapped(names: set[str]) -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_mpich_regions() -> Iterator[None]:
-    """Remove the MPICH shared-memory regions a test's MPI job left behind.
+def _no_leaked_shm_regions() -> Iterator[None]:
+    """Remove the shared-memory regions a test left in /dev/shm with no living process
+    mapping them; fail the test when one of them is a hierarchical reduction's.
 
     MPICH unlinks ``/dev/shm/mpich_shm_*`` in ``MPI_Finalize``; the fault tests end ranks
     with ``os._exit`` or a kill, which skips it, and each such job left 2 MiB behind for
     good. Only regions that appeared during the test and that no living process maps are
-    removed, so a concurrent MPI job is never touched."""
-    before = _regions("mpich_shm_")
+    removed, so a concurrent MPI job is never touched.
+
+    Every rank of a host unlinks an ``overlap-*`` region once it is mapped (or once making
+    it failed), so one outlives its ranks only when all of them died inside the few ms
+    between making and unlinking it: no test does that, so a leftover is a bug. It is
+    removed before the test fails, so one leak fails one test, not every later one."""
+    before = _regions()
     yield
-    new = _regions("mpich_shm_") - before
+    new = _regions() - before
     if not new:
         return
-    for name in new - _mapped(new):
+    orphans = new - _mapped(new)
+    for name in orphans:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(_SHM, name))
-
-
-@pytest.fixture(autouse=True)
-def _no_leaked_overlap_regions() -> Iterator[None]:
-    """Fail a test after which a hierarchical reduction's shared region (``overlap-*``) is
-    left in /dev/shm with no living process mapping it.
-
-    Every rank of a host unlinks the region once it is mapped (or once making it failed), so
-    a region outlives its ranks only when all of them died inside the few ms between making
-    and unlinking it: no test does that, so a leftover is a bug. It is removed before the
-    test fails, so one leak fails one test, not every later one."""
-    before = _regions("overlap-")
-    yield
-    new = _regions("overlap-") - before
-    if not new:
-        return
-    leaked = new - _mapped(new)
-    for name in leaked:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(_SHM, name))
-    if leaked:
-        pytest.fail(f"shared regions left in {_SHM}: {sorted(leaked)}")
+    ours = sorted(n for n in orphans if n.startswith(_OURS))
+    if ours:
+        pytest.fail(f"shared regions left in {_SHM}: {ours}")
