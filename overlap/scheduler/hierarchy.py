@@ -288,7 +288,7 @@ class Hierarchical(Compressor):
             )
         self.device = device
         self.state: dict[Any, Any] = {}
-        self._scratch: dict[str, torch.Tensor] = {}  # _rebuild's padding chunk
+        self._pad: torch.Tensor | None = None  # _rebuild's scratch chunk
         self._fuse = True  # a 1-bit chunk averaged inside its encode (False: tests' reference)
         # this rank's NonFiniteError per bucket, from step 2 until the host agrees on it
         self._nonfinite: dict[Hashable, NonFiniteError] = {}
@@ -625,10 +625,9 @@ class Hierarchical(Compressor):
         sscales, signs = form
         # the chunk's padding (and any destination the codec cannot write in place) goes
         # to a scratch chunk
-        pad = self._scratch.get("pad")
-        if pad is None or pad.numel() < per:  # one for every bucket: the largest chunk's size
-            pad = self._scratch["pad"] = torch.empty(per, dtype=torch.float32)
-        pad = pad[:per]
+        if self._pad is None or self._pad.numel() < per:  # one for all: the largest chunk's
+            self._pad = torch.empty(per, dtype=torch.float32)
+        pad = self._pad[:per]
         direct: list[tuple[int, torch.Tensor]] = []
         copied: list[tuple[int, int, torch.Tensor]] = []
         for a, b, d in dests:

@@ -68,7 +68,7 @@ def test_a_published_chunk_rebuilds_into_any_destination() -> None:
     strided = torch.full((20, 2), -1.0)[:, 0]
     dests = [(a0, a0 + 24, plain), (a0 + 24, a0 + 44, half), (a0 + 44, a0 + 64, strided)]
     h = object.__new__(Hierarchical)  # _rebuild uses only its scratch
-    h._scratch = {}
+    h._pad = None
     h._rebuild(room, lay, dests, a0)
     assert torch.equal(plain, want[:24])
     assert torch.equal(half, want[24:44].to(torch.bfloat16))
