@@ -10,7 +10,9 @@ several hosts (buckets pipelined through the exchange inside the host and across
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -30,6 +32,10 @@ def _record(path: str, text: str) -> None:
 
 def main() -> None:
     out, timeout = sys.argv[1], float(sys.argv[2])
+    # SIGUSR1 writes every thread's stack to OUT_DIR/stacks.<pid>: the test asks for them
+    # when host 0's ranks do not report a broken job in time (a rare hang to take apart)
+    stacks = open(os.path.join(out, f"stacks.{os.getpid()}"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     overlap.init_distributed(timeout=timeout)
     rank = comm.get_rank()
     x = torch.ones(1024)

@@ -4,6 +4,7 @@ GLOO_SOCKET_IFNAME unset; the hosts are always cleaned up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -158,6 +159,18 @@ def test_bad_arguments_are_refused() -> None:
         pass
 
 
+def _stacks(out: Path) -> str:
+    """Every thread's stack of host 0's ranks (fault_script writes them on SIGUSR1), and
+    which of them recorded an error: what a hang that the test caught was doing."""
+    for r in (0, 1):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((out / f"ready.{r}").read_text()), signal.SIGUSR1)
+    time.sleep(1.0)
+    done = sorted(p.name for p in out.glob("error.*"))
+    dumps = [f"== {p.name}\n{p.read_text()}" for p in sorted(out.glob("stacks.*"))]
+    return f"errors recorded: {done}\n" + "\n".join(dumps)
+
+
 def _fault(
     kind: str, tmp_path: Path, timeout: float = 10.0, mode: str = "all_reduce"
 ) -> dict[int, str]:
@@ -192,7 +205,8 @@ def _fault(
             else:
                 subprocess.run(["ip", "-n", hosts[1].netns, "link", "set", "eth0", "down"])
             while not all((tmp_path / f"error.{r}").exists() for r in (0, 1)):
-                assert time.monotonic() - t0 < timeout + 20, "host 0's ranks still hang"
+                if time.monotonic() - t0 >= timeout + 20:
+                    raise AssertionError(f"host 0's ranks still hang:\n{_stacks(tmp_path)}")
                 time.sleep(0.1)
             procs[0].wait(timeout=30)  # and the job on host 0 ends
             errors = {r: (tmp_path / f"error.{r}").read_text() for r in (0, 1)}
