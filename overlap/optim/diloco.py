@@ -45,6 +45,7 @@ from overlap.compression.codec_numba import kernel_module
 from overlap.compression.quantize import BlockCodes
 from overlap.errors import NonFiniteError
 from overlap.ownership import claim, holder_of, release
+from overlap.params import select, unfrozen_message
 from overlap.rankstate import check_rank, group_rank
 
 __all__ = ["OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "schedule"]
@@ -154,7 +155,9 @@ class DiLoCo:
         _check_schedule(sync_every, fragments, delay)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # the frozen parameters are skipped, and checked at each step() (params.py)
+        self._selection = select(model, "DiLoCo")
+        self.params = self._selection.params
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad) to sync")
         if fragments > len(self.params):
@@ -169,6 +172,9 @@ class DiLoCo:
         if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) < 1.0:
             raise ValueError(f"alpha must be in [0, 1), got {alpha!r}")
         mine = {id(p) for p in self.params}
+        # an optimizer over model.parameters() also holds the frozen ones, which it skips
+        # (no gradient): that is the usual way to build one
+        models = mine | {id(p) for _, p in self._selection.frozen}
         for name, opt in (
             ("inner_optimizer", inner_optimizer),
             ("outer_optimizer", outer_optimizer),
@@ -178,16 +184,16 @@ class DiLoCo:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"{name} must be a torch.optim.Optimizer, got {type(opt).__name__}")
             theirs = {id(p) for g in opt.param_groups for p in g["params"]}
-            if theirs - mine:
+            if theirs - models:
                 raise ValueError(
-                    f"the {name} updates parameters that are not this model's trainable "
-                    "parameters: build it over model.parameters()"
+                    f"the {name} updates parameters that are not this model's: build it "
+                    "over model.parameters()"
                 )
-            if name == "outer_optimizer" and theirs != mine:
+            if name == "outer_optimizer" and not mine <= theirs:
                 raise ValueError(
-                    f"the outer_optimizer covers {len(theirs)} of the model's {len(mine)} "
-                    "trainable parameters: it must step all of them (build it over "
-                    "model.parameters())"
+                    f"the outer_optimizer covers {len(mine & theirs)} of the model's "
+                    f"{len(mine)} trainable parameters: it must step all of them (build it "
+                    "over model.parameters())"
                 )
         if compression is not None and not isinstance(compression, Compressor):
             raise TypeError(
@@ -305,6 +311,7 @@ class DiLoCo:
         """Count one inner step; land and issue what is due (blocking for what lands)."""
         self._check_live()
         self._check_no_astep()
+        self._check_frozen()
         self._t += 1
         land, issue = self._due_now()
         for i in land:
@@ -326,6 +333,7 @@ class DiLoCo:
         first (``astep``) or refuses while it runs (``step``, ``flush``, ``state_dict``), and
         raises its error if it failed."""
         self._check_live()
+        self._check_frozen()
         prev = self._astepping
         # The task is made before anything is awaited: every call counts its inner step, in
         # order, even one cancelled at once
@@ -336,6 +344,15 @@ class DiLoCo:
         finally:
             if task.done() and self._astepping is task:
                 self._astepping = None
+
+    def _check_frozen(self) -> None:
+        """Refuse, before the step is counted, when a parameter frozen at construction now
+        requires grad: no fragment holds it, so the ranks would train it apart. The ranks
+        that unfroze it raise; if some did not, they wait for this rank's next reduction
+        and get a CommError at the timeout."""
+        unfrozen = self._selection.unfrozen()
+        if unfrozen:
+            raise ValueError(unfrozen_message(unfrozen, "DiLoCo"))
 
     def _astep_running(self) -> bool:
         task = self._astepping
@@ -489,11 +506,14 @@ class DiLoCo:
         assert isinstance(res, torch.Tensor)
         avg = res
         pairs = list(self._fragment(i))
-        saved = [p.grad for p in self.params]
+        # every parameter the outer optimizer holds (frozen ones too): only this
+        # fragment's may have a gradient for its step
+        held = list({id(q): q for g in self.outer.param_groups for q in g["params"]}.values())
+        saved = [q.grad for q in held]
         try:
             with torch.no_grad():
                 local = [p.detach().clone() for p, _ in pairs] if self.alpha else []
-                for q in self.params:
+                for q in held:
                     q.grad = None
                 a = 0
                 for p, g in pairs:
@@ -508,7 +528,7 @@ class DiLoCo:
                     if self.alpha:
                         p.mul_(1.0 - self.alpha).add_(local[k], alpha=self.alpha)
         finally:
-            for q, s in zip(self.params, saved, strict=True):
+            for q, s in zip(held, saved, strict=True):
                 q.grad = s
 
     def _fusable(self, i: int, res: torch.Tensor | BlockCodes) -> bool:

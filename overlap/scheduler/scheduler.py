@@ -40,6 +40,7 @@ from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
 from overlap.errors import CommError, IncompleteBackwardError, OutOfStepError
 from overlap.ownership import claim, holder_of, release
+from overlap.params import select, unfrozen_message
 from overlap.rankstate import check_rank, group_rank
 from overlap.scheduler.buckets import Bucket, assign_buckets
 from overlap.scheduler.streams import Launcher
@@ -159,7 +160,9 @@ class BucketScheduler:
 
     Args:
         model_or_params: a module or an iterable of parameters. Frozen parameters
-            (``requires_grad=False``) are skipped; tied parameters are reduced once.
+            (``requires_grad=False``) are skipped; tied parameters are reduced once. One
+            unfrozen later is refused at the end of the step (its gradient would not be
+            averaged): rebuild the scheduler after changing ``requires_grad``.
         bucket_cap_mb: bucket size cap; ``first_bucket_mb``: cap of the first bucket, small so
             the first collective starts early.
         compression: a Compressor (default NoCompression: a plain averaging allreduce), or
@@ -204,24 +207,13 @@ class BucketScheduler:
         optimizer: Any = None,
         hierarchy: str = "auto",
     ) -> None:
-        params = (
-            list(model_or_params.parameters())
-            if isinstance(model_or_params, torch.nn.Module)
-            else list(model_or_params)
-        )
-        seen: set[int] = set()
-        self.params: list[torch.nn.Parameter] = []
-        for p in params:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"expected parameters, got {type(p).__name__}")
-            if id(p) in seen or not p.requires_grad:
-                continue  # tied (reduce once) or frozen (skip)
-            seen.add(id(p))
-            self.params.append(p)
+        # tied parameters reduced once, frozen ones skipped (and checked at each step)
+        self._selection = select(model_or_params, "BucketScheduler")
+        self.params: list[torch.nn.Parameter] = self._selection.params
         if not self.params:
             raise ValueError("no parameter requires grad: nothing to reduce")
         if isinstance(model_or_params, torch.nn.Module):
-            _refuse_sparse(model_or_params, seen)
+            _refuse_sparse(model_or_params, {id(p) for p in self.params})
         devices = sorted({str(p.device) for p in self.params})
         if len(devices) > 1:
             raise ValueError(
@@ -767,11 +759,16 @@ class BucketScheduler:
         if self._launcher.broken is not None:
             # before any collective (streams.py, "Out of step")
             raise (yield from self._stop_here(None))
-        n = len(self.params)
-        mask = torch.zeros(n + self.world, dtype=torch.uint8)
+        n, w, me = len(self.params), self.world, comm.get_rank(self.ctrl)
+        # the parameters used on each rank, then per rank: its backward raised halfway, it
+        # unfroze a parameter the buckets lack; either drops the step on every rank
+        mask = torch.zeros(n + 2 * w, dtype=torch.uint8)
         mask[self._order] = 1
-        if self._open:  # this rank's backward raised halfway: every rank drops the step
-            mask[n + comm.get_rank(self.ctrl)] = 1
+        if self._open:
+            mask[n + me] = 1
+        unfrozen = self._selection.unfrozen()
+        if unfrozen:
+            mask[n + w + me] = 1
         mask = mask.to(self._ctrl_device)
         try:
             yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
@@ -792,12 +789,16 @@ class BucketScheduler:
             yield from self._abandon(issued)
             raise
         mask = mask.cpu()
-        incomplete = [
-            comm.get_global_rank(self.ctrl, i) for i in mask[n:].nonzero().flatten().tolist()
-        ]
+        incomplete, woken = (
+            [comm.get_global_rank(self.ctrl, i) for i in part.nonzero().flatten().tolist()]
+            for part in (mask[n : n + w], mask[n + w :])
+        )
         mask = mask[:n]
+        drop = bool(incomplete or woken)
         if not bool(mask.any()):
             self._new_step()
+            if woken:
+                raise ValueError(unfrozen_message(unfrozen, "BucketScheduler", woken))
             raise RuntimeError(
                 "synchronize() was called but no rank produced a gradient since the last "
                 "step: run loss.backward() first (or use `await sched.backward(loss)`)"
@@ -822,7 +823,7 @@ class BucketScheduler:
             if early:
                 for b, hs in launched:
                     yield hs
-                    if incomplete:
+                    if drop:
                         continue  # the step is dropped: nothing is copied back
                     t = time.perf_counter_ns()
                     self._copy_back(b, used)
@@ -855,6 +856,14 @@ class BucketScheduler:
                 "the ranks stay in step): zero the gradients, skip optimizer.step() and go on "
                 "with the next batch; the scheduler is ready for it",
                 ranks=incomplete,
+            )
+        if woken:
+            # as above: the buckets were sent, nothing is copied back
+            self._close_inline()
+            yield from self._abandon(handles)
+            raise ValueError(
+                unfrozen_message(unfrozen, "BucketScheduler", woken)
+                + " (this step's gradients are dropped on every rank)"
             )
         self._close_inline()
         self._launcher.wait_compute()

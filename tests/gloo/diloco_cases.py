@@ -31,15 +31,19 @@ LR_OUT, MOM = 0.7, 0.9
 
 class Params(nn.Module):
     """``strided``: the same values, every 2-D parameter stored transposed (not contiguous,
-    as a channels_last convolution's weight is)."""
+    as a channels_last convolution's weight is). ``frozen``: a frozen parameter
+    (``requires_grad=False``, ones) besides ``ps``, which the optimizers built over
+    ``model.parameters()`` hold too."""
 
-    def __init__(self, seed: int = 0, strided: bool = False) -> None:
+    def __init__(self, seed: int = 0, strided: bool = False, frozen: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         ts = [torch.randn(s, generator=g) for s in SHAPES]
         if strided:
             ts = [t.t().contiguous().t() if t.dim() == 2 else t for t in ts]
         self.ps = nn.ParameterList(nn.Parameter(t) for t in ts)
+        if frozen:
+            self.still = nn.Parameter(torch.ones(3), requires_grad=False)
 
 
 def _grads(params: list[torch.Tensor], rank: int, t: int) -> list[torch.Tensor]:
@@ -100,9 +104,9 @@ class Reference:
 
 
 def _build(
-    h: int, frags: int = 1, delay: int = 0, strided: bool = False, **kw: Any
+    h: int, frags: int = 1, delay: int = 0, strided: bool = False, frozen: bool = False, **kw: Any
 ) -> tuple[Params, Any, DiLoCo]:
-    model = Params(strided=strided)
+    model = Params(strided=strided, frozen=frozen)
     inner = torch.optim.AdamW(model.parameters(), lr=LR_IN)
     outer = torch.optim.SGD(model.parameters(), lr=LR_OUT, momentum=MOM, nesterov=True)
     d = DiLoCo(model, inner, outer, sync_every=h, fragments=frags, delay=delay, **kw)
@@ -133,6 +137,7 @@ def matches_reference(
     group: Any = None,
     landing: str = "fused",
     strided: bool = False,
+    frozen: bool = False,
 ) -> list[Any]:
     """Run DiLoCo against the reference for each H (``group``'s ranks are the simulated
     ranks 0..W-1, so it must hold the lowest global ranks); return, per H, the fragments,
@@ -140,11 +145,14 @@ def matches_reference(
     the fused kernel; "torch" puts an LR scheduler on the outer optimizer (it patches
     ``step``), so they run ``outer.step()`` itself. ``strided``: the model's 2-D parameters
     are not contiguous (:class:`Params`), so the fragment holding them (fragment 0) lands
-    through ``outer.step()`` and any other fused, against the contiguous reference."""
+    through ``outer.step()`` and any other fused, against the contiguous reference.
+    ``frozen``: the model has a frozen parameter, in both optimizers (the usual
+    ``model.parameters()``): DiLoCo skips it, and after the run refuses it unfrozen (what
+    :meth:`DiLoCo.step` raised is appended, with whether it stayed ones)."""
     w, r = comm.get_world_size(group), comm.get_rank()
     out: list[Any] = []
     for h in hs:
-        model, inner, d = _build(h, frags, delay, strided, alpha=alpha, group=group)
+        model, inner, d = _build(h, frags, delay, strided, frozen, alpha=alpha, group=group)
         if strided and any(p.is_contiguous() for p in model.ps if p.dim() == 2):
             raise AssertionError("the strided model's 2-D parameters are contiguous")
         if landing == "torch":
@@ -164,6 +172,11 @@ def matches_reference(
                 _close(list(model.ps), [p.detach() for p in ref.local[r]], f"H={h} step {t} local")
                 _close(d.globals, ref.glob, f"H={h} step {t} global")
             out.append([d.frags, d.offsets, d.statistics()["syncs"]])
+            if frozen:
+                out[-1].append(bool(torch.equal(model.still, torch.ones(3))))
+                model.still.requires_grad_(True)
+                catcher(caught := {})("unfrozen", d.step)
+                out[-1].append(caught["unfrozen"])
         finally:
             d.remove()
     return out
@@ -445,6 +458,8 @@ def refusals() -> dict[str, str]:
     catch("alpha", lambda: DiLoCo(model, inner, sync_every=4, delay=1, alpha=1.0))
     catch("auto", lambda: DiLoCo(model, inner, compression=overlap.Auto()))
     catch("string", lambda: DiLoCo(model, inner, compression="int8"))  # type: ignore[arg-type]
+    lazy = nn.Sequential(nn.LazyLinear(2))
+    catch("lazy", lambda: DiLoCo(lazy, torch.optim.SGD(lazy.parameters(), lr=0.1)))
     sched = BucketScheduler(model)
     catch("after_scheduler", lambda: DiLoCo(model, inner))
     sched.remove()

@@ -340,6 +340,58 @@ def bad_inputs() -> dict[str, str]:
     flat = BucketScheduler(nn.Linear(2, 2))  # "auto" on one host: flat
     out["auto_on_one_host"] = str(flat.hierarchical)
     flat.remove()
+    lazy = nn.Sequential(nn.LazyLinear(2), nn.Linear(2, 2))
+    catch("lazy", lambda: BucketScheduler(lazy))  # before any group is made
+    return out
+
+
+def unfrozen_after_build() -> dict[str, Any]:
+    """A layer frozen when the scheduler was built, unfrozen later (gradual unfreezing):
+    before, its gradient stayed each rank's own, with no error. Now the step is refused on
+    every rank (rank 1 alone unfreezes it first), the scheduler keeps working once the layer
+    is frozen again, and a scheduler rebuilt after unfreezing averages it."""
+    r = comm.get_rank()
+    out: dict[str, Any] = {}
+    catch = catcher(out)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    m[0].requires_grad_(False)
+    sched = BucketScheduler(m)
+    gen = torch.Generator().manual_seed(10 + r)
+
+    def step(mean: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One step; (averaged .grad, the mean of the ranks' own gradients) per trainable
+        parameter (the latter from autograd.grad, which runs no hook), when every rank
+        trains the same ones (``mean``)."""
+        for p in m.parameters():
+            p.grad = None
+        x = torch.randn(3, 4, generator=gen)
+        trainable = [p for p in m.parameters() if p.requires_grad]
+        want = []
+        if mean:
+            for g in torch.autograd.grad(m(x).sum(), trainable):
+                comm.all_reduce(g)
+                want.append(g / comm.get_world_size())
+        m(x).sum().backward()
+        sched.synchronize()
+        return list(zip((p.grad for p in trainable), want, strict=mean))
+
+    def agree(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        return all(g is not None and torch.allclose(g, w, atol=1e-6) for g, w in pairs)
+
+    if r == 1:
+        m[0].requires_grad_(True)
+    catch("one_rank", lambda: step(mean=False))
+    m[0].requires_grad_(False)
+    pairs = step()
+    out["refrozen_averaged"] = agree(pairs) and len(pairs) == 2
+    m[0].requires_grad_(True)
+    catch("every_rank", step)
+    sched.remove()
+    sched = BucketScheduler(m)
+    pairs = step()
+    out["rebuilt_averaged"] = agree(pairs) and len(pairs) == 4
+    sched.remove()
     return out
 
 

@@ -68,6 +68,39 @@ def test_parameters_that_are_not_contiguous_equal_the_math(
     assert out == [[[[[0, 1, 2], [3, 4]], [2, 0], 6]]] * 2
 
 
+def test_a_frozen_parameter_is_skipped_and_refused_once_unfrozen(
+    pools: Callable[[int], RankPool],
+) -> None:
+    """Optimizers built over ``model.parameters()`` hold the model's frozen parameters too
+    (they skip them: no gradient), the usual way to build one. DiLoCo refused them ("the
+    inner_optimizer updates parameters that are not this model's trainable parameters:
+    build it over model.parameters()"). Now the run equals the math, the frozen parameter
+    stays as it was, and once unfrozen step() refuses: no fragment holds it, so the ranks
+    would train it apart."""
+    out = pools(2).run(
+        dc.matches_reference,
+        [4],
+        2,
+        1,
+        "blocking",
+        12,
+        0.0,
+        None,
+        "fused",
+        False,
+        True,
+        timeout=120,
+    )
+    for r in (0, 1):
+        (frags, offs, syncs, still, unfrozen) = out[r][0]
+        assert [frags, offs, syncs, still] == [[[0, 1, 2], [3, 4]], [2, 0], 6, True], out[r]
+        assert unfrozen.startswith(
+            "ValueError: 'still' did not require grad when this DiLoCo was built and now do: "
+            "the DiLoCo was built without them and does not average them"
+        ), unfrozen
+        assert "call remove() and build a new DiLoCo over the model" in unfrozen, unfrozen
+
+
 def test_on_a_subgroup_equals_the_math(pools: Callable[[int], RankPool]) -> None:
     want = [[[[0, 1, 2], [3, 4]], [2, 0], 6]]  # 6 syncs in 12 steps
     assert pools(3).run(dc.on_a_subgroup, timeout=120) == [want, want, None]
@@ -164,6 +197,9 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "alpha": "ValueError: alpha must be in [0, 1), got 1.0",
         "auto": "ValueError: compression=Auto chooses by timing a BucketScheduler's steps",
         "string": "TypeError: compression takes a Compressor such as overlap.Int8()",
+        "lazy": "ValueError: 0.weight is not initialised yet (a lazy module such as "
+        "nn.LazyLinear has no shape before its first forward): run one forward pass, then "
+        "build the DiLoCo",
         "after_scheduler": "ValueError: this model's parameters are already averaged by a "
         "BucketScheduler",
         "scheduler_after": "ValueError: these parameters are already reduced by a DiLoCo",

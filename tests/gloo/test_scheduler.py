@@ -100,6 +100,29 @@ def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
         ), out
         assert "must be 'auto', 'flat' or 'node', got 'nodes'" in out["hierarchy_name"], out
         assert out["auto_on_one_host"] == "False", out
+        assert out["lazy"].startswith(
+            "ValueError: 0.weight is not initialised yet (a lazy module such as nn.LazyLinear "
+            "has no shape before its first forward): run one forward pass, then build the "
+            "BucketScheduler"
+        ), out
+
+
+def test_a_layer_unfrozen_after_building_is_refused_not_left_unaveraged(
+    pools: Callable[[int], RankPool],
+) -> None:
+    res = pools(2).run(sc.unfrozen_after_build, timeout=120)
+    named = "ValueError: '0.weight', '0.bias' did not require grad when this BucketScheduler "
+    assert res[1]["one_rank"].startswith(named), res[1]
+    assert res[0]["one_rank"].startswith(
+        "ValueError: rank 1 unfroze parameters that did not require grad when the "
+        "BucketScheduler was built"
+    ), res[0]
+    for r, out in enumerate(res):
+        assert "call remove() and build a new BucketScheduler" in out["one_rank"], out
+        assert "dropped on every rank" in out["one_rank"], out
+        assert out["every_rank"].startswith(named), (r, out)
+        assert out["refrozen_averaged"] is True, (r, out)
+        assert out["rebuilt_averaged"] is True, (r, out)
 
 
 def test_restore_into_another_world_size_or_model_is_refused(

@@ -1,0 +1,54 @@
+"""overlap.params: which parameters a reducer takes, and the checks on the ones it skips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from overlap.params import select, unfrozen_message
+
+
+def _model() -> nn.Module:
+    m = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3), nn.Linear(3, 2))
+    m[1].requires_grad_(False)
+    return m
+
+
+def test_trainable_once_frozen_named() -> None:
+    m = _model()
+    m.add_module("tied", nn.Linear(3, 2))
+    m.tied.weight = m[2].weight  # tied: taken once
+    sel = select(m, "X")
+    assert [id(p) for p in sel.params] == [
+        id(p) for p in (m[0].weight, m[0].bias, m[2].weight, m[2].bias, m.tied.bias)
+    ]
+    assert [n for n, _ in sel.frozen] == ["1.weight", "1.bias"]
+    assert sel.unfrozen() == []
+    m[1].bias.requires_grad_(True)
+    assert sel.unfrozen() == ["1.bias"]
+
+
+def test_a_list_of_parameters_is_named_by_position() -> None:
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2), requires_grad=False)
+    sel = select([a, b, a], "X")
+    assert sel.params == [a] and sel.frozen == [("parameter 1", b)]
+
+
+def test_refusals_name_the_fix() -> None:
+    with pytest.raises(TypeError, match="expected parameters, got int"):
+        select([nn.Parameter(torch.ones(1)), 3], "X")  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"^0\.weight is not initialised yet .* then build the X$"):
+        select(nn.Sequential(nn.LazyLinear(2)), "X")
+
+
+def test_the_unfrozen_message_names_the_parameters_or_the_ranks() -> None:
+    names = [f"p{i}" for i in range(7)]
+    mine = unfrozen_message(names, "X")
+    assert mine.startswith("'p0', 'p1', 'p2', 'p3', 'p4' and 2 more did not require grad "), mine
+    assert mine.endswith("call remove() and build a new X over the model"), mine
+    theirs = unfrozen_message([], "X", [1, 3])
+    assert theirs.startswith("ranks 1, 3 unfroze parameters that did not require grad when "), (
+        theirs
+    )
+    assert unfrozen_message([], "X", [2]).startswith("rank 2 unfroze")
