@@ -836,6 +836,24 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _link(*words: str) -> Callable[[str], str]:
+    """An argparse type for ``--link``: a positive tc rate, or one of ``words`` (the demo's
+    ``auto`` and ``none``), checked before any namespace is made or rank started."""
+
+    def parse(text: str) -> str:
+        if text in words:
+            return text
+        from overlap.bench.link import check_rate
+
+        try:
+            return check_rate(text)
+        except ValueError as exc:
+            extra = f" (or {', '.join(words)})" if words else ""
+            raise argparse.ArgumentTypeError(f"{exc}{extra}") from None
+
+    return parse
+
+
 def _size_list(text: str) -> str:
     """An argparse type for --sizes: checked here, parsed again by the command."""
     from overlap.bench.harness import parse_size
@@ -859,6 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model-size", choices=["small", "medium", "large"], default="medium")
     d.add_argument(
         "--link",
+        type=_link("auto", "none", "loopback"),
         default="auto",
         help="auto (the default: 1gbit when root, else plain loopback), none, or a rate "
         "such as 1gbit or 100mbit (root)",
@@ -915,6 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--markdown", action="store_true", help="print a Markdown table")
     bo.add_argument(
         "--link",
+        type=_link(),
         default=None,
         help="run the ranks on a loopback shaped to this rate, e.g. 1gbit (root)",
     )
@@ -940,6 +960,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--world-size", type=_at_least(1), default=2)
     bc.add_argument(
         "--link",
+        type=_link(),
         default=None,
         help="run the ranks on a loopback shaped to this rate (e.g. 1gbit; root)",
     )
@@ -960,7 +981,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument(
         "--world-size", type=_at_least(1), default=None, help="ranks (default 2 on cpu, 1 on cuda)"
     )
-    bt.add_argument("--link", default=None, help="shaped loopback rate, e.g. 1gbit (root)")
+    bt.add_argument(
+        "--link", type=_link(), default=None, help="shaped loopback rate, e.g. 1gbit (root)"
+    )
     bt.add_argument(
         "--hosts",
         type=_at_least(0),
@@ -1023,7 +1046,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="model initialisation and data-order seed (default 0; repeat runs with others "
         "to see one seed's spread)",
     )
-    bl.add_argument("--link", default=None, help="shaped loopback rate, e.g. 100mbit (root)")
+    bl.add_argument(
+        "--link", type=_link(), default=None, help="shaped loopback rate, e.g. 100mbit (root)"
+    )
     bl.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     bl.add_argument("--plot-time", default=None, help="the same against wall time")
     bl.add_argument("--json", action="store_true")

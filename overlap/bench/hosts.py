@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from overlap.bench.link import _RATE, _remove, _run, _terminate_as_exit, require_root
+from overlap.bench.link import _remove, _run, _terminate_as_exit, check_rate, require_root
 from overlap.runtime import pid_alive
 
 __all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
@@ -138,8 +138,8 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
     """Yield ``n`` hosts (namespaces on one shaped switch); remove them all on the way out."""
     if not 1 <= n <= 200:
         raise ValueError(f"namespace_hosts makes 1 to 200 hosts, got {n}")
-    if link is not None and not _RATE.match(link):
-        raise ValueError(f"link takes a tc rate such as 10gbit or 1gbit, got {link!r}")
+    if link is not None:
+        check_rate(link, "link")
     require_root("namespace hosts", "network namespaces, veth pairs and a bridge", "unshare")
     sweep_stale()
     tag = f"ovh{os.getpid()}"

@@ -18,14 +18,25 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["LinkError", "require_root", "shaped_link"]
+__all__ = ["LinkError", "check_rate", "require_root", "shaped_link"]
 
 
 class LinkError(RuntimeError):
     """The shaped link could not be set up (not root, or iproute2 missing)."""
 
 
-_RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
+
+
+def check_rate(rate: str, what: str = "--link") -> str:
+    """``rate`` if it is a positive tc rate (``1gbit``, ``100mbit``, ``2.5gbit``); else a
+    ValueError naming ``what`` and the form, before anything is made."""
+    m = _RATE.match(rate)
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"{what} takes a positive tc rate such as 10gbit, 1gbit or 100mbit, got {rate!r}"
+        )
+    return rate
 
 
 def _run(*cmd: str) -> None:
@@ -78,8 +89,7 @@ def shaped_link(rate: str) -> Iterator[list[str]]:
 
     The namespace is removed on the way out, with anything still running in it, also when
     the caller is stopped by an exception or SIGTERM."""
-    if not _RATE.match(rate):
-        raise ValueError(f"--link takes a tc rate such as 10gbit or 1gbit, got {rate!r}")
+    check_rate(rate)
     require_root("--link", "a network namespace and shapes its loopback with tc")
     name = f"overlap-{os.getpid()}"
     _run("ip", "netns", "add", name)

@@ -200,6 +200,14 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback() -> None:
         (["bench", "ops", "--iters", "0"], "argument --iters: must be at least 1, got 0"),
         (["demo", "--world-size", "0"], "argument --world-size: must be at least 1, got 0"),
         (["bench", "lm", "--steps", "x"], "argument --steps: 'x' is not an integer"),
+        # before: a traceback from inside the run (bench train), or tc's own error
+        (
+            ["bench", "train", "--link", "1xbit"],
+            "argument --link: --link takes a positive tc rate such as 10gbit, 1gbit or "
+            "100mbit, got '1xbit'",
+        ),
+        (["bench", "ops", "--link", "0gbit"], "got '0gbit'"),
+        (["demo", "--link", "fast"], "got 'fast' (or auto, none, loopback)"),
     ):
         out = run(*args, timeout=60)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
