@@ -570,6 +570,15 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         _err("--hosts simulates CPU hosts with network namespaces; it does not apply to cuda")
         return 2
     batch = args.batch or (1024 if args.device == "cuda" else 64)
+    if args.device == "cpu":
+        from overlap.bench.memory import shortfall
+        from overlap.bench.train import model_params
+
+        ranks = args.hosts * args.procs_per_host if args.hosts else world
+        short = shortfall(variants, model_params(args.model_size), ranks)
+        if short is not None:
+            _err(f"overlap bench train: {short}")
+            return 2
     if args.pin_heap:
         for k, v in PIN_HEAP_ENV.items():  # each rank process inherits this environment
             os.environ.setdefault(k, v)

@@ -82,8 +82,17 @@ WIDTH = 2048
 COMPRESS_FROM = 2
 
 
+def _layers(million: float) -> int:
+    return max(1, round(million * 1e6 / (WIDTH * WIDTH + WIDTH)))
+
+
+def model_params(million: float) -> int:
+    """The parameter count of the bench's model for ``--model-size million``."""
+    return _layers(million) * (WIDTH * WIDTH + WIDTH)
+
+
 def _model(million: float, device: str = "cpu") -> nn.Module:
-    layers = max(1, round(million * 1e6 / (WIDTH * WIDTH + WIDTH)))
+    layers = _layers(million)
     torch.manual_seed(0)
     return nn.Sequential(
         *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(layers)]

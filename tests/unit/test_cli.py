@@ -208,6 +208,11 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback() -> None:
         ),
         (["bench", "ops", "--link", "0gbit"], "got '0gbit'"),
         (["demo", "--link", "fast"], "got 'fast' (or auto, none, loopback)"),
+        # before: the out-of-memory killer stopped a rank, then torchrun's tracebacks
+        (
+            ["bench", "train", "--world-size", "2000", "--steps", "1"],
+            "overlap bench train: these 2000 ranks would need about ",
+        ),
     ):
         out = run(*args, timeout=60)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)

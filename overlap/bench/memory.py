@@ -1,0 +1,77 @@
+"""Whether this machine has the memory for a CPU ``overlap bench train`` run, checked before
+any rank starts.
+
+Every rank builds every variant's model, optimizer and buckets at once (the variants run
+interleaved, step by step, so that noise hits them alike), so a rank's memory grows with
+the variants and the model. Too many ranks on one machine (``--hosts 3``: six ranks) got
+the kernel's out-of-memory killer, which killed a rank (or something else on the machine)
+and left a wall of tracebacks from torchrun. The figures below are peak resident memory per
+rank, measured with ``/usr/bin/time -v overlap bench train --variant V --steps 2 --warmup
+1`` (2 ranks, the default 25.2M-parameter model) for each variant alone; the all-default
+run's 4.6 GB per rank gives the per-rank base. The estimate is their sum, compared with
+the kernel's MemAvailable.
+"""
+
+from __future__ import annotations
+
+__all__ = ["available_bytes", "shortfall", "train_rank_bytes"]
+
+# torch, gloo and the rank's runtime, before any model (the default run's peak minus the
+# variants' own)
+RANK_BASE_BYTES = 390 << 20
+# each variant's own peak memory per model parameter (its model, gradients, buckets,
+# compressor and optimizer state), rounded up; docs/benchmarks.md, "Memory"
+BYTES_PER_PARAM = {
+    "compute": 6,
+    "ddp": 11,
+    "ddp-fp16": 13,
+    "ddp-powersgd": 22,
+    "overlap-none": 19,
+    "overlap-fp16": 20,
+    "overlap-onebit": 29,
+    "overlap-powersgd": 18,
+    "overlap-auto": 37,
+    "overlap-onebit-flat": 29,
+    "ddp-adamw": 21,
+    "overlap-onebitadam": 38,
+    "onebitadam-serial": 40,
+    "diloco": 22,
+    "diloco-streaming": 39,
+}
+_UNKNOWN = max(BYTES_PER_PARAM.values())
+
+
+def train_rank_bytes(variants: list[str], params: int) -> int:
+    """The estimated peak memory of one rank running ``variants`` on a ``params`` model."""
+    return RANK_BASE_BYTES + params * sum(BYTES_PER_PARAM.get(v, _UNKNOWN) for v in variants)
+
+
+def available_bytes() -> int | None:
+    """The kernel's MemAvailable (memory a new process can get without swapping), or None
+    where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def shortfall(variants: list[str], params: int, ranks: int) -> str | None:
+    """Why ``ranks`` ranks of this run would not fit in this machine's memory, with the
+    fixes; None when they fit (or the memory cannot be read)."""
+    have = available_bytes()
+    each = train_rank_bytes(variants, params)
+    need = ranks * each
+    if have is None or need <= have:
+        return None
+    gib = 1 << 30
+    return (
+        f"these {ranks} ranks would need about {need / gib:.1f} GiB ({each / gib:.1f} GiB "
+        f"each: {len(variants)} variants of a {params / 1e6:.1f}M-parameter model, every "
+        f"variant built in every rank) and this machine has {have / gib:.1f} GiB available; "
+        "the out-of-memory killer would stop the run. Run fewer variants (--variant), a "
+        "smaller --model-size, or fewer ranks (--world-size, --hosts, --procs-per-host)"
+    )

@@ -1,0 +1,30 @@
+"""overlap.bench.memory: the pre-flight memory check of `overlap bench train`."""
+
+from __future__ import annotations
+
+from overlap.bench import memory
+from overlap.bench.train import ALL_VARIANTS, VARIANTS, model_params
+
+
+def test_every_variant_has_a_measured_figure() -> None:
+    assert set(memory.BYTES_PER_PARAM) == set(ALL_VARIANTS)
+
+
+def test_the_default_run_estimates_what_was_measured() -> None:
+    """The default 2-rank run peaked at 4,600,948 KiB a rank (docs/benchmarks.md,
+    "Memory"); the per-variant figures are rounded up, so the estimate is a little more."""
+    each = memory.train_rank_bytes(VARIANTS, model_params(25.2))
+    measured = 4_600_948 * 1024
+    assert measured <= each <= 1.05 * measured, each / measured
+    assert model_params(25.2) == 6 * (2048 * 2048 + 2048)
+
+
+def test_a_run_that_does_not_fit_is_named_with_the_fixes() -> None:
+    have = memory.available_bytes()
+    assert have is not None and have > 0  # Linux: /proc/meminfo
+    assert memory.shortfall(["compute"], 1000, 1) is None
+    ranks = have // memory.train_rank_bytes(VARIANTS, model_params(25.2)) + 1
+    msg = memory.shortfall(VARIANTS, model_params(25.2), int(ranks))
+    assert msg is not None and msg.startswith(f"these {ranks} ranks would need about "), msg
+    assert "9 variants of a 25.2M-parameter model" in msg, msg
+    assert msg.endswith("or fewer ranks (--world-size, --hosts, --procs-per-host)"), msg
