@@ -20,6 +20,7 @@ waits, as :class:`~overlap.errors.CommError` with the backend error as ``__cause
 from __future__ import annotations
 
 import asyncio
+import datetime
 import enum
 import sys
 import threading
@@ -28,6 +29,7 @@ from collections.abc import Callable, Generator
 from typing import Any, ClassVar, Protocol
 
 from overlap.comm import hooks as _hooks
+from overlap.comm.seconds import wait_seconds
 from overlap.comm.waker import LoopWaker, resolve
 from overlap.errors import CommTimeoutError
 
@@ -240,7 +242,7 @@ class Handle:
             raise self._exc
         return self._result
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> Any:
         """Block until the op completes and return its result; works without an event loop.
 
         The result is the in-place tensor for ops like all_reduce or broadcast, the output
@@ -248,8 +250,11 @@ class Handle:
         :class:`~overlap.errors.CommError`. If ``timeout`` seconds pass first,
         :class:`~overlap.errors.CommTimeoutError` is raised and the op stays in flight,
         still owning its tensors: the timeout is taken here, never by timing out the
-        backend's receive (which would break the connection for later ops).
+        backend's receive (which would break the connection for later ops). ``timeout``:
+        seconds or a timedelta; 0 polls, ``None`` or ``math.inf`` waits for ever.
         """
+        if timeout is not None:
+            timeout = wait_seconds(timeout)  # a timedelta, inf (None), or a clear error
         if self._state is PENDING and not self._engine.wait(self, timeout):
             raise CommTimeoutError(
                 f"{self!r} did not complete within {timeout} s. The op is still in flight and "

@@ -26,6 +26,7 @@ from overlap.comm import debug as _debug
 from overlap.comm import driver, state
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from overlap.comm.netif import advertised_address, set_socket_ifname
+from overlap.comm.seconds import positive_seconds
 from overlap.comm.torch_backend import TorchBackend
 from overlap.comm.waiters import fail_in_flight, reset_pool
 from overlap.errors import NotInitializedError
@@ -124,11 +125,7 @@ def _host_placement(procs: list[str], rank: int) -> tuple[int, int, int]:
 def _timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
     if timeout is None:
         return None
-    if isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and timeout > 0:
-        return datetime.timedelta(seconds=float(timeout))
-    raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+    return datetime.timedelta(seconds=positive_seconds(timeout))
 
 
 def _pick_backend(dist_backend: str | None) -> str:

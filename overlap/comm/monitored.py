@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from overlap.comm.seconds import positive_seconds
 from overlap.errors import CommError, CommTimeoutError
 
 __all__ = ["monitored_barrier"]
@@ -36,11 +37,7 @@ def _seconds(timeout: Any) -> float:
         if isinstance(job, (int, float)) and job > 0:
             return float(job)
         return default_pg_timeout.total_seconds()
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
-    return float(timeout)
+    return positive_seconds(timeout)
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:

@@ -36,6 +36,25 @@ def test_wait_without_a_loop_and_with_timeout() -> None:
     assert "state=done" in repr(h)
 
 
+def test_wait_takes_a_timedelta_and_inf_and_refuses_nonsense_clearly() -> None:
+    """Before: inf raised OverflowError ("timestamp out of range for platform time_t"), NaN
+    "Invalid value NaN", "1" a comparison's TypeError, and -1 a CommTimeoutError that the op
+    "did not complete within -1 s"."""
+    import datetime
+    import math
+
+    h = Handle("irecv", result="payload", group="world", backend="gloo")
+    for bad, kind in ((float("nan"), ValueError), (-1, ValueError), ("1", TypeError)):
+        with pytest.raises(kind, match=r"^timeout "):
+            h.wait(timeout=bad)
+    with pytest.raises(CommTimeoutError, match=r"within 0\.05 s"):
+        h.wait(timeout=datetime.timedelta(milliseconds=50))
+    assert not h.done()  # none of that touched the op
+    finish_later(h, 0.05)
+    assert h.wait(timeout=math.inf) == "payload"
+    assert h.wait(timeout=0) == "payload"  # 0 polls
+
+
 def test_pending_result_and_exception_refuse() -> None:
     h = Handle("barrier", result=None)
     with pytest.raises(asyncio.InvalidStateError, match="still in flight"):
