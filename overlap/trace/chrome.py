@@ -180,6 +180,16 @@ def load_spans(path: str) -> tuple[list[Any], int]:
             doc = json.load(f)
     except FileNotFoundError:
         raise TraceFormatError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceFormatError(
+            f"{path} is a directory: pass the trace file (Tracer.export_chrome's path)"
+        ) from None
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise TraceFormatError(
+            f"{path} is not a text file, so not a trace (Tracer.export_chrome writes JSON)"
+        ) from None
     except json.JSONDecodeError as exc:
         raise TraceFormatError(
             f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); the file may be "

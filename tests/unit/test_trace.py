@@ -118,6 +118,13 @@ def test_truncated_and_foreign_files_are_refused(tmp_path: Path) -> None:
         load_spans(str(other))
     with pytest.raises(TraceFormatError, match="no such file"):
         load_spans(str(tmp_path / "missing.json"))
+    # before: IsADirectoryError and UnicodeDecodeError tracebacks from `overlap trace`
+    with pytest.raises(TraceFormatError, match="is a directory: pass the trace file"):
+        load_spans(str(tmp_path))
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(TraceFormatError, match="is not a text file, so not a trace"):
+        load_spans(str(binary))
 
 
 def test_unwritable_path_errors_and_leaves_nothing(tmp_path: Path) -> None:
