@@ -19,6 +19,7 @@ overlap.comm. Behaviour is DeepSpeed's, except where DeepSpeed is broken:
 from __future__ import annotations
 
 import logging
+import numbers
 from collections import namedtuple
 from collections.abc import Sequence
 from itertools import product
@@ -40,7 +41,12 @@ class ProcessTopology:
     """Cartesian coordinates <-> linear ranks, row-major over ``axes``."""
 
     def __init__(self, axes: Sequence[str], dims: Sequence[int]) -> None:
-        axes, dims = list(axes), [int(d) for d in dims]
+        axes, dims = list(axes), list(dims)
+        bad = [d for d in dims if isinstance(d, bool) or not isinstance(d, numbers.Integral)]
+        if bad:
+            # int(2.5) made a 2-wide axis of a typo, silently
+            raise TypeError(f"dims must be integers, got {dims}")
+        dims = [int(d) for d in dims]
         if len(axes) != len(dims):
             raise ValueError(f"axes {axes} and dims {dims} must have the same length")
         if len(set(axes)) != len(axes):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from overlap.topology import (
@@ -63,6 +64,9 @@ def test_other_bad_input() -> None:
         ProcessTopology(["a", "a"], [1, 2])
     with pytest.raises(ValueError, match=">= 1"):
         ProcessTopology(["a"], [0])
+    with pytest.raises(TypeError, match=r"dims must be integers, got \[2, 2\.5\]"):
+        ProcessTopology(["a", "b"], [2, 2.5])  # before: a 2 x 2 grid
+    assert ProcessTopology(["a"], [np.int64(3)]).dims == [3]
     t = ProcessTopology(["a"], [3])
     with pytest.raises(ValueError, match="rank 3 not found"):
         t.get_coord(3)
