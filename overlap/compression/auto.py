@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from overlap import comm
+from overlap.argcheck import count
 from overlap.comm.steps import Steps
 from overlap.compression.base import BF16, FP16, Compressor, NoCompression
 from overlap.compression.codec import gather_sources, write_outputs
@@ -99,11 +100,10 @@ class Auto(Compressor):
         names = [c.name for c in cands]
         if len(set(names)) != len(names):
             raise ValueError(f"Auto's candidates need distinct names, got {names}")
-        if warmup_steps < 0 or trial_steps < 1:
-            raise ValueError(
-                f"warmup_steps must be >= 0 and trial_steps >= 1, got {warmup_steps} and "
-                f"{trial_steps}"
-            )
+        warmup_steps = count("warmup_steps", warmup_steps, 0)
+        trial_steps = count("trial_steps", trial_steps, 1)
+        if remeasure_every is not None:
+            remeasure_every = count("remeasure_every", remeasure_every, 1)
         round_len = len(cands) * (1 + trial_steps)
         if remeasure_every is not None and remeasure_every <= round_len:
             raise ValueError(

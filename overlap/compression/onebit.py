@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from overlap import comm
+from overlap.argcheck import count
 from overlap.comm import driver
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
@@ -360,8 +361,7 @@ class OneBit(Compressor):
     def __init__(
         self, warmup_steps: int = 0, on_nonfinite: str = "raise", per_tensor_scales: bool = True
     ) -> None:
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        warmup_steps = count("warmup_steps", warmup_steps, 0)
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.warmup_steps = warmup_steps

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from overlap import comm
+from overlap.argcheck import count, positive_real
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
 
@@ -43,13 +44,11 @@ class PowerSGD(Compressor):
         warm_start: bool = True,
         seed: int = 0,
     ) -> None:
-        if rank < 1:
-            raise ValueError(f"rank must be >= 1, got {rank}")
-        if start_iter < 0:
-            raise ValueError(f"start_iter must be >= 0, got {start_iter}")
-        self.rank = rank
-        self.start_iter = start_iter
-        self.min_compression_rate = min_compression_rate
+        self.rank = count("rank", rank, 1)
+        self.start_iter = count("start_iter", start_iter, 0)
+        self.min_compression_rate = positive_real(
+            "min_compression_rate", min_compression_rate, zero=True
+        )
         self.warm_start = warm_start
         self.seed = seed
         self.state: dict[Any, dict[str, Any]] = {}

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from overlap import comm
+from overlap.argcheck import count
 from overlap.agreement import differing_ranks, param_signature
 from overlap.comm import driver
 from overlap.compression.base import Compressor, NoCompression
@@ -86,11 +87,9 @@ def offsets(sync_every: int, fragments: int) -> list[int]:
 
 
 def _check_schedule(sync_every: Any, fragments: Any, delay: Any) -> None:
-    for name, v, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
-        raise ValueError(f"delay must be an int >= 0 (inner steps), got {delay!r}")
+    count("sync_every", sync_every, 1)
+    count("fragments", fragments, 1)
+    count("delay", delay, 0)
     if delay >= sync_every:
         raise ValueError(
             f"delay={delay} must be less than sync_every={sync_every}: a fragment's reduction "

@@ -35,6 +35,7 @@ from torch.autograd.variable import Variable
 
 from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
+from overlap.argcheck import positive_real
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
@@ -220,8 +221,8 @@ class BucketScheduler:
                 f"parameters are on several devices {devices}; a BucketScheduler reduces one "
                 "device's parameters: create one scheduler per device, or move the model"
             )
-        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
-            raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
+        bucket_cap_mb = positive_real("bucket_cap_mb", bucket_cap_mb)
+        first_bucket_mb = positive_real("first_bucket_mb", first_bucket_mb)
         if gradient_as_bucket_view and reduce_dtype is not None:
             other = sorted({str(p.dtype) for p in self.params if p.dtype != reduce_dtype})
             if other:

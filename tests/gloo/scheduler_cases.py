@@ -342,6 +342,7 @@ def bad_inputs() -> dict[str, str]:
     flat.remove()
     lazy = nn.Sequential(nn.LazyLinear(2), nn.Linear(2, 2))
     catch("lazy", lambda: BucketScheduler(lazy))  # before any group is made
+    catch("cap_nan", lambda: BucketScheduler(nn.Linear(2, 2), bucket_cap_mb=float("nan")))
     return out
 
 

@@ -105,6 +105,10 @@ def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
             "has no shape before its first forward): run one forward pass, then build the "
             "BucketScheduler"
         ), out
+        # before: int()'s "cannot convert float NaN to integer"
+        assert out["cap_nan"] == (
+            "ValueError: bucket_cap_mb must be a finite number > 0, got nan"
+        ), out
 
 
 def test_a_layer_unfrozen_after_building_is_refused_not_left_unaveraged(
