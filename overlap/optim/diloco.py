@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from overlap import comm
-from overlap.argcheck import count
 from overlap.agreement import differing_ranks, param_signature
+from overlap.argcheck import count
 from overlap.comm import driver
 from overlap.compression.base import Compressor, NoCompression
 from overlap.compression.codec_numba import kernel_module
