@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["GroupInfo", "NonMemberGroup", "forget_group", "resolve_group"]
+__all__ = ["GroupInfo", "NonMemberGroup", "forget_group", "is_live", "resolve_group"]
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,28 @@ def resolve_group(group: Any) -> GroupInfo:
                 f"group must be a process group from overlap.comm.new_group (or None for the "
                 f"world), got {type(group).__name__}"
             )
+        if not is_live(pg):
+            raise ValueError(
+                "this process group belongs to a job that destroy_process_group() has ended "
+                "(torch freed it then): make the group again with overlap.comm.new_group() "
+                "after init_distributed()"
+            )
         ranks = tuple(dist.get_process_group_ranks(pg))
         name = "world" if pg is dist.group.WORLD else "ranks" + ",".join(map(str, ranks))
         index = {g: i for i, g in enumerate(ranks)}
         info = GroupInfo(pg, ranks, name, len(ranks), dist.get_rank(pg), dist.get_rank(), index)
         _cache[pg] = info
     return info
+
+
+def is_live(pg: Any) -> bool:
+    """Whether torch still knows ``pg`` (a group made before the last
+    ``destroy_process_group()`` is gone, and torch's own calls raise a bare KeyError)."""
+    try:
+        dist.get_process_group_ranks(pg)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def clear_cache() -> None:

@@ -26,7 +26,14 @@ from overlap.comm import hooks as _hooks
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
 from overlap.comm.aliasing import apart, apart_list
-from overlap.comm.groups import GroupInfo, NonMemberGroup, clear_cache, forget_group, resolve_group
+from overlap.comm.groups import (
+    GroupInfo,
+    NonMemberGroup,
+    clear_cache,
+    forget_group,
+    is_live,
+    resolve_group,
+)
 from overlap.comm.handle import Handle
 from overlap.comm.p2p import P2POp
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
@@ -155,6 +162,10 @@ class TorchBackend:
             )
         from overlap.comm import debug, driver
 
+        if not is_live(group):
+            # made in a job that destroy_process_group() has ended, which freed it then
+            # (a scheduler made before it, removed after a new init_distributed())
+            return
         # its multi-phase twin and its debug group too, if it has them
         for pg in (driver.forget(group), *debug.forget(group), group):
             if pg is not None:

@@ -41,6 +41,7 @@ from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
 from overlap.argcheck import count
 from overlap.comm import driver
+from overlap.comm import state as comm_state
 from overlap.compression.base import Compressor, NoCompression
 from overlap.compression.codec_numba import kernel_module
 from overlap.compression.quantize import BlockCodes
@@ -241,6 +242,8 @@ class DiLoCo:
         self.syncs = 0
         self.bytes_sent = 0
         self._removed = False
+        # the job (init_distributed .. destroy_process_group) its syncs belong to
+        self._generation = comm_state.generation
         self._swapped = False  # inside global_weights(): the model holds the globals
         # the task of the last astep(), while it runs (or a cancelled one's, until taken up)
         self._astepping: asyncio.Task[None] | None = None
@@ -310,6 +313,7 @@ class DiLoCo:
         """Count one inner step; land and issue what is due (blocking for what lands)."""
         self._check_live()
         self._check_no_astep()
+        self._check_job()
         self._check_frozen()
         self._t += 1
         land, issue = self._due_now()
@@ -332,6 +336,7 @@ class DiLoCo:
         first (``astep``) or refuses while it runs (``step``, ``flush``, ``state_dict``), and
         raises its error if it failed."""
         self._check_live()
+        self._check_job()
         self._check_frozen()
         prev = self._astepping
         # The task is made before anything is awaited: every call counts its inner step, in
@@ -343,6 +348,20 @@ class DiLoCo:
         finally:
             if task.done() and self._astepping is task:
                 self._astepping = None
+
+    def _check_job(self) -> None:
+        """Refuse to sync in another job than the one it was built in: after
+        destroy_process_group() (and a new init_distributed()), its reductions' groups are
+        gone (before: a KeyError, or a hang in a half-made group). What needs no
+        collective (global_weights(), a state_dict() with nothing in flight) still works,
+        e.g. saving the agreed model after the job ended."""
+        if self._generation != comm_state.generation:
+            raise RuntimeError(
+                "this DiLoCo was built in a job that destroy_process_group() has since ended "
+                "(its reductions' groups went with it, and the new job's ranks may differ): "
+                "call remove() on it and build a new one after init_distributed(), carrying "
+                "the state over with state_dict() and load_state_dict()"
+            )
 
     def _check_frozen(self) -> None:
         """Refuse, before the step is counted, when a parameter frozen at construction now
@@ -398,6 +417,7 @@ class DiLoCo:
         saving the final weights). Every rank must call it at the same step."""
         self._check_live()
         self._check_no_astep()
+        self._check_job()
         for i in sorted(self._inflight):
             self._land(i, self._wait(i))
 

@@ -36,6 +36,7 @@ from torch.autograd.variable import Variable
 from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
 from overlap.argcheck import positive_real
+from overlap.comm import state as comm_state
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
@@ -313,6 +314,8 @@ class BucketScheduler:
         self._inline = False
         self._prescale: float | None = None
         self._launcher = Launcher(self.device)
+        # the job (init_distributed .. destroy_process_group) its groups belong to
+        self._generation = comm_state.generation
         self._origin_raised = False  # this rank's own out-of-step error was raised once
         self._lock = threading.Lock()
         self._no_sync = False
@@ -461,6 +464,8 @@ class BucketScheduler:
 
     # -------------------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
+        if self._generation != comm_state.generation:
+            raise RuntimeError(self._ended_job())
         if self._no_sync or self._launcher.broken is not None:
             return
         if self._ending_in_background():
@@ -753,6 +758,9 @@ class BucketScheduler:
         self._new_step()
 
     def _finish_steps(self) -> Steps:
+        if self._generation != comm_state.generation:
+            self._new_step()
+            raise RuntimeError(self._ended_job())
         tracer = self.tracer
         t_wait = time.perf_counter_ns()
         if tracer is not None and self._bwd:
@@ -923,6 +931,13 @@ class BucketScheduler:
             raise
         self._new_step()
         return None
+
+    def _ended_job(self) -> str:
+        return (
+            "this BucketScheduler was built in a job that destroy_process_group() has since "
+            "ended, and its process groups went with it: call remove() on it (that frees "
+            "what is left) and build a new one after init_distributed()"
+        )
 
     def _interrupted(self, exc: BaseException) -> None:
         """A signal (Ctrl-C: KeyboardInterrupt, or SystemExit) stopped the end of the step on

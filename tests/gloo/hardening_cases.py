@@ -678,3 +678,57 @@ def interrupted_hand_off() -> dict[str, Any]:
 
 async def _awaited(h: Any) -> Any:
     return await h
+
+
+def objects_of_an_ended_job(port: int) -> dict[str, Any]:
+    """A scheduler, a DiLoCo and a group made in one job, used after destroy_process_group()
+    and a new init_distributed() (a notebook cell run again): each refuses with the fix
+    (before: a KeyError from torch's group table, or a hang in a half-made group), a
+    DiLoCo's agreed weights can still be swapped in (no collective), and a new scheduler
+    over the same model trains. The new job listens on ``port``: reusing the old port
+    races with the old store (torch's own re-init does too)."""
+    import os
+
+    from torch import nn
+
+    from overlap import BucketScheduler, DiLoCo
+
+    r = comm.get_rank()
+    out: dict[str, Any] = {}
+    catch = catcher(out)
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    sched = BucketScheduler(m)
+    m2 = nn.Linear(4, 2)
+    d = DiLoCo(m2, torch.optim.SGD(m2.parameters(), lr=0.1), sync_every=1)
+    g = comm.new_group([0, 1])
+    comm.barrier()
+    overlap.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    overlap.init_distributed("gloo", timeout=30)
+    catch("backward", lambda: m(torch.ones(1, 4)).sum().backward())
+    catch("synchronize", sched.synchronize)
+    catch("diloco_step", d.step)
+    with d.global_weights():
+        out["global_weights"] = [p.shape for p in m2.parameters()] == [(2, 4), (2,)]
+    # nothing in flight: the state is local, and carries over into a DiLoCo of the new job
+    state = d.state_dict()
+    catch("group", lambda: comm.all_reduce(torch.ones(1), group=g))
+    catch("destroy_group", lambda: comm.destroy_process_group(g))
+    catch("remove", sched.remove)
+    catch("diloco_remove", d.remove)
+    d2 = DiLoCo(m2, torch.optim.SGD(m2.parameters(), lr=0.1), sync_every=1)
+    d2.load_state_dict(state)
+    out["diloco_resumed"] = (
+        all(torch.equal(a, b) for a, b in zip(d.globals, d2.globals, strict=True))
+        and d2.inner_steps == d.inner_steps
+    )
+    d2.remove()
+    for p in m.parameters():
+        p.grad = None
+    fresh = BucketScheduler(m)
+    m(torch.ones(1, 4) * (r + 1)).sum().backward()  # d/dW = x: 1 on rank 0, 2 on rank 1
+    fresh.synchronize()
+    out["fresh_grad"] = m.weight.grad.flatten().tolist()
+    fresh.remove()
+    return out

@@ -200,3 +200,22 @@ def check_split_sizes(out: dict[str, str]) -> None:
         assert out[name] == "ok", (name, out[name])
     assert "must have" in out["negative"] and "none negative" in out["negative"], out
     assert out["numpy_src"].endswith("got int64; pass int(src)"), out
+
+
+def test_objects_of_an_ended_job_refuse_with_the_fix() -> None:
+    from overlap.testing import _free_port
+
+    res = spawn_ranks(hc.objects_of_an_ended_job, 2, _free_port(), timeout=120)
+    for r, out in enumerate(res):
+        ended = "was built in a job that destroy_process_group() has since ended"
+        assert out["backward"].startswith(f"RuntimeError: this BucketScheduler {ended}"), out
+        assert "call remove() on it" in out["backward"], out
+        assert out["synchronize"].startswith(f"RuntimeError: this BucketScheduler {ended}"), out
+        assert out["diloco_step"].startswith(f"RuntimeError: this DiLoCo {ended}"), out
+        assert out["global_weights"] is True and out["diloco_resumed"] is True, out
+        assert "carrying the state over with state_dict()" in out["diloco_step"], out
+        assert out["group"].startswith(
+            "ValueError: this process group belongs to a job that destroy_process_group() has ended"
+        ), out
+        assert out["destroy_group"] == out["remove"] == out["diloco_remove"] == "no error", out
+        assert out["fresh_grad"] == [1.5] * 8, (r, out)
