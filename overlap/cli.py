@@ -121,6 +121,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except OSError as exc:
         _err(f"error: --out-dir {args.out_dir!r}: {exc}; choose a writable directory")
         return 2
+    from overlap.bench.memory import demo_shortfall
+
+    short = demo_shortfall(args.model_size, args.world_size)
+    if short is not None:
+        _err(f"overlap demo: {short}")
+        return 2
     link, why = demo_link(args.link)
     args.link = link  # what _rerun_in_link shapes (None: stay on loopback)
     code = _rerun_in_link(args)
@@ -571,11 +577,11 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         return 2
     batch = args.batch or (1024 if args.device == "cuda" else 64)
     if args.device == "cpu":
-        from overlap.bench.memory import shortfall
+        from overlap.bench.memory import train_shortfall
         from overlap.bench.train import model_params
 
         ranks = args.hosts * args.procs_per_host if args.hosts else world
-        short = shortfall(variants, model_params(args.model_size), ranks)
+        short = train_shortfall(variants, model_params(args.model_size), ranks)
         if short is not None:
             _err(f"overlap bench train: {short}")
             return 2

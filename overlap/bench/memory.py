@@ -1,5 +1,5 @@
-"""Whether this machine has the memory for a CPU ``overlap bench train`` run, checked before
-any rank starts.
+"""Whether this machine has the memory for a CPU ``overlap bench train`` (or ``overlap
+demo``) run, checked before any rank starts.
 
 Every rank builds every variant's model, optimizer and buckets at once (the variants run
 interleaved, step by step, so that noise hits them alike), so a rank's memory grows with
@@ -14,7 +14,13 @@ the kernel's MemAvailable.
 
 from __future__ import annotations
 
-__all__ = ["available_bytes", "shortfall", "train_rank_bytes"]
+__all__ = [
+    "available_bytes",
+    "demo_shortfall",
+    "shortfall",
+    "train_rank_bytes",
+    "train_shortfall",
+]
 
 # torch, gloo and the rank's runtime, before any model (the default run's peak minus the
 # variants' own)
@@ -39,6 +45,10 @@ BYTES_PER_PARAM = {
     "diloco-streaming": 39,
 }
 _UNKNOWN = max(BYTES_PER_PARAM.values())
+# `overlap demo`: peak resident memory of a rank per --model-size (every variant built),
+# measured with `/usr/bin/time -v overlap demo --model-size S --steps 2 --world-size 2
+# --link none` (the largest child's maximum RSS)
+DEMO_RANK_BYTES = {"small": 700_784 << 10, "medium": 1_583_952 << 10, "large": 3_493_860 << 10}
 
 
 def train_rank_bytes(variants: list[str], params: int) -> int:
@@ -59,19 +69,38 @@ def available_bytes() -> int | None:
     return None
 
 
-def shortfall(variants: list[str], params: int, ranks: int) -> str | None:
-    """Why ``ranks`` ranks of this run would not fit in this machine's memory, with the
-    fixes; None when they fit (or the memory cannot be read)."""
+def shortfall(ranks: int, each: int, what: str, fixes: str) -> str | None:
+    """Why ``ranks`` ranks of ``each`` bytes would not fit in this machine's memory (``what``
+    each holds, and ``fixes``); None when they fit (or the memory cannot be read)."""
     have = available_bytes()
-    each = train_rank_bytes(variants, params)
     need = ranks * each
     if have is None or need <= have:
         return None
     gib = 1 << 30
     return (
         f"these {ranks} ranks would need about {need / gib:.1f} GiB ({each / gib:.1f} GiB "
-        f"each: {len(variants)} variants of a {params / 1e6:.1f}M-parameter model, every "
-        f"variant built in every rank) and this machine has {have / gib:.1f} GiB available; "
-        "the out-of-memory killer would stop the run. Run fewer variants (--variant), a "
-        "smaller --model-size, or fewer ranks (--world-size, --hosts, --procs-per-host)"
+        f"each: {what}) and this machine has {have / gib:.1f} GiB available; the "
+        f"out-of-memory killer would stop the run. {fixes}"
+    )
+
+
+def train_shortfall(variants: list[str], params: int, ranks: int) -> str | None:
+    """:func:`shortfall` for ``overlap bench train``."""
+    return shortfall(
+        ranks,
+        train_rank_bytes(variants, params),
+        f"{len(variants)} variants of a {params / 1e6:.1f}M-parameter model, every variant "
+        "built in every rank",
+        "Run fewer variants (--variant), a smaller --model-size, or fewer ranks "
+        "(--world-size, --hosts, --procs-per-host)",
+    )
+
+
+def demo_shortfall(model_size: str, ranks: int) -> str | None:
+    """:func:`shortfall` for ``overlap demo``."""
+    return shortfall(
+        ranks,
+        DEMO_RANK_BYTES[model_size],
+        f"every variant of the {model_size} model",
+        "Use a smaller --model-size or fewer ranks (--world-size)",
     )

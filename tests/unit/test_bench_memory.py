@@ -22,9 +22,19 @@ def test_the_default_run_estimates_what_was_measured() -> None:
 def test_a_run_that_does_not_fit_is_named_with_the_fixes() -> None:
     have = memory.available_bytes()
     assert have is not None and have > 0  # Linux: /proc/meminfo
-    assert memory.shortfall(["compute"], 1000, 1) is None
+    assert memory.train_shortfall(["compute"], 1000, 1) is None
     ranks = have // memory.train_rank_bytes(VARIANTS, model_params(25.2)) + 1
-    msg = memory.shortfall(VARIANTS, model_params(25.2), int(ranks))
+    msg = memory.train_shortfall(VARIANTS, model_params(25.2), int(ranks))
     assert msg is not None and msg.startswith(f"these {ranks} ranks would need about "), msg
     assert "9 variants of a 25.2M-parameter model" in msg, msg
     assert msg.endswith("or fewer ranks (--world-size, --hosts, --procs-per-host)"), msg
+
+
+def test_the_demo_checks_its_model_size() -> None:
+    have = memory.available_bytes()
+    assert have is not None
+    assert memory.demo_shortfall("medium", 2) is None
+    ranks = int(have // memory.DEMO_RANK_BYTES["large"]) + 1
+    msg = memory.demo_shortfall("large", ranks)
+    assert msg is not None and "GiB each: every variant of the large model)" in msg, msg
+    assert msg.endswith("Use a smaller --model-size or fewer ranks (--world-size)"), msg

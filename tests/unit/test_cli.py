@@ -213,6 +213,7 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback() -> None:
             ["bench", "train", "--world-size", "2000", "--steps", "1"],
             "overlap bench train: these 2000 ranks would need about ",
         ),
+        (["demo", "--world-size", "2000"], "overlap demo: these 2000 ranks would need about "),
     ):
         out = run(*args, timeout=60)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
