@@ -3,7 +3,7 @@
 Two kinds, checked in one place so every call says the same thing about a bad one:
 
 * a **wait** (``Handle.wait(timeout)``): 0 polls, ``None`` or ``math.inf`` waits for ever.
-  Before, ``inf`` raised torch's-deep OverflowError ("timestamp out of range for platform
+  Before, ``inf`` raised an OverflowError from deep inside ("timestamp out of range for platform
   time_t"), NaN "Invalid value NaN", a string a comparison's TypeError, and -1 a
   CommTimeoutError saying the op "did not complete within -1 s";
 * a **job or barrier timeout** (``init_distributed``, ``monitored_barrier``): positive and
