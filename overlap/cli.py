@@ -266,6 +266,13 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         return _bench_algorithm(sizes, args)
     if args.concurrent is not None:
         return _bench_concurrent(args)
+    from overlap.bench.memory import ops_shortfall
+
+    ranks = args.hosts * args.procs_per_host if args.hosts else args.world_size
+    short = ops_shortfall(ops, max(sizes), ranks)
+    if short is not None:
+        _err(f"overlap bench ops: {short}")
+        return 2
     if args.hosts:
         if args.backend != "gloo":
             _err("--hosts runs gloo ranks under torchrun; drop --backend mpi")

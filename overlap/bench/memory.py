@@ -1,5 +1,5 @@
 """Whether this machine has the memory for a CPU ``overlap bench train`` (or ``overlap
-demo``) run, checked before any rank starts.
+demo``, ``overlap bench ops``) run, checked before any rank starts.
 
 Every rank builds every variant's model, optimizer and buckets at once (the variants run
 interleaved, step by step, so that noise hits them alike), so a rank's memory grows with
@@ -17,6 +17,8 @@ from __future__ import annotations
 __all__ = [
     "available_bytes",
     "demo_shortfall",
+    "ops_rank_bytes",
+    "ops_shortfall",
     "shortfall",
     "train_rank_bytes",
     "train_shortfall",
@@ -49,6 +51,21 @@ _UNKNOWN = max(BYTES_PER_PARAM.values())
 # measured with `/usr/bin/time -v overlap demo --model-size S --steps 2 --world-size 2
 # --link none` (the largest child's maximum RSS)
 DEMO_RANK_BYTES = {"small": 700_784 << 10, "medium": 1_583_952 << 10, "large": 3_493_860 << 10}
+
+
+# `overlap bench ops`: a rank's buffers per byte of its largest size, per op (all_gather:
+# its output list, their flat copy and the input, 2W + 1), and what a rank holds before any
+# (torch, the backend). Measured with `/usr/bin/time -v overlap bench ops --op OP --sizes
+# 256MiB --iters 2 --warmup 1` (2 ranks): all_reduce 504,356 KiB, sendrecv 760,768 KiB,
+# all_gather 1,549,056 KiB, i.e. about 250 MiB + 1, 2 and 5 buffers.
+OPS_BASE_BYTES = 300 << 20
+OPS_BUFFERS = {"all_reduce": 1, "broadcast": 1, "sendrecv": 2, "reduce_scatter": 2, "all_to_all": 2}
+
+
+def ops_rank_bytes(ops: list[str], largest: int, ranks: int) -> int:
+    """The estimated peak memory of one rank of ``overlap bench ops`` at its largest size."""
+    per = max(OPS_BUFFERS.get(o, 2 * ranks + 1) for o in ops)
+    return OPS_BASE_BYTES + largest * per
 
 
 def train_rank_bytes(variants: list[str], params: int) -> int:
@@ -93,6 +110,16 @@ def train_shortfall(variants: list[str], params: int, ranks: int) -> str | None:
         "built in every rank",
         "Run fewer variants (--variant), a smaller --model-size, or fewer ranks "
         "(--world-size, --hosts, --procs-per-host)",
+    )
+
+
+def ops_shortfall(ops: list[str], largest: int, ranks: int) -> str | None:
+    """:func:`shortfall` for ``overlap bench ops``."""
+    return shortfall(
+        ranks,
+        ops_rank_bytes(ops, largest, ranks),
+        f"the buffers of {', '.join(ops)} at {largest / (1 << 20):.0f} MiB",
+        "Use smaller --sizes, fewer ranks, or leave all_gather out (--op)",
     )
 
 

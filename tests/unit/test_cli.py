@@ -214,6 +214,10 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback() -> None:
             "overlap bench train: these 2000 ranks would need about ",
         ),
         (["demo", "--world-size", "2000"], "overlap demo: these 2000 ranks would need about "),
+        (
+            ["bench", "ops", "--sizes", "4096GiB"],
+            "overlap bench ops: these 2 ranks would need about ",
+        ),
     ):
         out = run(*args, timeout=60)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
