@@ -80,6 +80,28 @@ def test_bench_ops_rejects_unknown_op() -> None:
     assert out.returncode == 2 and "choose from" in out.stderr and not out.stdout
 
 
+def test_readme_quick_start_runs_alone_and_on_two_ranks(tmp_path: Path) -> None:
+    """The README's first code block, as a newcomer pastes it (before, its isend to rank 1
+    failed on one rank, and on rank 1 of two: "dst=1 is this rank")."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python", text.index("## Quick start")) + len("```python")
+    script = tmp_path / "quick_start.py"
+    script.write_text(text[start : text.index("```", start)])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    for launch in ([], [*torchrun, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]):
+        out = subprocess.run(
+            [sys.executable, *launch, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert out.returncode == 0, (launch, out.stdout + out.stderr)
+
+
 def test_torchrun_example() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
