@@ -51,8 +51,6 @@ _UNKNOWN = max(BYTES_PER_PARAM.values())
 # measured with `/usr/bin/time -v overlap demo --model-size S --steps 2 --world-size 2
 # --link none` (the largest child's maximum RSS)
 DEMO_RANK_BYTES = {"small": 700_784 << 10, "medium": 1_583_952 << 10, "large": 3_493_860 << 10}
-
-
 # `overlap bench ops`: a rank's buffers per byte of its largest size, per op (all_gather:
 # its output list, their flat copy and the input, 2W + 1), and what a rank holds before any
 # (torch, the backend). Measured with `/usr/bin/time -v overlap bench ops --op OP --sizes
@@ -64,7 +62,7 @@ OPS_BUFFERS = {"all_reduce": 1, "broadcast": 1, "sendrecv": 2, "reduce_scatter":
 
 def ops_rank_bytes(ops: list[str], largest: int, ranks: int) -> int:
     """The estimated peak memory of one rank of ``overlap bench ops`` at its largest size."""
-    per = max(OPS_BUFFERS.get(o, 2 * ranks + 1) for o in ops)
+    per = max(2 * ranks + 1 if o == "all_gather" else OPS_BUFFERS.get(o, 2) for o in ops)
     return OPS_BASE_BYTES + largest * per
 
 
