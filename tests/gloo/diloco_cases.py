@@ -175,7 +175,8 @@ def matches_reference(
             if frozen:
                 out[-1].append(bool(torch.equal(model.still, torch.ones(3))))
                 model.still.requires_grad_(True)
-                catcher(caught := {})("unfrozen", d.step)
+                caught: dict[str, str] = {}
+                catcher(caught)("unfrozen", d.step)
                 out[-1].append(caught["unfrozen"])
         finally:
             d.remove()
