@@ -21,6 +21,7 @@ logger (:mod:`overlap.comm.comms_logger`); while it is off they cost one attribu
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -246,6 +247,17 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     a ValueError naming the members.
     """
     backend = state.active()
+    if ranks is not None:
+        # read once (a generator was used up by the backend, and the twin then got no
+        # ranks); global ranks are ints: int("01"[i]) or int(0.0) made a group of a typo
+        if isinstance(ranks, (str, bytes)):
+            raise TypeError(f"new_group: ranks must be a sequence of ints, got {ranks!r}")
+        ranks = list(ranks)
+        bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+        if bad:
+            raise TypeError(
+                f"new_group: ranks must be ints (global ranks), got {bad[:3]!r} in {ranks!r}"
+            )
     group = backend.new_group(ranks, **kwargs)
     world = backend.get_world_size()
     members = sorted(range(world) if ranks is None else {int(r) for r in ranks})

@@ -85,6 +85,13 @@ def test_errors_name_the_call_and_the_group_stays_in_step(
             "ValueError: reduce_scatter: output is a 0-dim tensor"
         ), out
         assert out["empty_group"].startswith("ValueError: new_group: ranks is empty"), out
+        assert out["string_group"] == (
+            "TypeError: new_group: ranks must be a sequence of ints, got '01'"
+        ), out
+        assert out["float_group"].startswith(
+            "TypeError: new_group: ranks must be ints (global ranks), got [0.0, 1.0]"
+        ), out
+        assert out["generator_group"] == 2.0, out
         assert out["reserved_tag"].startswith("ValueError: tag=20000 is reserved"), out
         assert out["payload_tag"].startswith("ValueError: tag=1073741824 is reserved"), out
         assert out["negative_tag"].startswith("ValueError: tag=-1 is negative"), out
