@@ -60,13 +60,13 @@ def resolve_group(group: Any) -> GroupInfo:
                 f"group must be a process group from overlap.comm.new_group (or None for the "
                 f"world), got {type(group).__name__}"
             )
-        if not is_live(pg):
+        ranks = _live_ranks(pg)
+        if ranks is None:
             raise ValueError(
                 "this process group belongs to a job that destroy_process_group() has ended "
                 "(torch freed it then): make the group again with overlap.comm.new_group() "
                 "after init_distributed()"
             )
-        ranks = tuple(dist.get_process_group_ranks(pg))
         name = "world" if pg is dist.group.WORLD else "ranks" + ",".join(map(str, ranks))
         index = {g: i for i, g in enumerate(ranks)}
         info = GroupInfo(pg, ranks, name, len(ranks), dist.get_rank(pg), dist.get_rank(), index)
@@ -74,14 +74,19 @@ def resolve_group(group: Any) -> GroupInfo:
     return info
 
 
-def is_live(pg: Any) -> bool:
-    """Whether torch still knows ``pg`` (a group made before the last
-    ``destroy_process_group()`` is gone, and torch's own calls raise a bare KeyError)."""
+def _live_ranks(pg: Any) -> tuple[int, ...] | None:
+    """``pg``'s global ranks, or None when torch no longer knows it (a group made before
+    the last ``destroy_process_group()`` is gone, and torch's own calls raise a bare
+    KeyError)."""
     try:
-        dist.get_process_group_ranks(pg)
+        return tuple(dist.get_process_group_ranks(pg))
     except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
+        return None
+
+
+def is_live(pg: Any) -> bool:
+    """Whether torch still knows ``pg`` (:func:`_live_ranks`)."""
+    return _live_ranks(pg) is not None
 
 
 def clear_cache() -> None:
