@@ -268,8 +268,9 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         return _bench_concurrent(args)
     from overlap.bench.memory import ops_shortfall
 
-    ranks = args.hosts * args.procs_per_host if args.hosts else args.world_size
-    short = ops_shortfall(ops, max(sizes), ranks)
+    if args.hosts:
+        args.world_size = args.hosts * args.procs_per_host
+    short = ops_shortfall(ops, max(sizes), args.world_size)
     if short is not None:
         _err(f"overlap bench ops: {short}")
         return 2
@@ -283,7 +284,6 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         if got is None:
             return code
         rows = got
-        args.world_size = args.hosts * args.procs_per_host
     elif args.backend == "mpi":
         got = _bench_ops_under_mpiexec(ops, sizes, args)
         if got is None:
@@ -582,13 +582,14 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     if args.hosts and args.device == "cuda":
         _err("--hosts simulates CPU hosts with network namespaces; it does not apply to cuda")
         return 2
+    if args.hosts:
+        world = args.hosts * args.procs_per_host
     batch = args.batch or (1024 if args.device == "cuda" else 64)
     if args.device == "cpu":
         from overlap.bench.memory import train_shortfall
         from overlap.bench.train import model_params
 
-        ranks = args.hosts * args.procs_per_host if args.hosts else world
-        short = train_shortfall(variants, model_params(args.model_size), ranks)
+        short = train_shortfall(variants, model_params(args.model_size), world)
         if short is not None:
             _err(f"overlap bench train: {short}")
             return 2
@@ -605,7 +606,6 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         os.environ[DILOCO_FRAGMENTS_ENV] = str(args.diloco_fragments)
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
     if args.hosts:
-        world = args.hosts * args.procs_per_host
         rows, code = _run_on_hosts(
             args, "overlap.bench.train", [*tail, "env", str(batch), "cpu"], "the training benchmark"
         )
