@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -453,12 +454,27 @@ def _bench_ops_under_mpiexec(
     return rows if rows is None else list(rows)
 
 
+def _no_cuda() -> bool:
+    """True, with the error said, when ``--device cuda`` was asked for and no GPU is seen."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    _err(
+        "--device cuda: no CUDA device is visible here (torch "
+        f"{torch.__version__}); run on a GPU machine, or use --device cpu"
+    )
+    return True
+
+
 def cmd_bench_compress(args: argparse.Namespace) -> int:
     import json
 
     from overlap.bench.compress import bench_codec
     from overlap.bench.harness import Table, human_bytes, parse_size
 
+    if args.device == "cuda" and not args.skip_codec and _no_cuda():
+        return 2
     sizes = [parse_size(s) // 4 for s in args.sizes.split(",")]
     report: dict[str, Any] = {}
     if not args.skip_codec:
@@ -560,11 +576,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         import torch
 
-        if not torch.cuda.is_available():
-            _err(
-                "--device cuda: no CUDA device is visible here (torch "
-                f"{torch.__version__}); run on a GPU machine, or use --device cpu"
-            )
+        if _no_cuda():
             return 2
         world = args.world_size or 1
         if world > torch.cuda.device_count():
@@ -876,6 +888,33 @@ def _link(*words: str) -> Callable[[str], str]:
     return parse
 
 
+def _picture(text: str) -> str:
+    """An argparse type for a picture's path (--plot, -o): checked before the run that draws
+    it (overlap.pictures.check_path), not after it with matplotlib's traceback."""
+    from overlap.pictures import check_path
+
+    try:
+        return check_path(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite float above 0 (--model-size, --lr)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def _size(text: str) -> str:
+    """An argparse type for one size (4, 64KiB, 1MiB), or '' where the option allows it."""
+    return _size_list(text) if text else text
+
+
 def _size_list(text: str) -> str:
     """An argparse type for --sizes: checked here, parsed again by the command."""
     from overlap.bench.harness import parse_size
@@ -971,10 +1010,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="buffer sizes for the codec part (bytes of fp32)",
     )
     bc.add_argument("--reps", type=_at_least(1), default=5)
-    bc.add_argument("--device", default="cpu", help="cpu or cuda")
+    bc.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="the codec part's device"
+    )
     bc.add_argument("--skip-codec", action="store_true", help="only the allreduce part")
     bc.add_argument(
         "--allreduce-size",
+        type=_size,
         default="64MiB",
         help="buffer for compressed vs fp32 allreduce ('' to skip)",
     )
@@ -997,7 +1039,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="variant to run (repeatable); beyond the default set: ddp-adamw, "
         "overlap-onebitadam, onebitadam-serial",
     )
-    bt.add_argument("--model-size", type=float, default=25.2, help="million parameters")
+    bt.add_argument(
+        "--model-size",
+        type=_positive_float,
+        default=25.2,
+        help="million parameters (rounded to whole 2048-wide layers of 4.2M, at least one)",
+    )
     bt.add_argument("--steps", type=_at_least(1), default=8)
     bt.add_argument("--warmup", type=_at_least(0), default=3)
     bt.add_argument(
@@ -1024,7 +1071,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument(
         "--batch", type=_at_least(1), default=None, help="default 64 on cpu, 1024 on cuda"
     )
-    bt.add_argument("--plot", default=None, help="write step time against step to this PNG")
+    bt.add_argument(
+        "--plot", type=_picture, default=None, help="write step time against step to this PNG"
+    )
     bt.add_argument(
         "--pin-heap",
         action="store_true",
@@ -1051,7 +1100,7 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument(
         "--freeze-step", type=_at_least(1), default=None, help="OneBitAdam's warm-up (default 15%%)"
     )
-    bl.add_argument("--lr", type=float, default=1e-3)
+    bl.add_argument("--lr", type=_positive_float, default=1e-3)
     bl.add_argument("--layers", type=_at_least(1), default=2)
     bl.add_argument("--width", type=_at_least(1), default=128)
     bl.add_argument("--world-size", type=_at_least(1), default=2)
@@ -1071,8 +1120,8 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument(
         "--link", type=_link(), default=None, help="shaped loopback rate, e.g. 100mbit (root)"
     )
-    bl.add_argument("--plot", default=None, help="write the loss curves to this PNG")
-    bl.add_argument("--plot-time", default=None, help="the same against wall time")
+    bl.add_argument("--plot", type=_picture, default=None, help="write the loss curves to this PNG")
+    bl.add_argument("--plot-time", type=_picture, default=None, help="the same against wall time")
     bl.add_argument("--json", action="store_true")
     bl.add_argument("--markdown", action="store_true")
     bl.set_defaults(func=cmd_bench_lm)
@@ -1085,7 +1134,7 @@ def build_parser() -> argparse.ArgumentParser:
     ts.set_defaults(func=cmd_trace_summarize)
     tp = trs.add_parser("plot", help="draw a per-rank timeline PNG (needs matplotlib)")
     tp.add_argument("trace")
-    tp.add_argument("-o", "--output", default="overlap-timeline.png")
+    tp.add_argument("-o", "--output", type=_picture, default="overlap-timeline.png")
     tp.add_argument(
         "--steps",
         default="-2:",

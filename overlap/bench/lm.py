@@ -323,12 +323,9 @@ def time_to_loss(row: dict[str, Any], target: float) -> float | None:
 def plot_lm(rows: list[dict[str, Any]], out: str, x: str = "step") -> str:
     """Training-loss curves (20-step moving average) of ``rows`` to a PNG, against the step
     (``x="step"``) or the wall time (``x="time"``)."""
-    import matplotlib
+    from overlap.pictures import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for r in rows:
         xs = r["train_loss"]
         smooth = smoothed(xs)
@@ -354,9 +351,7 @@ def plot_lm(rows: list[dict[str, Any]], out: str, x: str = "step") -> str:
     )
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def main_lm(argv: list[str] | None = None) -> None:

@@ -384,12 +384,9 @@ def bench_train_rank(
 def plot_steps(rows: list[dict[str, Any]], out: str, link: str) -> str:
     """Each variant's step time against the step number, to a PNG (DiLoCo's stalls at its
     syncs show as spikes, streaming's as their absence)."""
-    import matplotlib
+    from overlap.pictures import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for r in rows:
         ax.plot(range(1, len(r["steps_ms"]) + 1), r["steps_ms"], marker=".", label=r["variant"])
     ax.set_xlabel("step")
@@ -398,9 +395,7 @@ def plot_steps(rows: list[dict[str, Any]], out: str, link: str) -> str:
     ax.set_title(f"{rows[0]['params'] / 1e6:.1f}M-param MLP, {rows[0]['world']} ranks, link {link}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def main_train(argv: list[str] | None = None) -> None:

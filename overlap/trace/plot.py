@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from overlap.pictures import pyplot, save
 from overlap.trace.report import _merge, intersect, spans_by_rank
 
 __all__ = ["parse_steps", "plot_compare", "plot_step_bars", "plot_timeline", "select_steps"]
@@ -124,23 +125,12 @@ def _draw(ax: Any, spans: list[Any], t0: int, base: float) -> list[tuple[float, 
     return ticks
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install overlap[plot]") from exc
-    return plt
-
-
 def plot_compare(
     panels: Sequence[tuple[str, Sequence[Any]]], out: str, title: str = "overlap timeline"
 ) -> str:
     """Draw each ``(label, spans)`` panel, every rank from the panel's own first span, on one
     shared time axis, to ``out`` (PNG). Returns ``out``."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = [(label, list(sp)) for label, sp in panels if sp]
     if not panels:
         raise ValueError("the trace holds no spans to plot (in the chosen steps)")
@@ -165,9 +155,7 @@ def plot_compare(
     ax.set_xlabel("ms from the start of the step (red outline: exposed communication)")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def plot_timeline(
@@ -193,7 +181,7 @@ def plot_step_bars(
     title: str = "step time",
 ) -> str:
     """Step time (ms) per variant as horizontal bars, the compute-only floor as a line."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.8 + 0.45 * len(bars)))
     names = [n for n, _ in bars][::-1]
     vals = [v for _, v in bars][::-1]
@@ -208,6 +196,4 @@ def plot_step_bars(
     ax.set_xlim(0, max(vals) * 1.18)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, out)

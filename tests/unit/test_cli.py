@@ -240,6 +240,17 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback() -> None:
             ["bench", "ops", "--sizes", "4096GiB"],
             "overlap bench ops: these 2 ranks would need about ",
         ),
+        # before: --model-size 0 or -3 trained a 4.2M model, nan and inf were tracebacks,
+        # --lr nan failed inside every rank, --device gpu and --allreduce-size foo were
+        # tracebacks
+        (["bench", "train", "--model-size", "0"], "must be a finite number above 0, got 0"),
+        (["bench", "train", "--model-size", "nan"], "must be a finite number above 0, got nan"),
+        (["bench", "lm", "--lr", "nan"], "argument --lr: must be a finite number above 0"),
+        (["bench", "compress", "--device", "gpu"], "invalid choice: 'gpu'"),
+        (["bench", "compress", "--allreduce-size", "foo"], "cannot read size 'foo'"),
+        # before: matplotlib's traceback after the whole run, or '-o /tmp' wrote /tmp.png
+        (["bench", "train", "--plot", "/nonexistent/x.png"], "create /nonexistent first"),
+        (["bench", "lm", "--plot-time", "/tmp"], "'/tmp' is a directory; give a file name"),
     ):
         out = run(*args, timeout=60)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
