@@ -14,8 +14,9 @@ an older picture at that path stays as it was.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
+
+from overlap.files import write_whole
 
 INSTALL_FIX = "pip install overlap[plot]"
 
@@ -74,41 +75,14 @@ def check_path(path: str) -> str:
 
 
 def save(fig: Any, path: str, dpi: int = 110) -> str:
-    """Write ``fig`` to ``path`` whole (a temporary file beside it, then a rename) and close
-    the figure, whatever happens. Returns ``path``. The path is checked first
-    (:func:`check_path`: ValueError with the fix); on any error the temporary file is
-    removed and ``path`` is left as it was."""
+    """Write ``fig`` to ``path`` whole (:func:`overlap.files.write_whole`) and close the
+    figure, whatever happens. Returns ``path``. The path is checked first
+    (:func:`check_path`: ValueError with the fix); on any error ``path`` is left as it was."""
     plt = pyplot()
     try:
         check_path(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        suffix = os.path.splitext(path)[1]
-        fd, tmp = tempfile.mkstemp(prefix=".overlap-", suffix=suffix, dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                fig.savefig(f, dpi=dpi, format=suffix.lstrip(".").lower())
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        fmt = os.path.splitext(path)[1].lstrip(".").lower()
+        write_whole(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt), "the picture")
     finally:
         plt.close(fig)
     return path
-
-
-def _umask() -> int:
-    """The process's umask, so the picture gets the mode a plain ``open`` would give it
-    (mkstemp gives 0600). Read from /proc/self/status: setting it to read it back would
-    change it for a moment under every other thread; 0o022 where that file has no line."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022

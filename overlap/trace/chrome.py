@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any
 
 import torch
 
 from overlap.errors import OverlapError
+from overlap.files import write_whole
 
 __all__ = ["TraceFormatError", "events_of", "export", "load_spans"]
 
@@ -151,26 +151,7 @@ def _write_atomic(path: str, text: str) -> None:
             f"cannot write the trace to {path}: it is a directory; pass a file path "
             f"such as {os.path.join(path, 'trace.json')}"
         )
-    folder = os.path.dirname(target) or "."
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".overlap-trace-", suffix=".tmp", dir=folder)
-    except OSError as exc:
-        raise OSError(
-            f"cannot write the trace to {path}: {exc.strerror}; choose a writable directory"
-        ) from exc
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a trace is an ordinary file
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_whole(target, lambda f: f.write(text.encode()), "the trace")
 
 
 def load_spans(path: str) -> tuple[list[Any], int]:
