@@ -46,6 +46,7 @@ from overlap.compression.base import Compressor, NoCompression
 from overlap.compression.codec_numba import kernel_module
 from overlap.compression.quantize import BlockCodes
 from overlap.errors import NonFiniteError
+from overlap.initial_sync import broadcast_state, module_state
 from overlap.ownership import claim, holder_of, release
 from overlap.params import select, unfrozen_message
 from overlap.rankstate import check_rank, group_rank
@@ -118,7 +119,8 @@ class DiLoCo:
 
     Args:
         model: the module whose trainable parameters are synced. Every rank builds the same
-            model; rank 0 of ``group``'s weights are broadcast at construction (as DDP does).
+            model; rank 0 of ``group``'s parameters (frozen ones too) and buffers are
+            broadcast at construction (as DDP does; overlap.initial_sync).
         inner_optimizer: the optimizer the training loop steps; DiLoCo never touches its
             state (checkpoint it yourself). It must update only the model's parameters.
         outer_optimizer: a torch optimizer over exactly the model's trainable parameters,
@@ -247,37 +249,29 @@ class DiLoCo:
         self._swapped = False  # inside global_weights(): the model holds the globals
         # the task of the last astep(), while it runs (or a cancelled one's, until taken up)
         self._astepping: asyncio.Task[None] | None = None
-        self._start()
+        self._start(module_state(model))
         self.globals = [p.detach().clone() for p in self.params]
         self._prepare()
         claim([*self.params, self.compression], self)
 
     # ------------------------------------------------------------------ set-up
-    def _start(self) -> None:
-        """Check every rank has the same parameters, then take rank 0's weights."""
+    def _start(self, state: list[tuple[str, torch.Tensor]]) -> None:
+        """Check every rank has the same parameters, buffers and schedule, then take rank
+        0's parameters (frozen ones too) and buffers (overlap.initial_sync)."""
         g = self.group
         sig = param_signature(self.params)
+        tensors = [t for _, t in state]
         conf = [len(self.params), sig, self.sync_every, self.fragments, self.delay]
+        conf += [len(tensors), param_signature(tensors)]
         ranks = differing_ranks(conf, g, self._ctrl())
         if ranks:
             raise ValueError(
-                f"DiLoCo differs across ranks: ranks {ranks} have other parameter shapes or "
-                f"dtypes, or another sync_every/fragments/delay, than rank "
+                f"DiLoCo differs across ranks: ranks {ranks} have other parameter or buffer "
+                f"shapes or dtypes, or another sync_every/fragments/delay, than rank "
                 f"{comm.get_global_rank(g, 0)}; build the same model and DiLoCo everywhere"
             )
         driver.ensure_twin(g)  # every rank is here now; a sync later may find a peer gone
-        src = comm.get_global_rank(g, 0)
-        with torch.no_grad():
-            for p in self.params:
-                if p.is_contiguous():
-                    comm.broadcast(p.data, src=src, group=g)
-                    continue
-                # a channels_last convolution's weight, a transposed one: collectives take
-                # contiguous tensors (every rank's own layout then cannot matter), so the
-                # weights travel in a contiguous copy, in their logical order
-                flat = p.detach().contiguous()
-                comm.broadcast(flat, src=src, group=g)
-                p.copy_(flat)
+        broadcast_state(state, g, self._ctrl())
 
     def _prepare(self) -> None:
         """Allocate and touch every buffer the syncs keep (pseudo-gradients, the

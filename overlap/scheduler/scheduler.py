@@ -41,6 +41,7 @@ from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
 from overlap.errors import CommError, IncompleteBackwardError, OutOfStepError
+from overlap.initial_sync import broadcast_state, module_state
 from overlap.ownership import claim, holder_of, release
 from overlap.params import select, unfrozen_message
 from overlap.rankstate import check_rank, group_rank
@@ -191,6 +192,10 @@ class BucketScheduler:
             formed and 1-bit reduced bucket by bucket during backward once its warm-up is
             over (plain averaging before). It replaces ``compression=``; ``step()`` then only
             applies the update.
+        init_sync: take group rank 0's parameters (frozen ones too) and, for a module, its
+            buffers at construction, as DDP's option of that name does (default True): a
+            rank that started from other weights would otherwise train another model for
+            ever. False: every rank must already hold the same weights.
     """
 
     def __init__(
@@ -208,8 +213,11 @@ class BucketScheduler:
         tracer: Any = None,
         optimizer: Any = None,
         hierarchy: str = "auto",
+        init_sync: bool = True,
     ) -> None:
         # tied parameters reduced once, frozen ones skipped (and checked at each step)
+        if not isinstance(model_or_params, torch.nn.Module):
+            model_or_params = list(model_or_params)  # read twice: a generator would be spent
         self._selection = select(model_or_params, "BucketScheduler")
         self.params: list[torch.nn.Parameter] = self._selection.params
         if not self.params:
@@ -278,7 +286,10 @@ class BucketScheduler:
         self.optimizer = optimizer
         self.hierarchical = False
         try:  # a refusal (the same on every rank) frees the groups just made
-            self._check_same_model()
+            state = module_state(model_or_params)
+            self._check_same_model(state)
+            if init_sync:
+                broadcast_state(state, self.ctrl, self._ctrl_device)
             if optimizer is not None:
                 compression = self._optimizer_reduction(optimizer, compression, average, ranks)
             self.compression = compression if compression is not None else NoCompression()
@@ -406,15 +417,20 @@ class BucketScheduler:
         inner = getattr(self.compression, "inner", None) if self.hierarchical else None
         return [self.compression] + ([inner] if inner is not None else [])
 
-    def _check_same_model(self) -> None:
+    def _check_same_model(self, state: list[tuple[str, torch.Tensor]]) -> None:
+        """Every rank has the same trainable parameters and the same tensors to take from
+        rank 0 (frozen parameters, buffers), by shape and dtype; a collective."""
+        tensors = [t for _, t in state]
+        mine = [len(self.params), param_signature(self.params)]
         ranks = differing_ranks(
-            [len(self.params), param_signature(self.params)], self.ctrl, self._ctrl_device
+            [*mine, len(tensors), param_signature(tensors)], self.ctrl, self._ctrl_device
         )
         if ranks:
             raise ValueError(
                 f"the parameters differ across ranks: ranks {ranks} have other shapes or "
-                f"dtypes than rank {comm.get_global_rank(self.ctrl, 0)}; every rank must build "
-                "the same model before creating the BucketScheduler"
+                f"dtypes (of parameters or buffers) than rank "
+                f"{comm.get_global_rank(self.ctrl, 0)}; every rank must build the same model "
+                "before creating the BucketScheduler"
             )
 
     def _set_buckets(self, buckets: list[Bucket]) -> None:

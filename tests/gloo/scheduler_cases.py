@@ -1230,3 +1230,51 @@ def interrupted_step(timeout: float) -> dict[str, Any]:
     comm.all_reduce(y)  # the job's own group still works
     out["after"] = y.item()
     return out
+
+
+def _seeded_apart() -> nn.Module:
+    """Each rank seeds with its own rank, as a DDP user (whose DDP broadcasts) writes it: a
+    trainable layer, BatchNorm's buffers, a frozen layer initialised at random, a weight
+    that is not contiguous."""
+    r = comm.get_rank()
+    torch.manual_seed(r)
+    m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 2))
+    m[2].requires_grad_(False)
+    m[1].running_mean.add_(float(r))
+    m[3].weight.data = m[3].weight.data.t().contiguous().t()
+    return m
+
+
+def _equal_to_rank_0(m: nn.Module, buffers: bool) -> list[tuple[str, bool]]:
+    named = [*m.named_parameters(), *(m.named_buffers() if buffers else [])]
+    out = []
+    for name, t in named:
+        both = comm.all_gather(t.detach().contiguous())
+        out.append((name, all(torch.equal(both[0], x) for x in both)))
+    return out
+
+
+def start_from_rank_0(kind: str, init_sync: bool = True) -> list[Any]:
+    """Build a BucketScheduler (or a DiLoCo) over :func:`_seeded_apart`: which parameters
+    and buffers equal rank 0's then, which parameters still do after a step (the buffers
+    then hold each rank's own batch statistics, as in DDP between broadcasts), and whether
+    the odd layout was kept."""
+    from overlap import DiLoCo
+
+    m = _seeded_apart()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    if kind == "scheduler":
+        reducer: Any = BucketScheduler(m, init_sync=init_sync)
+    else:
+        reducer = DiLoCo(m, opt, sync_every=4)
+    built = _equal_to_rank_0(m, buffers=True)
+    gen = torch.Generator().manual_seed(comm.get_rank())
+    nn.functional.mse_loss(m(torch.randn(6, 4, generator=gen)), torch.zeros(6, 2)).backward()
+    if kind == "scheduler":
+        reducer.synchronize()
+    opt.step()
+    if kind != "scheduler":
+        reducer.step()  # not a sync step: each rank's inner step apart
+    stepped = _equal_to_rank_0(m, buffers=False)
+    reducer.remove()
+    return [built, stepped, m[3].weight.is_contiguous()]

@@ -345,3 +345,26 @@ def check_interrupted_wait(out: dict[str, object]) -> None:
     w = float(out["world"])  # type: ignore[arg-type]
     assert out["all_reduce_after"] == ("None", [w, w]), out
     assert out["irecv_after"] == ("None", [7.0, 7.0, 7.0]), out
+
+
+@pytest.mark.parametrize("kind", ["scheduler", "diloco"])
+def test_every_rank_starts_from_rank_0s_parameters_and_buffers(
+    pools: Callable[[int], RankPool], kind: str
+) -> None:
+    """As DDP does at construction. Before, ranks seeded apart (DDP users do not seed: DDP
+    broadcasts) kept their own weights: each applied the same averaged gradient to another
+    model for ever, with no error. DiLoCo took rank 0's trainable weights only. Frozen
+    layers, buffers and a weight that is not contiguous are included; init_sync=False
+    leaves each rank's own."""
+    names = ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias", "3.weight"]
+    names += ["3.bias", "1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    for r, (built, stepped, contiguous) in enumerate(pools(3).run(sc.start_from_rank_0, kind)):
+        assert built == [(n, True) for n in names], (r, built)
+        if kind == "scheduler":  # the same averaged gradient on the same weights
+            assert stepped == [(n, True) for n in names[:8]], (r, stepped)
+        else:  # an inner step between syncs: trained apart, the frozen layer still equal
+            assert [s for n, s in stepped if n.startswith("2.")] == [True, True], stepped
+            assert not all(s for _, s in stepped), stepped
+        assert not contiguous  # written back into the user's layout
+    apart = pools(3).run(sc.start_from_rank_0, "scheduler", False)
+    assert not all(s for _, s in apart[0][0]), apart[0][0]

@@ -1,0 +1,71 @@
+"""Every rank starts from group rank 0's weights and buffers, as DDP makes it.
+
+DDP broadcasts rank 0's parameters and buffers when it is built, so a job whose ranks seed
+differently (or not at all) still trains one model; users coming from it rarely seed, and
+DeepSpeed's engine does the same. A reducer that only averages gradients cannot repair a
+different start: each rank applies the same averaged gradient to its own weights, the
+ranks' models differ for ever, and every gradient is taken at weights the others do not
+hold, with no error. So a :class:`~overlap.BucketScheduler` or a
+:class:`~overlap.DiLoCo` built from a module takes group rank 0's parameters (frozen ones
+too: a frozen layer initialised at random differs just the same) and buffers (BatchNorm's
+running statistics, a step counter) at construction, once. Buffers are not re-sent at
+each forward as DDP's ``broadcast_buffers=True`` does; docs/scheduler.md says how to keep
+them equal.
+
+The tensors are checked first by shape and dtype on every rank (:func:`signature`, agreed
+in the reducer's one check), so a broadcast never pairs tensors of other sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.nn.parameter import is_lazy
+
+from overlap import comm
+
+__all__ = ["module_state", "broadcast_state"]
+
+
+def module_state(
+    model_or_params: torch.nn.Module | Iterable[torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter (trainable and frozen, tied ones once) and, for a
+    module, every buffer that has a shape: what the reducer broadcasts."""
+    if isinstance(model_or_params, torch.nn.Module):
+        named = [
+            *model_or_params.named_parameters(),
+            *model_or_params.named_buffers(),
+        ]
+    else:
+        named = [(f"parameter {i}", p) for i, p in enumerate(model_or_params)]
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in named:
+        if t is None or id(t) in seen or is_lazy(t):
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def broadcast_state(
+    state: list[tuple[str, torch.Tensor]], group: object, device: torch.device
+) -> None:
+    """Overwrite every tensor of ``state`` with group rank 0's, in place. A collective: every
+    member calls it with tensors of the same shapes and dtypes, in the same order.
+    ``device``: where the backend moves data (CUDA for NCCL); a tensor elsewhere, or not
+    contiguous (a channels_last weight), travels in a copy that is written back."""
+    src = comm.get_global_rank(group, 0)
+    with torch.no_grad():
+        for _, t in state:
+            if t.numel() == 0:
+                continue
+            data = t.detach()
+            if data.is_contiguous() and data.device == device:
+                comm.broadcast(data, src=src, group=group)
+                continue
+            moved = data.to(device).contiguous()
+            comm.broadcast(moved, src=src, group=group)
+            data.copy_(moved)
