@@ -69,11 +69,15 @@ class OneBitAdam(torch.optim.Optimizer):
     * **standalone**: ``loss.backward(); opt.step()``. ``step()`` communicates on the active
       overlap backend (gloo, NCCL or MPI) over ``group`` (default: the world): a plain
       averaging allreduce of the gradients during warm-up, the compressed momentum after.
+      An optimizer takes the weights as they are (as Horovod's ``DistributedOptimizer``
+      does): start every rank from the same ones, by one seed or with
+      ``comm.broadcast(p, src=0)`` over the parameters (and buffers) before training.
     * **overlapped**: ``sched = BucketScheduler(model, optimizer=opt)``; then
       ``loss.backward(); sched.synchronize(); opt.step()``. After ``freeze_step`` each
       bucket's momentum is formed as soon as the bucket's gradients are ready and is reduced,
       compressed, while backward goes on; ``step()`` then only applies the update. Before it,
-      buckets are plain averaging allreduces.
+      buckets are plain averaging allreduces. The scheduler starts every rank from rank
+      0's weights (``init_sync``).
 
     Args:
         params: parameters or parameter groups (floating point; the group keys are
