@@ -115,6 +115,7 @@ class Handle:
         "_keep",
         "_lock",
         "_result",
+        "_source",
         "_state",
         "_waiters",
         "backend",
@@ -125,6 +126,9 @@ class Handle:
         "start_ns",
         "world",
     )
+
+    # A receive's sender (see ``source``): set only on receives, so declared, not assigned
+    _source: int | Callable[[], int | None] | None
 
     # False for a handle that stands for other handles (overlap.comm.collect): its ops
     # report themselves, so a tracer sees each op once.
@@ -223,6 +227,20 @@ class Handle:
     @property
     def state(self) -> HandleState:
         return self._state
+
+    @property
+    def source(self) -> int | None:
+        """For a receive (``irecv``, a receive of ``batch_isend_irecv``): the global rank whose
+        message landed, once the handle has completed; the point of asking is
+        ``irecv(src=None)``, which takes a message from any rank (torch's
+        ``Work._source_rank()``, MPI's ``Status.Get_source()``). None while in flight, after
+        a failure, and for every other op."""
+        if self._state is not DONE:
+            return None
+        # set by the backend right after issuing a receive (never at construction, so other
+        # ops pay nothing): the rank, or a function that reads it from the completed op
+        src = getattr(self, "_source", None)
+        return src() if callable(src) else src
 
     def exception(self) -> BaseException | None:
         """The op's error, or None if it succeeded. Raises InvalidStateError while pending."""

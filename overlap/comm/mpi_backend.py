@@ -845,11 +845,21 @@ class MpiBackend:
     def _irecv(
         self, t: torch.Tensor, src: int | None, g: MpiGroup, tag: int, sender: list[int]
     ) -> Handle:
+        """Post a receive; ``sender`` gets the sending global rank once it landed, and so does
+        the handle's ``source`` (read from ``sender``)."""
         source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
         if tag > self.tag_ub:
             raise self._tag_refused(tag)
         if _debug._enabled and _p2p_debug.is_framed(t):
-            return self._framed_irecv(t, source, g, tag, sender)
+            h = self._framed_irecv(t, source, g, tag, sender)
+        else:
+            h = self._plain_irecv(t, source, g, tag, sender)
+        h._source = lambda: sender[0] if sender else None
+        return h
+
+    def _plain_irecv(
+        self, t: torch.Tensor, source: int, g: MpiGroup, tag: int, sender: list[int]
+    ) -> Handle:
         host, back = self._host(t, copy_in=False)
         want = nbytes_of(t)
         me = self.global_rank

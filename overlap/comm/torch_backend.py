@@ -631,7 +631,8 @@ class TorchBackend:
         info = resolve_group(group)
         peer = None if src is None else self._p2p_check(src, "src", info)
         if _debug._enabled and _p2p_debug.is_framed(t):
-            return _p2p_debug.irecv(
+            got: list[int] = [] if sender is None else sender
+            h = _p2p_debug.irecv(
                 lambda x, s, tg: self._irecv(
                     x, x, None if s is None else self._p2p_check(s, "src", info), info, tg
                 ),
@@ -640,8 +641,10 @@ class TorchBackend:
                 tag,
                 _p2p_debug.new_outer("irecv", tensor, info.name, self.name, info.size),
                 info.global_rank,
-                sender,
+                got,
             )
+            h._source = lambda: got[0] if got else None
+            return h
         return self._irecv(t, tensor, peer, info, tag)
 
     def _irecv(
@@ -650,11 +653,20 @@ class TorchBackend:
         """Post the receive of checked tensor ``t`` from group rank ``peer`` (None: any)."""
         if t.is_complex():
             t = torch.view_as_real(t)
-        if peer is None:
-            issue = partial(info.pg.recv_anysource, [t], tag)
-        else:
+        if peer is not None:
             issue = partial(info.pg.recv, [t], peer, tag)
-        h: Handle = self._launch("irecv", info, issue, result, t.nbytes, True, future=False)
+            h: Handle = self._launch("irecv", info, issue, result, t.nbytes, True, future=False)
+            h._source = int(info.ranks[peer])
+            return h
+        works: list[Any] = []
+
+        def issue_any() -> Any:
+            works.append(info.pg.recv_anysource([t], tag))
+            return works[0]
+
+        h = self._launch("irecv", info, issue_any, result, t.nbytes, True, future=False)
+        # read once the receive completed (Handle.source); the Work is kept for it
+        h._source = lambda: int(info.ranks[works[0]._source_rank()])
         return h
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
@@ -716,6 +728,9 @@ class TorchBackend:
             Handle(kind, result=tensor, nbytes=nbytes, group=info.name, backend=self.name)
             for kind, tensor, nbytes, info, _ in torch_ops
         ]
+        for h, (kind, *_, op) in zip(handles, torch_ops, strict=True):
+            if kind == "irecv":
+                h._source = int(op.peer)
         # Started at once: batched p2p ops usually depend on each other across ranks.
         stream = self._issue_stream()
         if len(works) == len(handles):

@@ -228,6 +228,39 @@ def case_batch_isend_irecv(mode: str) -> None:
     _allclose(buf, torch.full((2,), float(prv)))
 
 
+def case_irecv_source(mode: str) -> None:
+    """Handle.source names the rank whose message landed: from any rank (``src=None``,
+    torch's ``Work._source_rank()``, MPI's status) and from the one asked for, in a batch
+    too. Before, an ``irecv(src=None)`` gave no way to learn who had sent."""
+    r, w = rw()
+    if w == 1:
+        return
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    bufs = [torch.zeros(2), torch.zeros(2), torch.zeros(2)]
+    handles: list[Any] = []
+
+    def issue(_: bool) -> Any:
+        handles[:] = [
+            comm.irecv(bufs[0], tag=41),
+            comm.irecv(bufs[1], src=prv, tag=42),
+            *comm.batch_isend_irecv([comm.P2POp("irecv", bufs[2], prv, tag=43)]),
+        ]
+        assert all(h.source is None for h in handles if not h.done()), handles
+        handles.append(comm.isend(torch.full((2,), float(r)), dst=nxt, tag=41))
+        handles.append(comm.isend(torch.full((2,), float(r)), dst=nxt, tag=42))
+        handles.append(comm.isend(torch.full((2,), float(r)), dst=nxt, tag=43))
+        return handles
+
+    if mode == "blocking":
+        for h in issue(True):
+            h.wait(timeout=60)
+    else:
+        go(issue, mode)
+    for b in bufs:
+        _allclose(b, torch.full((2,), float(prv)))
+    assert [h.source for h in handles] == [prv, prv, prv, None, None, None], handles
+
+
 def case_collect_all(mode: str) -> None:
     """collect_all over the real backend: sixteen collectives and a ring exchange in one
     Handle, waited or awaited; the result is each op's own result, in issue order."""
