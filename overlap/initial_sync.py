@@ -51,13 +51,13 @@ def module_state(
 
 
 def broadcast_state(
-    state: list[tuple[str, torch.Tensor]], group: object, device: torch.device
+    state: list[tuple[str, torch.Tensor]], group: object, device: torch.device, root: int = 0
 ) -> None:
-    """Overwrite every tensor of ``state`` with group rank 0's, in place. A collective: every
-    member calls it with tensors of the same shapes and dtypes, in the same order.
+    """Overwrite every tensor of ``state`` with group rank ``root``'s, in place. A collective:
+    every member calls it with tensors of the same shapes and dtypes, in the same order.
     ``device``: where the backend moves data (CUDA for NCCL); a tensor elsewhere, or not
     contiguous (a channels_last weight), travels in a copy that is written back."""
-    src = comm.get_global_rank(group, 0)
+    src = comm.get_global_rank(group, root)
     with torch.no_grad():
         for _, t in state:
             if t.numel() == 0:

@@ -46,6 +46,7 @@ from overlap.ownership import claim, holder_of, release
 from overlap.params import select, unfrozen_message
 from overlap.rankstate import check_rank, group_rank
 from overlap.scheduler.buckets import Bucket, assign_buckets
+from overlap.scheduler.join import Join
 from overlap.scheduler.streams import Launcher
 
 __all__ = ["BucketScheduler"]
@@ -286,10 +287,10 @@ class BucketScheduler:
         self.optimizer = optimizer
         self.hierarchical = False
         try:  # a refusal (the same on every rank) frees the groups just made
-            state = module_state(model_or_params)
-            self._check_same_model(state)
+            self._module_state = module_state(model_or_params)
+            self._check_same_model(self._module_state)
             if init_sync:
-                broadcast_state(state, self.ctrl, self._ctrl_device)
+                broadcast_state(self._module_state, self.ctrl, self._ctrl_device)
             if optimizer is not None:
                 compression = self._optimizer_reduction(optimizer, compression, average, ranks)
             self.compression = compression if compression is not None else NoCompression()
@@ -330,6 +331,13 @@ class BucketScheduler:
         self._origin_raised = False  # this rank's own out-of-step error was raised once
         self._lock = threading.Lock()
         self._no_sync = False
+        # join() (uneven inputs): this rank has left its loop and shadows its peers' steps;
+        # _all_joined: the last vote found every rank there; _trained: steps with this
+        # rank's own backward since join() began (the most trained rank's weights win)
+        self._joining = False
+        self._joined = False
+        self._all_joined = False
+        self._trained = 0
         # An awaited end of step whose awaiter was cancelled goes on as a task, and the
         # next wait() takes it up: (the task, the step's number); see wait()
         self._finishing: tuple[asyncio.Task[None], int] | None = None
@@ -787,13 +795,17 @@ class BucketScheduler:
         n, w, me = len(self.params), self.world, comm.get_rank(self.ctrl)
         # the parameters used on each rank, then per rank: its backward raised halfway, it
         # unfroze a parameter the buckets lack; either drops the step on every rank
-        mask = torch.zeros(n + 2 * w, dtype=torch.uint8)
+        mask = torch.zeros(n + 3 * w, dtype=torch.uint8)
         mask[self._order] = 1
         if self._open:
             mask[n + me] = 1
         unfrozen = self._selection.unfrozen()
         if unfrozen:
             mask[n + w + me] = 1
+        if self._joined:  # join(): this rank has no more batches
+            mask[n + 2 * w + me] = 1
+        elif self._order:
+            self._trained += 1
         mask = mask.to(self._ctrl_device)
         try:
             yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
@@ -816,14 +828,18 @@ class BucketScheduler:
         mask = mask.cpu()
         incomplete, woken = (
             [comm.get_global_rank(self.ctrl, i) for i in part.nonzero().flatten().tolist()]
-            for part in (mask[n : n + w], mask[n + w :])
+            for part in (mask[n : n + w], mask[n + w : n + 2 * w])
         )
+        all_joined = bool(mask[n + 2 * w :].all())
         mask = mask[:n]
         drop = bool(incomplete or woken)
         if not bool(mask.any()):
             self._new_step()
             if woken:
                 raise ValueError(unfrozen_message(unfrozen, "BucketScheduler", woken))
+            if all_joined:  # every rank has left its loop: join() ends, nothing to reduce
+                self._all_joined = True
+                return None
             raise RuntimeError(
                 "synchronize() was called but no rank produced a gradient since the last "
                 "step: run loss.backward() first (or use `await sched.backward(loss)`)"
@@ -1131,6 +1147,15 @@ class BucketScheduler:
             yield
         finally:
             self._no_sync = prev
+
+    def join(self) -> Join:
+        """Train on uneven inputs (DDP's ``join()``): every rank wraps its loop in
+        ``with sched.join():`` (``async with`` in an event loop). A rank that runs out of
+        batches first leaves the block and shadows its peers' steps with zeros until every
+        rank has left; then every rank takes the weights and buffers of the rank that
+        trained the most steps. The average divides by the world size throughout, as DDP's
+        default. Every rank must use it: overlap.scheduler.join says how it works."""
+        return Join(self)
 
     def statistics(self) -> dict[str, Any]:
         """The last finished step: buckets, launches, bytes, and a per-bucket timeline."""

@@ -1278,3 +1278,58 @@ def start_from_rank_0(kind: str, init_sync: bool = True) -> list[Any]:
     stepped = _equal_to_rank_0(m, buffers=False)
     reducer.remove()
     return [built, stepped, m[3].weight.is_contiguous()]
+
+
+def join_equals_ddp_join(mode: str, counts: list[int], compression: str = "none") -> list[Any]:
+    """Ranks with ``counts[rank]`` batches each, in ``sched.join()``, against torch DDP's own
+    ``Join`` on a copy (``compression="none"``): the final weights, the steps this rank
+    shadowed, whether every rank ends with the same weights, and one more step after
+    (the scheduler goes on)."""
+    from torch.distributed.algorithms.join import Join as TorchJoin
+
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(10 + r)
+    data = [
+        (torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen))
+        for _ in range(counts[r])
+    ]
+    ddp = DDP(ref)
+    opt_b = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with TorchJoin([ddp]):
+        for x, y in data:
+            opt_b.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt_b.step()
+    comp: Compressor = OneBit() if compression == "onebit" else NoCompression()
+    sched = BucketScheduler(model, bucket_cap_mb=0.002, first_bucket_mb=0.001, compression=comp)
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.1)
+    if mode == "blocking":
+        with sched.join() as j:
+            for x, y in data:
+                opt_a.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                sched.synchronize()
+                opt_a.step()
+    else:
+
+        async def main() -> Any:
+            async with sched.join() as j:
+                for x, y in data:
+                    opt_a.zero_grad()
+                    await sched.backward(nn.functional.mse_loss(model(x), y))
+                    opt_a.step()
+            return j
+
+        j = overlap.run(main(), loop=mode)  # type: ignore[arg-type]
+    pairs = zip(model.parameters(), ref.parameters(), strict=True)
+    diff = max((p - q).abs().max().item() for p, q in pairs)
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    agreed = all(torch.equal(flat, x) for x in comm.all_gather(flat))
+    opt_a.zero_grad()
+    nn.functional.mse_loss(model(torch.ones(2, 8)), torch.zeros(2, 4)).backward()
+    sched.synchronize()  # a step together after join(): nothing left out of step
+    sched.remove()
+    return [diff, j.steps_shadowed, agreed]

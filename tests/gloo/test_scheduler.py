@@ -368,3 +368,22 @@ def test_every_rank_starts_from_rank_0s_parameters_and_buffers(
         assert not contiguous  # written back into the user's layout
     apart = pools(3).run(sc.start_from_rank_0, "scheduler", False)
     assert not all(s for _, s in apart[0][0]), apart[0][0]
+
+
+@pytest.mark.parametrize("mode", ["blocking", "uvloop"])
+def test_join_trains_uneven_inputs_as_ddp_join_does(
+    pools: Callable[[int], RankPool], mode: str
+) -> None:
+    """Ranks with 2, 5 and 0 batches. Before join(), the rank with fewer batches left while
+    its peers' next step waited for it until the timeout. Now the weights equal torch
+    DDP's own Join (shadowed steps average with zeros over the world size), every rank
+    ends with the same weights, and the scheduler goes on after the block."""
+    out = pools(3).run(sc.join_equals_ddp_join, mode, [2, 5, 0], timeout=120)
+    for r, (diff, shadowed, agreed) in enumerate(out):
+        assert diff < 1e-6 and agreed, (r, out)
+        assert shadowed == [3, 0, 5][r], (r, out)
+
+
+def test_join_with_onebit_ends_with_the_same_weights(pools: Callable[[int], RankPool]) -> None:
+    out = pools(2).run(sc.join_equals_ddp_join, "blocking", [4, 1], "onebit", timeout=120)
+    assert [o[1:] for o in out] == [[0, True], [3, True]], out
