@@ -65,6 +65,16 @@ class Join:
         s._joined = True
         return True
 
+    def _shadowed(self) -> bool:
+        """After one step this rank ended with no backward: True once it was the step where
+        every rank had joined, after the final sync (a short blocking broadcast, once at
+        the end of training, in the async form too)."""
+        if self.sched._all_joined:
+            self._final_sync()
+            return True
+        self.steps_shadowed += 1
+        return False
+
     def _end(self) -> None:
         s = self.sched
         s._joining = s._joined = s._all_joined = False
@@ -98,17 +108,14 @@ class Join:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if not self._shadowing(exc_type):
-            return
-        try:
-            while True:
-                self.sched.synchronize()
-                if self.sched._all_joined:
-                    break
-                self.steps_shadowed += 1
-            self._final_sync()
-        finally:
-            self._end()
+        if self._shadowing(exc_type):
+            try:
+                while True:
+                    self.sched.synchronize()
+                    if self._shadowed():
+                        break
+            finally:
+                self._end()
 
     async def __aenter__(self) -> Join:
         self._begin()
@@ -120,14 +127,11 @@ class Join:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if not self._shadowing(exc_type):
-            return
-        try:
-            while True:
-                await self.sched.wait()
-                if self.sched._all_joined:
-                    break
-                self.steps_shadowed += 1
-            self._final_sync()  # once, at the end of training: a short blocking broadcast
-        finally:
-            self._end()
+        if self._shadowing(exc_type):
+            try:
+                while True:
+                    await self.sched.wait()
+                    if self._shadowed():
+                        break
+            finally:
+                self._end()
