@@ -12,46 +12,36 @@ running statistics, a step counter) at construction, once. Buffers are not re-se
 each forward as DDP's ``broadcast_buffers=True`` does; docs/scheduler.md says how to keep
 them equal.
 
-The tensors are checked first by shape and dtype on every rank (:func:`signature`, agreed
-in the reducer's one check), so a broadcast never pairs tensors of other sizes.
+The tensors are checked first by shape and dtype on every rank (``param_signature`` in the
+reducer's one agreement check), so a broadcast never pairs tensors of other sizes. The
+parameters are the ones :func:`overlap.params.select` already walked (tied ones once, lazy
+ones refused): this module adds only the buffers.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch.nn.parameter import is_lazy
 
 from overlap import comm
+from overlap.params import Selection
 
 __all__ = ["module_state", "broadcast_state"]
 
 
 def module_state(
-    model_or_params: torch.nn.Module | Iterable[torch.Tensor],
-) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every parameter (trainable and frozen, tied ones once) and, for a
-    module, every buffer that has a shape: what the reducer broadcasts."""
+    model_or_params: torch.nn.Module | object, selection: Selection
+) -> list[torch.Tensor]:
+    """What the reducer broadcasts: every parameter of ``selection`` (the trainable ones,
+    then the frozen ones) and, for a module, every buffer that has a shape (each once)."""
+    out: list[torch.Tensor] = [*selection.params, *(p for _, p in selection.frozen)]
     if isinstance(model_or_params, torch.nn.Module):
-        named = [
-            *model_or_params.named_parameters(),
-            *model_or_params.named_buffers(),
-        ]
-    else:
-        named = [(f"parameter {i}", p) for i, p in enumerate(model_or_params)]
-    seen: set[int] = set()
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, t in named:
-        if t is None or id(t) in seen or is_lazy(t):
-            continue
-        seen.add(id(t))
-        out.append((name, t))
+        out += [b for b in model_or_params.buffers() if not is_lazy(b)]
     return out
 
 
 def broadcast_state(
-    state: list[tuple[str, torch.Tensor]], group: object, device: torch.device, root: int = 0
+    state: list[torch.Tensor], group: object, device: torch.device, root: int = 0
 ) -> None:
     """Overwrite every tensor of ``state`` with group rank ``root``'s, in place. A collective:
     every member calls it with tensors of the same shapes and dtypes, in the same order.
@@ -59,7 +49,7 @@ def broadcast_state(
     contiguous (a channels_last weight), travels in a copy that is written back."""
     src = comm.get_global_rank(group, root)
     with torch.no_grad():
-        for _, t in state:
+        for t in state:
             if t.numel() == 0:
                 continue
             data = t.detach()

@@ -249,20 +249,19 @@ class DiLoCo:
         self._swapped = False  # inside global_weights(): the model holds the globals
         # the task of the last astep(), while it runs (or a cancelled one's, until taken up)
         self._astepping: asyncio.Task[None] | None = None
-        self._start(module_state(model))
+        self._start(module_state(model, self._selection))
         self.globals = [p.detach().clone() for p in self.params]
         self._prepare()
         claim([*self.params, self.compression], self)
 
     # ------------------------------------------------------------------ set-up
-    def _start(self, state: list[tuple[str, torch.Tensor]]) -> None:
+    def _start(self, state: list[torch.Tensor]) -> None:
         """Check every rank has the same parameters, buffers and schedule, then take rank
         0's parameters (frozen ones too) and buffers (overlap.initial_sync)."""
         g = self.group
         sig = param_signature(self.params)
-        tensors = [t for _, t in state]
         conf = [len(self.params), sig, self.sync_every, self.fragments, self.delay]
-        conf += [len(tensors), param_signature(tensors)]
+        conf += [len(state), param_signature(state)]
         ranks = differing_ranks(conf, g, self._ctrl())
         if ranks:
             raise ValueError(

@@ -79,9 +79,9 @@ class Join:
         s = self.sched
         s._joining = s._joined = s._all_joined = False
 
-    def _final_sync(self) -> int:
-        """Every rank takes the most trained rank's parameters and buffers; returns that
-        rank's global rank. A collective: every rank runs it once all have joined."""
+    def _final_sync(self) -> None:
+        """Every rank takes the most trained rank's parameters and buffers. A collective:
+        every rank runs it once all have joined."""
         s = self.sched
         w = s.world
         me = comm.get_rank(s.ctrl)
@@ -96,7 +96,6 @@ class Join:
             self.steps_shadowed,
             src,
         )
-        return src
 
     def __enter__(self) -> Join:
         self._begin()

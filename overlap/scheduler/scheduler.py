@@ -217,8 +217,6 @@ class BucketScheduler:
         init_sync: bool = True,
     ) -> None:
         # tied parameters reduced once, frozen ones skipped (and checked at each step)
-        if not isinstance(model_or_params, torch.nn.Module):
-            model_or_params = list(model_or_params)  # read twice: a generator would be spent
         self._selection = select(model_or_params, "BucketScheduler")
         self.params: list[torch.nn.Parameter] = self._selection.params
         if not self.params:
@@ -287,7 +285,7 @@ class BucketScheduler:
         self.optimizer = optimizer
         self.hierarchical = False
         try:  # a refusal (the same on every rank) frees the groups just made
-            self._module_state = module_state(model_or_params)
+            self._module_state = module_state(model_or_params, self._selection)
             self._check_same_model(self._module_state)
             if init_sync:
                 broadcast_state(self._module_state, self.ctrl, self._ctrl_device)
@@ -425,10 +423,9 @@ class BucketScheduler:
         inner = getattr(self.compression, "inner", None) if self.hierarchical else None
         return [self.compression] + ([inner] if inner is not None else [])
 
-    def _check_same_model(self, state: list[tuple[str, torch.Tensor]]) -> None:
+    def _check_same_model(self, tensors: list[torch.Tensor]) -> None:
         """Every rank has the same trainable parameters and the same tensors to take from
         rank 0 (frozen parameters, buffers), by shape and dtype; a collective."""
-        tensors = [t for _, t in state]
         mine = [len(self.params), param_signature(self.params)]
         ranks = differing_ranks(
             [*mine, len(tensors), param_signature(tensors)], self.ctrl, self._ctrl_device
