@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -900,14 +899,18 @@ def _picture(text: str) -> str:
 
 
 def _positive_float(text: str) -> float:
-    """An argparse type: a finite float above 0 (--model-size, --lr)."""
+    """An argparse type: a finite float above 0 (--model-size, --lr; the check is
+    overlap.argcheck.positive_real's, the constructors' own)."""
+    from overlap.argcheck import positive_real
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
-    return value
+    try:
+        return positive_real(text, value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}") from None
 
 
 def _size(text: str) -> str:
