@@ -54,8 +54,11 @@ class NonFiniteError(OverlapError, FloatingPointError):
     """A compressed reduction saw NaN or Inf in its input on some rank.
 
     Raised on every rank alike (the ranks learn it from the exchanged scales, with no extra
-    collective), before any error-feedback state is touched: the buffers are left as they
-    were. ``ranks`` lists the ranks whose input was not finite.
+    collective), before any error-feedback state is touched (each compressor's docstring
+    says what its buffer then holds). ``ranks`` lists the ranks whose input was not finite,
+    where the compressor can tell (empty otherwise). A compressor built with
+    ``on_nonfinite="skip"`` raises nothing: its result is NaN on every rank
+    (:mod:`overlap.compression.nonfinite`).
     """
 
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:

@@ -43,6 +43,7 @@ from overlap.argcheck import count
 from overlap.comm.steps import Steps
 from overlap.compression.base import BF16, FP16, Compressor, NoCompression
 from overlap.compression.codec import gather_sources, write_outputs
+from overlap.compression.nonfinite import check_mode
 from overlap.compression.onebit import OneBit
 from overlap.compression.powersgd import PowerSGD
 
@@ -51,10 +52,15 @@ __all__ = ["Auto", "default_candidates"]
 log = logging.getLogger(__name__)
 
 
-def default_candidates() -> list[Compressor]:
+def default_candidates(on_nonfinite: str = "raise") -> list[Compressor]:
     """NoCompression, FP16, OneBit and rank-4 PowerSGD, each without its own warm-up (Auto
-    applies one policy to all)."""
-    return [NoCompression(), FP16(), OneBit(), PowerSGD(rank=4, start_iter=0)]
+    applies one policy to all); the stateful ones with ``on_nonfinite``."""
+    return [
+        NoCompression(),
+        FP16(),
+        OneBit(on_nonfinite=on_nonfinite),
+        PowerSGD(rank=4, start_iter=0, on_nonfinite=on_nonfinite),
+    ]
 
 
 def _exact(c: Compressor) -> bool:
@@ -73,6 +79,9 @@ class Auto(Compressor):
         remeasure_every: start a new measuring round this many steps after a decision
             (default: never; :meth:`remeasure` asks for one).
         margin: a later round switches only to a candidate at least this fraction faster.
+        on_nonfinite: given to the default candidates ("raise", or "skip" under a loss
+            scaler: :mod:`overlap.compression.nonfinite`); candidates you pass carry their
+            own, and this must then be left unset.
     """
 
     name = "auto"
@@ -86,8 +95,19 @@ class Auto(Compressor):
         trial_steps: int = 3,
         remeasure_every: int | None = None,
         margin: float = 0.05,
+        on_nonfinite: str | None = None,
     ) -> None:
-        cands = list(default_candidates() if candidates is None else candidates)
+        if on_nonfinite is not None:
+            check_mode(on_nonfinite)
+            if candidates is not None:
+                raise ValueError(
+                    "on_nonfinite applies to Auto's default candidates; with candidates of "
+                    "your own, build each with its on_nonfinite (e.g. OneBit(on_nonfinite="
+                    "'skip')) and leave Auto's unset"
+                )
+        cands = list(
+            default_candidates(on_nonfinite or "raise") if candidates is None else candidates
+        )
         if not cands:
             raise ValueError("Auto needs at least one candidate compressor")
         for c in cands:
@@ -152,7 +172,7 @@ class Auto(Compressor):
 
     @property
     def last_skipped(self) -> bool:
-        """OneBit's flag, when OneBit reduces this step (False otherwise)."""
+        """The active candidate's flag (a stateful one's; False for the others)."""
         return bool(getattr(self._active, "last_skipped", False))
 
     def reduce_steps(

@@ -118,6 +118,13 @@ class Compressor(ABC):
         copied back into .grad as each is reduced, so before it; on CUDA after it)."""
         return None
 
+    def step_skipped(self) -> bool:
+        """True when this step's reduction skipped a non-finite input (``on_nonfinite=
+        "skip"``; the same on every rank): the BucketScheduler then leaves NaN in every
+        gradient it reduces, so a loss scaler skips the step on every rank alike. A
+        compressor with no such mode never skips."""
+        return bool(getattr(self, "last_skipped", False))
+
     def current(self) -> Compressor:
         """The compressor that reduces this step: itself, or the one an :class:`Auto`
         chose (the scheduler asks it, e.g. to take DDP's inline path when it is

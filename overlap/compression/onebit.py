@@ -51,6 +51,7 @@ from overlap.compression.codec import (
     write_outputs,
 )
 from overlap.compression.layout import Layout, layout, padded_numel
+from overlap.compression.nonfinite import SkipsNonFinite, nan_result
 from overlap.errors import NonFiniteError
 
 __all__ = ["OneBit", "compressed_allreduce", "compressed_bytes", "onebit_steps", "padded_numel"]
@@ -335,7 +336,7 @@ def compressed_allreduce(
     return handle
 
 
-class OneBit(Compressor):
+class OneBit(SkipsNonFinite, Compressor):
     """The 1-bit compressor: :func:`compressed_allreduce` with error feedback per bucket key.
 
     ``per_tensor_scales`` (default True): when the caller passes the bucket's tensor shapes,
@@ -347,10 +348,11 @@ class OneBit(Compressor):
     first K calls, like PowerSGD's start iteration; 1-bit compression of raw gradients can
     diverge early in training where plain averaging converges (measured: 2-layer MLP, SGD with
     momentum 0.9, lr 0.05 diverged, lr 0.01 converged). ``on_nonfinite``: ``"raise"`` (the
-    default) raises NonFiniteError on every rank; ``"skip"`` leaves the buffer as it was,
-    counts the step in ``skipped_steps`` and sets ``last_skipped``, so the caller can skip the
-    optimizer step (``last_skipped`` covers every bucket of the step: it is reset only when
-    the next step begins). Either way no error-feedback state is touched.
+    default) raises NonFiniteError on every rank; ``"skip"`` makes the result NaN on every
+    rank, counts the step in ``skipped_steps`` and sets ``last_skipped`` (for every bucket
+    of the step), so a loss scaler or the caller skips the optimizer step on every rank
+    alike (:mod:`overlap.compression.nonfinite`). Either way no error-feedback state is
+    touched.
     """
 
     name = "onebit"
@@ -362,14 +364,10 @@ class OneBit(Compressor):
         self, warmup_steps: int = 0, on_nonfinite: str = "raise", per_tensor_scales: bool = True
     ) -> None:
         warmup_steps = count("warmup_steps", warmup_steps, 0)
-        if on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self._init_nonfinite(on_nonfinite)
         self.warmup_steps = warmup_steps
-        self.on_nonfinite = on_nonfinite
         self.per_tensor_scales = per_tensor_scales
         self.state: dict[Any, dict[str, Any]] = {}
-        self.skipped_steps = 0
-        self.last_skipped = False
         self._world: int | None = None
         # Compile the CPU kernels now (or load them from numba's cache): a compile inside
         # the first compressed step would stall training by a second or more.
@@ -484,16 +482,10 @@ class OneBit(Compressor):
                 inputs if fused else None,
                 mean_with,
             )
-        except NonFiniteError:
-            if self.on_nonfinite == "raise":
-                raise
-            self.skipped_steps += 1
-            self.last_skipped = True
-            # read_outputs: the outputs are the (unchanged) input already; fused: the input
-            # was never written anywhere, and the caller keeps its own (as documented)
-            if not (read_outputs or fused):
-                write_outputs(flat, outputs)  # the buffer is unchanged: so are the outputs
-            return flat
+        except NonFiniteError as exc:
+            self._nonfinite(exc)  # raises, or counts the skip: the result is NaN
+            # fused: the caller (a hierarchical host) fills its own
+            return flat if fused else nan_result(flat, outputs)
         st["step"] += 1
         return flat
 
@@ -504,9 +496,6 @@ class OneBit(Compressor):
         self._check_world(comm.get_world_size(group))
         if flat.numel():
             self._state_for(self._entry(key, flat), flat, group, shapes)[0].take_spare()
-
-    def begin_step(self) -> None:
-        self.last_skipped = False  # then True if any bucket of this step is skipped
 
     def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
         return compressed_bytes(flat.numel(), comm.get_world_size(group))

@@ -13,6 +13,16 @@ the rest) and compressed to rank r when that saves at least ``min_compression_ra
 1-D tensors (biases, norms) and tensors that would not shrink enough are averaged
 uncompressed, in the first phase's allreduce. For the first ``start_iter`` steps of a bucket
 everything is averaged uncompressed, without error feedback (PowerSGD's start iteration).
+
+A non-finite input (or an average that overflows) shows in step 3's averages on every rank
+alike (a NaN flag rides along for the case a matrix would hide it: a zero column of Q times
+an Inf may be skipped by the matrix product). Step 4 is still issued (with zeros: the
+collectives never depend on the values), the error and the Q's are left as they were, the
+buffer is NaN, and ``on_nonfinite`` says whether NonFiniteError is raised
+(:mod:`overlap.compression.nonfinite`). torch's ``powerSGD_hook`` keeps the NaN in its
+warm-start Q: under a loss scaler every later step is NaN and skipped. (During the
+``start_iter`` steps there is no state to protect: a NaN goes through the plain average to
+every rank, as under DDP, and nothing is raised.)
 """
 
 from __future__ import annotations
@@ -26,12 +36,17 @@ from overlap import comm
 from overlap.argcheck import count, positive_real
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
+from overlap.compression.nonfinite import SkipsNonFinite, nan_result
+from overlap.errors import NonFiniteError
 
 __all__ = ["PowerSGD"]
 
 
-class PowerSGD(Compressor):
-    """Rank-``rank`` PowerSGD with error feedback and warm start (summable: allreduce-based)."""
+class PowerSGD(SkipsNonFinite, Compressor):
+    """Rank-``rank`` PowerSGD with error feedback and warm start (summable: allreduce-based).
+
+    ``on_nonfinite``: ``"raise"`` (default) or ``"skip"`` a step whose input holds NaN or
+    Inf; either way the buffer is NaN and the state untouched (see the module doc)."""
 
     name = "powersgd"
     summable = True
@@ -43,7 +58,9 @@ class PowerSGD(Compressor):
         min_compression_rate: float = 2.0,
         warm_start: bool = True,
         seed: int = 0,
+        on_nonfinite: str = "raise",
     ) -> None:
+        self._init_nonfinite(on_nonfinite)
         self.rank = count("rank", rank, 1)
         self.start_iter = count("start_iter", start_iter, 0)
         self.min_compression_rate = positive_real(
@@ -54,7 +71,10 @@ class PowerSGD(Compressor):
         self.state: dict[Any, dict[str, Any]] = {}
 
     def __repr__(self) -> str:
-        return f"PowerSGD(rank={self.rank}, start_iter={self.start_iter})"
+        return (
+            f"PowerSGD(rank={self.rank}, start_iter={self.start_iter}, "
+            f"on_nonfinite={self.on_nonfinite!r})"
+        )
 
     def _plan(self, shapes: Sequence[torch.Size]) -> list[tuple[int, int, int, int, bool]]:
         """(offset, numel, n, m, compress) per tensor of the bucket."""
@@ -116,13 +136,35 @@ class PowerSGD(Compressor):
                 q = torch.randn(m, r, generator=gen).to(M.device)
             Qs.append(q)
         Ps = [M @ q for M, q in zip(Ms, Qs, strict=True)]
-        p_flat = torch.cat([p.reshape(-1) for p in Ps]) if Ps else torch.empty(0)
+        # the P's, then a flag: NaN where this rank's input is not finite (a product may
+        # skip an Inf times an exact zero of Q, and the averages would hide it)
+        p_flat = torch.cat([*(p.reshape(-1) for p in Ps), torch.zeros(1, device=data.device)])
+        if not bool(torch.isfinite(data).all()):
+            p_flat[-1] = float("nan")
         dense_flat = torch.cat([data[o : o + k] for o, k in dense]) if dense else None
 
         hs = [comm.all_reduce(p_flat, op="avg", group=group, async_op=True)]
         if dense_flat is not None:
             hs.append(comm.all_reduce(dense_flat, op="avg", group=group, async_op=True))
         yield hs
+
+        # every rank holds the same averages: every rank decides alike
+        if not (
+            bool(torch.isfinite(p_flat).all())
+            and (dense_flat is None or bool(torch.isfinite(dense_flat).all()))
+        ):
+            q_len = sum(m * min(self.rank, n, m) for _, _, _, n, m in mats)
+            zeros = torch.zeros(q_len, device=data.device)
+            yield [comm.all_reduce(zeros, op="avg", group=group, async_op=True)]
+            nan_result(flat)
+            self._nonfinite(
+                NonFiniteError(
+                    "PowerSGD: a rank's input (or the average) holds NaN or Inf; the error and "
+                    "warm-start state were left unchanged on every rank and the buffer is NaN",
+                    ranks=[],
+                )
+            )
+            return flat
 
         off = 0
         for j, p in enumerate(Ps):

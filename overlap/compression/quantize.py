@@ -20,9 +20,11 @@ Int8's three stages run as numba kernels on CPU, one pass over memory each
 (:mod:`overlap.compression.int8_kernels`); FP8, and Int8 on CUDA or without numba, on torch
 ops.
 
-A non-finite input shows as a non-finite scale after phase 2 on every rank alike: the call
-raises :class:`~overlap.errors.NonFiniteError` everywhere and the error state is left as it
-was. Codes travel as uint8, so FP8 runs on gloo too (gloo refuses float8 tensors).
+A non-finite input shows as a non-finite scale after phase 2 on every rank alike: the error
+state is left as it was and, by ``on_nonfinite``, the call raises
+:class:`~overlap.errors.NonFiniteError` everywhere (the buffer unchanged) or skips (the
+buffer NaN everywhere; :mod:`overlap.compression.nonfinite`). Codes travel as uint8, so
+FP8 runs on gloo too (gloo refuses float8 tensors).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
 from overlap.compression.codec import kept_buffer
 from overlap.compression.codec_numba import kernel_module
+from overlap.compression.nonfinite import SkipsNonFinite, nan_result
 from overlap.errors import NonFiniteError
 
 __all__ = ["FP8", "BlockCodes", "Int8"]
@@ -64,13 +67,16 @@ class BlockCodes:
         return self.flat
 
 
-class _BlockQuantized(Compressor):
+class _BlockQuantized(SkipsNonFinite, Compressor):
     """Shared two-phase algorithm; subclasses give the 8-bit code (``_encode``/``_decode``)."""
 
     summable = False
     top: ClassVar[float]  # the largest magnitude a code stands for
 
-    def __init__(self, block: int = 1024, error_feedback: bool = True) -> None:
+    def __init__(
+        self, block: int = 1024, error_feedback: bool = True, on_nonfinite: str = "raise"
+    ) -> None:
+        self._init_nonfinite(on_nonfinite)
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             raise ValueError(f"block must be a positive int (elements per scale), got {block!r}")
         self.block = block
@@ -227,11 +233,14 @@ class _BlockQuantized(Compressor):
             comm.all_gather_into_tensor(ascales, sscales, group=group, async_op=True),
         ]
         if not bool(torch.isfinite(ascales).all()):
-            raise NonFiniteError(
-                f"{self.name}: a rank's input holds NaN or Inf; the buffer and the error state "
-                "were left unchanged on every rank. Skip this step or find the non-finite value",
-                ranks=[],
+            self._nonfinite(
+                NonFiniteError(
+                    f"{self.name}: a rank's input holds NaN or Inf; the buffer and the error "
+                    "state were left unchanged on every rank",
+                    ranks=[],
+                )
             )
+            return nan_result(flat)  # skipped: NaN on every rank
         if self.error_feedback:
             self.state[key] = {"worker": new_worker, "server": new_server}
         if encoded and self.encodes_result:  # int8 codes only: FP8's are not BlockCodes'
@@ -262,20 +271,26 @@ class _BlockQuantized(Compressor):
         }
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(block={self.block}, error_feedback={self.error_feedback})"
+        return (
+            f"{type(self).__name__}(block={self.block}, error_feedback={self.error_feedback}, "
+            f"on_nonfinite={self.on_nonfinite!r})"
+        )
 
 
 class Int8(_BlockQuantized):
     """Two-phase int8 averaging with per-block scales and error feedback (4x fewer bytes than
-    fp32, less the scales). Codes are round(x / scale), scale = block absmax / 127."""
+    fp32, less the scales). Codes are round(x / scale), scale = block absmax / 127.
+    ``on_nonfinite`` ("raise" or "skip"): see the module doc."""
 
     name = "int8"
     top = 127.0
 
     encodes_result = True  # reduce(encoded=True): BlockCodes
 
-    def __init__(self, block: int = 1024, error_feedback: bool = True) -> None:
-        super().__init__(block, error_feedback)
+    def __init__(
+        self, block: int = 1024, error_feedback: bool = True, on_nonfinite: str = "raise"
+    ) -> None:
+        super().__init__(block, error_feedback, on_nonfinite)
         # compiled (or loaded from cache) now, not in a training step
         self._k = kernel_module("overlap.compression.int8_kernels")
 
@@ -358,13 +373,15 @@ class FP8(_BlockQuantized):
     name = "fp8"
     top = 448.0
 
-    def __init__(self, block: int = 1024, error_feedback: bool = True) -> None:
+    def __init__(
+        self, block: int = 1024, error_feedback: bool = True, on_nonfinite: str = "raise"
+    ) -> None:
         if not hasattr(torch, "float8_e4m3fn"):
             raise RuntimeError(
                 f"FP8 needs torch.float8_e4m3fn, which torch {torch.__version__} lacks: "
                 "upgrade torch, or use overlap.Int8()"
             )
-        super().__init__(block, error_feedback)
+        super().__init__(block, error_feedback, on_nonfinite)
 
     def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.to(torch.float8_e4m3fn).view(torch.uint8)

@@ -37,8 +37,8 @@ same bits, with the same kernel: bitwise the same floats) to every rank. A non-f
 chunk is seen only by the ranks that reduce it (a NaN on one rank reaches one chunk), so the
 host's ranks agree on it before step 3, in the barrier that orders it (a max over their
 outcomes, no extra collective on the shared-memory path): with ``on_nonfinite="raise"``
-every rank raises NonFiniteError together, with ``"skip"`` every rank keeps its bucket as it
-was and its compressor's ``last_skipped`` is set, as a flat reduction does. Without that, the
+every rank raises NonFiniteError together, with ``"skip"`` every rank's bucket is NaN and its
+compressor's ``last_skipped`` is set, as a flat reduction leaves them. Without that, the
 owner of the chunk left the step one barrier early: the others read a result it never
 wrote (different gradients on each rank, silently, with "skip"), or the host's barriers
 paired across buckets until gloo failed. The average
@@ -67,6 +67,7 @@ from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
 from overlap.compression.codec import codec_for, gather_sources, write_outputs
 from overlap.compression.layout import Layout, layout
+from overlap.compression.nonfinite import nan_result
 from overlap.compression.onebit import OneBit
 from overlap.errors import NonFiniteError
 from overlap.runtime import pid_alive
@@ -78,6 +79,8 @@ log = logging.getLogger(__name__)
 _SHM = "/dev/shm"
 # How a rank's chunk ended (the host takes the max of its ranks'): see Hierarchical._agree
 _OK, _SKIPPED, _RAISED = 0, 1, 2
+
+
 # What a chunk's owner left in its part of the shared result (each rank's vote says it):
 # the averaged floats, or the inner 1-bit reduction's signs and scales (Hierarchical._publish)
 _FLOATS, _SIGNS = 0, 1
@@ -544,9 +547,7 @@ class Hierarchical(Compressor):
         # every chunk published, and the host agrees on how its chunks ended
         worst, kinds = yield from self._agree(key, outcome, _SIGNS if taken else _FLOATS)
         if worst != _OK:
-            if not read_outputs:  # else the outputs are the (unchanged) input already
-                write_outputs(flat, outputs)
-            return flat  # skipped: the bucket stays as it was, as a flat reduction leaves it
+            return nan_result(flat, outputs)  # skipped on every rank, as a flat reduction
         # into the outputs (whether or not they held the input) and flat for the rest
         dests = _sources(flat, outputs, bool(outputs))
         for j, kind in enumerate(kinds):
@@ -654,7 +655,7 @@ class Hierarchical(Compressor):
         segments = self._segments(key, shapes, n, per)[self.local_rank]
         outcome = yield from self._inner_chunk(key, mine, {}, segments)
         if (yield from self._agree(key, outcome))[0] != _OK:
-            return flat  # skipped: flat still holds this host's average, the input here
+            return nan_result(flat)  # skipped on every rank, as a flat reduction
         yield [comm.all_gather(chunks, mine.clone(), group=self.local_group, async_op=True)]
         flat.copy_(buf[:n])
         return flat
@@ -664,6 +665,9 @@ class Hierarchical(Compressor):
 
     def statistics(self) -> dict[str, Any]:
         return {**self.inner.statistics(), "hierarchy": {"hosts": self.hosts, "local": self.local}}
+
+    def step_skipped(self) -> bool:
+        return self.inner.step_skipped()  # _agree marked the inner one on every rank
 
     def begin_step(self) -> None:
         self.inner.begin_step()

@@ -770,6 +770,16 @@ class BucketScheduler:
             else:
                 p.grad.copy_(view)
 
+    def _poison(self, used: list[bool]) -> None:
+        """A skipped step (a compressor's ``on_nonfinite="skip"``, the same on every rank):
+        every gradient this scheduler reduced becomes NaN, on every rank, whichever bucket
+        held the non-finite value. A loss scaler (``torch.amp.GradScaler``) then skips the
+        optimizer step and lowers its scale everywhere, as it does under DDP; left as they
+        were, the ranks whose own gradient was finite would step and the others not."""
+        for p in self.params:
+            if used[self._pidx[id(p)]] and p.grad is not None:
+                p.grad.fill_(float("nan"))
+
     def _abandon(self, handles: list[Handle]) -> Steps:
         """Let every one of ``handles`` settle, so none still writes into a bucket or .grad,
         then start a fresh step: the scheduler stays usable. For a failed step, before its
@@ -914,6 +924,8 @@ class BucketScheduler:
                 self._copy_back(b, used)
             if tracer is not None:
                 tracer.record("copy-back", "user", t_copy, time.perf_counter_ns())
+        if self.compression.step_skipped():
+            self._poison(used)
         if tracer is not None:
             tracer.step()
         self._stats = {

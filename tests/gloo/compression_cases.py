@@ -111,6 +111,7 @@ def nan_leaves_state_untouched() -> list[int]:
     flat = torch.full((n,), float("inf")) if r == 0 else torch.ones(n)
     skipper.reduce("k", flat)
     assert skipper.last_skipped and skipper.skipped_steps == 1
+    assert bool(flat.isnan().all())  # on every rank: no rank keeps its own input
     assert skipper.state["k"]["step"] == 0
     return ranks
 

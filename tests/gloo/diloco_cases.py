@@ -417,10 +417,17 @@ def quantized_in_scheduler(kind: str) -> list[float]:
 
 def nonfinite_leaves_globals(compression: str = "none") -> list[Any]:
     """A NaN on one rank: NonFiniteError on every rank, global weights unchanged (Int8: the
-    codes never reach the landing)."""
-    model, inner, d = _build(
-        2, compression=overlap.Int8(block=8) if compression == "int8" else None
-    )
+    codes never reach the landing). A compressor built with on_nonfinite="skip" raises
+    nothing itself but gives NaN on every rank, which DiLoCo's landing refuses alike (it
+    used to give each rank its own finite pseudo-gradient back: OneBit's rank 0 then
+    landed its own, and the ranks' global weights parted)."""
+    make = {
+        "none": lambda: None,
+        "int8": lambda: overlap.Int8(block=8),
+        "int8-skip": lambda: overlap.Int8(block=8, on_nonfinite="skip"),
+        "onebit-skip": lambda: overlap.OneBit(on_nonfinite="skip"),
+    }[compression]
+    model, inner, d = _build(2, compression=make())
     try:
         _inner_step(model, inner, 1)
         d.step()
@@ -434,9 +441,11 @@ def nonfinite_leaves_globals(compression: str = "none") -> list[Any]:
             return ["no error"]
         except NonFiniteError:
             pass
+        flat = torch.cat([g.reshape(-1) for g in d.globals])
         return [
             "NonFiniteError",
             all(torch.equal(a, b) for a, b in zip(before, d.globals, strict=True)),
+            all(torch.equal(flat, g) for g in comm.all_gather(flat)),
         ]
     finally:
         d.remove()

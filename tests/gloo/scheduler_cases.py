@@ -577,8 +577,80 @@ def nonfinite_step_leaves_the_scheduler_usable(
             assert torch.isfinite(grads).all()
             everyone = comm.all_gather(grads)
             assert all(torch.equal(everyone[0], g) for g in everyone)
+        elif out[-1] == "skipped":  # NaN everywhere, on every rank, whoever held the NaN
+            assert all(bool(p.grad.isnan().all()) for p in model.parameters())
     sched.remove()
     return out
+
+
+def _scaled_compressor(name: str) -> Compressor:
+    from overlap.compression import Auto, Int8
+    from overlap.scheduler.hierarchy import Hierarchical
+
+    make = {
+        "none": lambda: NoCompression(),
+        "onebit": lambda: OneBit(on_nonfinite="skip"),
+        "powersgd": lambda: PowerSGD(rank=2, start_iter=1, on_nonfinite="skip"),
+        "int8": lambda: Int8(block=64, on_nonfinite="skip"),
+        "auto": lambda: Auto(on_nonfinite="skip", warmup_steps=0, trial_steps=1),
+        "hierarchical": lambda: Hierarchical(
+            OneBit(on_nonfinite="skip"), hosts=1, local=comm.get_world_size()
+        ),
+    }
+    return make[name]()
+
+
+def grad_scaler_as_ddp(name: str, mode: str = "blocking") -> dict[str, Any]:
+    """torch.amp.GradScaler over a BucketScheduler whose compressor skips non-finite steps,
+    against DDP with the same scaler: rank 1's loss overflows (Inf) at step 3 of 7. Under
+    DDP every rank then skips that step and halves its scale. Returns each scale after
+    each step (the scheduler's, DDP's), whether every rank ends with the same finite
+    weights, and (NoCompression) the largest difference from DDP's weights."""
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
+    ref = DDP(copy.deepcopy(model))
+    sched = BucketScheduler(
+        model,
+        bucket_cap_mb=0.01,
+        first_bucket_mb=0.005,
+        hierarchy="flat",
+        compression=_scaled_compressor(name),
+    )
+    scales: dict[str, list[float]] = {"sched": [], "ddp": []}
+    for which, net in (("sched", model), ("ddp", ref)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        gen = torch.Generator().manual_seed(10 + r)
+        for step in range(7):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(net(x), y)
+            if step == 3 and r == 1:
+                loss = loss * float("inf")
+            if which == "ddp":
+                scaler.scale(loss).backward()
+            elif mode == "blocking":
+                scaler.scale(loss).backward()
+                sched.synchronize()
+            else:
+                overlap.run(sched.backward(scaler.scale(loss)), loop=mode)  # type: ignore[arg-type]
+            scaler.step(opt)
+            scaler.update()
+            scales[which].append(scaler.get_scale())
+    sched.remove()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {
+        **scales,
+        "same": all(torch.equal(flat, g) for g in comm.all_gather(flat)),
+        "finite": bool(torch.isfinite(flat).all()),
+        "from_ddp": max(
+            float((p - q).abs().max())
+            for p, q in zip(model.parameters(), ref.module.parameters(), strict=True)
+        ),
+    }
 
 
 def hierarchical_pipelined_equals_the_average(

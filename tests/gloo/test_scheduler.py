@@ -171,6 +171,35 @@ def test_a_nonfinite_step_leaves_the_scheduler_usable(
 
 
 @pytest.mark.parametrize(
+    ("name", "mode"),
+    [
+        ("none", "blocking"),
+        ("onebit", "blocking"),
+        ("onebit", "uvloop"),
+        ("powersgd", "blocking"),
+        ("int8", "blocking"),
+        ("auto", "blocking"),
+        ("hierarchical", "blocking"),
+    ],
+)
+def test_grad_scaler_skips_an_overflow_on_every_rank_as_under_ddp(
+    pools: Callable[[int], RankPool], name: str, mode: str
+) -> None:
+    """Regression: with on_nonfinite="skip" the ranks whose own gradient was finite kept
+    it, so the scaler stepped there and skipped on the rank that overflowed (weights that
+    differ, silently); PowerSGD had no check at all and kept the NaN in its warm-start
+    state, so every later step was NaN too and the scale halved for ever (as under torch's
+    own powerSGD_hook). Now a skipped step is NaN on every rank, and the state untouched."""
+    out = pools(2).run(sc.grad_scaler_as_ddp, name, mode, timeout=120)
+    want = [1024.0] * 3 + [512.0] * 4  # the overflow halves the scale once, then it holds
+    for o in out:
+        assert o["ddp"] == want and o["sched"] == want, out
+        assert o["same"] and o["finite"], out
+    if name == "none":
+        assert out[0]["from_ddp"] < 1e-6, out
+
+
+@pytest.mark.parametrize(
     ("ranks", "on_nonfinite", "step1"),
     [(2, "raise", "NonFiniteError"), (2, "skip", "skipped"), (3, "raise", "NonFiniteError")],
 )
