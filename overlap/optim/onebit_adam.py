@@ -42,6 +42,7 @@ from overlap import comm
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
 from overlap.compression.codec import write_outputs
+from overlap.compression.nonfinite import check_mode
 from overlap.compression.onebit import OneBit, compressed_bytes
 from overlap.errors import NonFiniteError
 from overlap.rankstate import check_rank, group_rank
@@ -130,8 +131,7 @@ class OneBitAdam(torch.optim.Optimizer):
             raise ValueError(f"eps must be > 0, got {eps}")
         if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        check_mode(on_nonfinite)
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -153,6 +153,12 @@ class OneBitAdam(torch.optim.Optimizer):
         self._synced: int | None = None  # the step whose buckets the scheduler finished
         self._sched_frozen = False  # the stage the scheduler's buckets ran in
         self._sig: tuple[Any, ...] | None = None
+
+    # torch.amp.GradScaler calls step() on every rank, with its scale in ``grad_scale``
+    # and its (local) verdict in ``found_inf``, instead of skipping step() on the ranks
+    # whose own gradient overflowed: a step skipped on one rank only would leave its peers'
+    # collectives with no partner (they hung until the timeout). See step().
+    _step_supports_amp_scaling = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch's, refusing what 1-bit Adam cannot update (with the fix in the message)."""
@@ -216,29 +222,52 @@ class OneBitAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One optimizer step (see the class docstring for what it communicates)."""
+        """One optimizer step (see the class docstring for what it communicates).
+
+        Under ``torch.amp.GradScaler`` (``scaler.step(opt)``), standalone: the scaler calls
+        this on every rank, with the gradients still scaled (or unscaled by the caller's
+        ``scaler.unscale_(opt)``); they are unscaled here on the way in (``.grad`` is left
+        as it is), and a step with NaN or Inf on any rank is skipped on every rank,
+        whatever ``on_nonfinite`` says: overflow is how a scaler finds its scale. Attached
+        to a BucketScheduler it is refused (RuntimeError, nothing updated): there the
+        momentum is formed during backward, from gradients the scaler has not unscaled."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scaled = hasattr(self, "found_inf")  # set by torch.amp.GradScaler for this call
         if self._sched is not None:
+            if scaled:
+                raise RuntimeError(
+                    "OneBitAdam attached to a BucketScheduler cannot run under "
+                    "torch.amp.GradScaler: it forms the momentum during backward, from "
+                    "gradients the scaler has not unscaled yet. Use the OneBitAdam "
+                    "standalone under the scaler (no BucketScheduler(optimizer=...)), or "
+                    "bfloat16 autocast, which needs no scaler; nothing was updated"
+                )
             self._step_after_scheduler()
         else:
-            self._step_standalone()
+            scale = getattr(self, "grad_scale", None) if scaled else None
+            self._step_standalone(scale, scaled)
         return loss
 
-    def _step_standalone(self) -> None:
+    def _step_standalone(self, scale: torch.Tensor | None = None, scaled: bool = False) -> None:
+        """``scale``: the loss scale the gradients still carry (a GradScaler's);
+        ``scaled``: a GradScaler drives this step (a non-finite one is skipped)."""
         ps = self._params()
         if not ps:
             return
         self._check_layout(ps)
         grads = [self._grad(p) for p, _ in ps]
+        if scale is not None:  # as GradScaler.unscale_ computes its factor
+            inv = scale.double().reciprocal().float()
+            grads = [g * inv.to(g.device) for g in grads]
         self.last_skipped = False
         if not self.frozen:
             flat = torch.cat([g.reshape(-1).float() for g in grads])
             comm.all_reduce(flat, op="avg", group=self.group)
             if not bool(torch.isfinite(flat.sum())):
-                return self._nonfinite("the averaged gradient")
+                return self._nonfinite("the averaged gradient", scaled)
             a, avg = 0, []
             for (p, _), g in zip(ps, grads, strict=True):
                 avg.append(flat[a : a + g.numel()].view_as(p))
@@ -262,7 +291,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 _STANDALONE_KEY, flat, [p.shape for p, _ in ps], outputs, self.group
             )
         except NonFiniteError:
-            if self.on_nonfinite == "raise":
+            if self.on_nonfinite == "raise" and not scaled:
                 raise
             return self._skip()
         self._frozen_update(ps)
@@ -289,8 +318,8 @@ class OneBitAdam(torch.optim.Optimizer):
             return
         self._frozen_update(ps)
 
-    def _nonfinite(self, what: str) -> None:
-        if self.on_nonfinite == "raise":
+    def _nonfinite(self, what: str, scaled: bool = False) -> None:
+        if self.on_nonfinite == "raise" and not scaled:
             raise _nonfinite(what)
         self._skip()
 

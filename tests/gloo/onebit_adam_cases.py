@@ -446,3 +446,67 @@ def refusals() -> dict[str, str]:
         torch.equal(good.state[p]["exp_avg"], b) for p, b in zip(params, before, strict=True)
     )
     return out
+
+
+def _scaled_backward(
+    scaler: torch.amp.GradScaler, params: list[nn.Parameter], grads: list[torch.Tensor]
+) -> None:
+    """``scaler.scale(loss).backward()`` for a loss whose gradients are ``grads``."""
+    scaler.scale(sum((p * g).sum() for p, g in zip(params, grads, strict=True))).backward()  # type: ignore[union-attr]
+
+
+def under_grad_scaler() -> dict[str, Any]:
+    """OneBitAdam standalone under torch.amp.GradScaler (a power-of-two scale, so unscaling
+    is exact), against the same optimizer fed unscaled gradients, through the warm-up and
+    the compressed stage; then an overflow on the last rank only (with the default
+    on_nonfinite="raise"): every rank skips that step and no rank hangs (before, the
+    scaler skipped step() on that rank alone, and its peers' collective waited for ever).
+    Then the same under a BucketScheduler: refused, nothing updated."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    a, b = _params(), _params()
+    opt_a, opt_b = _opt(a), _opt(b)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1000)
+    for step in range(STEPS):
+        grads = _all_grads(step, w)[r]
+        opt_a.zero_grad()
+        _scaled_backward(scaler, a, grads)
+        scaler.step(opt_a)
+        scaler.update()
+        opt_b.zero_grad()
+        _backward(b, grads)
+        opt_b.step()
+    out: dict[str, Any] = {
+        "diff": max(float((p - q).abs().max()) for p, q in zip(a, b, strict=True)),
+        "frozen": opt_a.frozen,
+    }
+    before = [p.detach().clone() for p in a]
+    opt_a.zero_grad()
+    grads = _all_grads(STEPS, w)[r]
+    if r == w - 1:
+        grads[0][0, 0] = float("inf")
+    _scaled_backward(scaler, a, grads)
+    scaler.step(opt_a)
+    scaler.update()
+    out["skipped"] = [opt_a.last_skipped, opt_a.skipped_steps]
+    out["unchanged"] = all(torch.equal(p.detach(), q) for p, q in zip(a, before, strict=True))
+    out["scale"] = scaler.get_scale()  # halved on the rank that overflowed only
+
+    c = _params()
+    opt_c = _opt(c)
+    sched = BucketScheduler(c, optimizer=opt_c, bucket_cap_mb=1e-4, first_bucket_mb=5e-5)
+    try:
+        kept = [p.detach().clone() for p in c]
+        other = torch.amp.GradScaler("cpu", init_scale=256.0)
+        _scaled_backward(other, c, _all_grads(0, w)[r])
+        sched.synchronize()
+        try:
+            other.step(opt_c)
+            out["scheduled"] = "no error"
+        except RuntimeError as e:
+            out["scheduled"] = str(e).split(":")[0]
+        out["scheduled_unchanged"] = all(
+            torch.equal(p.detach(), q) for p, q in zip(c, kept, strict=True)
+        )
+    finally:
+        sched.remove()
+    return out

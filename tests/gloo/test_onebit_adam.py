@@ -47,6 +47,22 @@ def test_nonfinite_skip_skips_on_every_rank(
     assert out == [[seen, 2, oc.STEPS - 2]] * 2
 
 
+def test_grad_scaler_drives_it_on_every_rank(pools: Callable[[int], RankPool]) -> None:
+    """Regression: torch.amp.GradScaler skipped step() on the rank whose gradient
+    overflowed, and its peers' collective in step() waited for it until the timeout. The
+    scaler now calls step() everywhere; the gradients are unscaled inside (the same
+    weights as unscaled gradients give), an overflow on one rank skips the step on every
+    rank, and the overlapped form, whose momentum is formed before a scaler could unscale
+    it, is refused."""
+    out = pools(2).run(oc.under_grad_scaler, timeout=120)
+    for r, o in enumerate(out):
+        assert o["diff"] == 0.0 and o["frozen"], out  # exact: a power-of-two scale
+        assert o["skipped"] == [True, 1] and o["unchanged"], out
+        assert o["scale"] == (128.0 if r == 1 else 256.0), out
+        assert o["scheduled"].startswith("OneBitAdam attached to a BucketScheduler"), out
+        assert o["scheduled_unchanged"], out
+
+
 @pytest.mark.parametrize("scheduled", [False, True])
 def test_resume_is_bit_identical(pools: Callable[[int], RankPool], scheduled: bool) -> None:
     assert pools(2).run(oc.resume_is_bit_identical, scheduled, timeout=120) == [True, True]
