@@ -79,8 +79,6 @@ log = logging.getLogger(__name__)
 _SHM = "/dev/shm"
 # How a rank's chunk ended (the host takes the max of its ranks'): see Hierarchical._agree
 _OK, _SKIPPED, _RAISED = 0, 1, 2
-
-
 # What a chunk's owner left in its part of the shared result (each rank's vote says it):
 # the averaged floats, or the inner 1-bit reduction's signs and scales (Hierarchical._publish)
 _FLOATS, _SIGNS = 0, 1
