@@ -136,10 +136,13 @@ class PowerSGD(SkipsNonFinite, Compressor):
                 q = torch.randn(m, r, generator=gen).to(M.device)
             Qs.append(q)
         Ps = [M @ q for M, q in zip(Ms, Qs, strict=True)]
-        # the P's, then a flag: NaN where this rank's input is not finite (a product may
-        # skip an Inf times an exact zero of Q, and the averages would hide it)
+        # the P's, then a flag: NaN where this rank's input is not finite. Defensive: an
+        # Inf times an exact zero of Q (a matrix that was all zeros last step) is NaN in
+        # torch's products here (measured), but a BLAS may skip zero factors, and the
+        # averages would then hide it. A sum is one pass with no allocation; it overflows
+        # only where the values near float32's largest, and a P would too.
         p_flat = torch.cat([*(p.reshape(-1) for p in Ps), torch.zeros(1, device=data.device)])
-        if not bool(torch.isfinite(data).all()):
+        if not bool(torch.isfinite(data.sum())):
             p_flat[-1] = float("nan")
         dense_flat = torch.cat([data[o : o + k] for o, k in dense]) if dense else None
 

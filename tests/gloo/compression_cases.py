@@ -283,3 +283,35 @@ def extreme_magnitudes_stay_finite() -> list[float]:
         assert 0.1 < ratio < 10, (mag, ratio)
         out.append(ratio)
     return out
+
+
+def powersgd_nonfinite(mode: str) -> list[Any]:
+    """PowerSGD and a non-finite input on the last rank, after a step whose matrix was all
+    zeros (so its warm-start Q is zero, and an Inf times it may come out of the product as
+    a finite zero: the flag that rides with the P's must catch it). Every rank raises (or
+    skips) alike, the error and Q's stay as they were, the buffer is NaN; the next step is
+    finite and the same on every rank (before, the NaN went into Q for good)."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    shapes = [torch.Size([16, 16]), torch.Size([5])]
+    comp = PowerSGD(rank=1, start_iter=0, on_nonfinite=mode)
+    gen = torch.Generator().manual_seed(r)
+    comp.reduce("k", torch.cat([torch.zeros(256), torch.randn(5, generator=gen)]), shapes=shapes)
+    st = comp.state["k"]
+    assert bool((st["qs"][0] == 0).all())  # the zero matrix left a zero Q
+    kept = (st["error"].clone(), st["qs"][0].clone())
+    flat = torch.randn(261, generator=gen)
+    if r == w - 1:
+        flat[3] = float("inf")
+    out: list[Any] = []
+    try:
+        comp.reduce("k", flat, shapes=shapes)
+        out.append("skipped" if comp.last_skipped else "ok")
+    except NonFiniteError:
+        out.append("raised")
+    out.append(bool(flat.isnan().all()))
+    out.append(torch.equal(st["error"], kept[0]) and torch.equal(st["qs"][0], kept[1]))
+    nxt = torch.randn(261, generator=gen)
+    comp.reduce("k", nxt, shapes=shapes)
+    out.append(bool(torch.isfinite(nxt).all()))
+    out.append(all(torch.equal(nxt, o) for o in comm.all_gather(nxt)))
+    return out

@@ -37,6 +37,14 @@ def test_nan_leaves_state_untouched_on_every_rank(pools: Callable[[int], RankPoo
     assert pools(3).run(cc.nan_leaves_state_untouched, timeout=60) == [[2], [2], [2]]
 
 
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_powersgd_keeps_a_non_finite_input_out_of_its_state(
+    pools: Callable[[int], RankPool], mode: str
+) -> None:
+    want = ["raised" if mode == "raise" else "skipped", True, True, True, True]
+    assert pools(3).run(cc.powersgd_nonfinite, mode, timeout=60) == [want] * 3
+
+
 def test_zero_size_is_a_noop_and_bad_input_is_refused(pools: Callable[[int], RankPool]) -> None:
     msgs = pools(2).run(cc.zero_size_and_bad_input, timeout=60)[0]
     assert msgs[0].startswith("ValueError: worker_error must be a float32 tensor of 16")
