@@ -592,7 +592,13 @@ def _scaled_compressor(name: str) -> Compressor:
         "onebit": lambda: OneBit(on_nonfinite="skip"),
         "powersgd": lambda: PowerSGD(rank=2, start_iter=1, on_nonfinite="skip"),
         "int8": lambda: Int8(block=64, on_nonfinite="skip"),
-        "auto": lambda: Auto(on_nonfinite="skip", warmup_steps=0, trial_steps=1),
+        # two steps per candidate, exact ones first: OneBit reduces steps 2 and 3, so the
+        # overflow at step 3 meets a stateful candidate
+        "auto": lambda: Auto(
+            [NoCompression(), OneBit(on_nonfinite="skip"), PowerSGD(on_nonfinite="skip")],
+            warmup_steps=0,
+            trial_steps=1,
+        ),
         "hierarchical": lambda: Hierarchical(
             OneBit(on_nonfinite="skip"), hosts=1, local=comm.get_world_size()
         ),
@@ -620,6 +626,7 @@ def grad_scaler_as_ddp(name: str, mode: str = "blocking") -> dict[str, Any]:
         compression=_scaled_compressor(name),
     )
     scales: dict[str, list[float]] = {"sched": [], "ddp": []}
+    active: list[str] = []  # the compressor that reduced each step
     for which, net in (("sched", model), ("ddp", ref)):
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -627,6 +634,8 @@ def grad_scaler_as_ddp(name: str, mode: str = "blocking") -> dict[str, Any]:
         for step in range(7):
             x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
             opt.zero_grad()
+            if which == "sched":  # the compressor this step runs (current() before it)
+                active.append(sched.compression.current().name)
             loss = nn.functional.mse_loss(net(x), y)
             if step == 3 and r == 1:
                 loss = loss * float("inf")
@@ -644,6 +653,7 @@ def grad_scaler_as_ddp(name: str, mode: str = "blocking") -> dict[str, Any]:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {
         **scales,
+        "at_overflow": active[3],
         "same": all(torch.equal(flat, g) for g in comm.all_gather(flat)),
         "finite": bool(torch.isfinite(flat).all()),
         "from_ddp": max(

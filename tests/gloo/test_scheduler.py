@@ -197,6 +197,8 @@ def test_grad_scaler_skips_an_overflow_on_every_rank_as_under_ddp(
         assert o["same"] and o["finite"], out
     if name == "none":
         assert out[0]["from_ddp"] < 1e-6, out
+    if name == "auto":
+        assert out[0]["at_overflow"] == "onebit", out
 
 
 @pytest.mark.parametrize(
