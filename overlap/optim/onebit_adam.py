@@ -90,7 +90,8 @@ class OneBitAdam(torch.optim.Optimizer):
         on_nonfinite: a NaN/Inf gradient on any rank makes every rank ``"raise"``
             :class:`~overlap.errors.NonFiniteError` (the default) or ``"skip"`` the update
             (``skipped_steps`` counts them, ``last_skipped`` says so). Either way the NaN
-            never reaches the momentum, the variance or the error buffers.
+            never reaches the momentum, the variance or the error buffers. Under a
+            ``torch.amp.GradScaler`` such a step is always skipped (see :meth:`step`).
         bias_correction: False (the default) is DeepSpeed's algorithm, which never corrects
             (its ``bias_correction`` flag is stored and ignored). True applies Adam's
             correction as ``torch.optim.AdamW`` does, with the variance's correction frozen
