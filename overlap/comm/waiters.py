@@ -318,6 +318,12 @@ class WaiterPool:
     def num_threads(self) -> int:
         return len(self._threads)
 
+    @property
+    def outstanding(self) -> int:
+        """Works submitted whose ``wait()`` has not returned yet: 0 once every op a pool
+        thread observes has completed (a thread stuck on a Work keeps it above 0)."""
+        return self._outstanding
+
     def submit(self, op: TorchOp, handle: Handle) -> None:
         """Arrange for ``handle`` to complete when ``op``'s Work does. Non-blocking."""
         with self._lock:

@@ -15,6 +15,7 @@ from torch import nn
 import overlap
 from overlap import BucketScheduler, CommError, comm
 from overlap.comm import ReduceOp, debug
+from overlap.comm.waiters import get_pool
 from overlap.compression import OneBit, compressed_allreduce, padded_numel
 from overlap.errors import CollectiveMismatchError
 
@@ -146,13 +147,17 @@ def many_ops(n: int) -> int:
     return many_in_flight(n, "uvloop")
 
 
-def _drivers() -> int:
-    """Live driver threads (overlap.comm.driver): an earlier case's async multi-phase ops
-    leave one per twin group, which exits after driver.IDLE_S idle, by design; so one may
-    end during this case and must not count as a change in the scheduler's threads."""
-    import threading
-
-    return sum(t.name.startswith("overlap-steps-") for t in threading.enumerate())
+def _pooled() -> int:
+    """Live threads of overlap's pools, which shrink on their own when idle, by design: the
+    driver threads (overlap.comm.driver; an earlier case's async multi-phase ops leave one
+    per twin group, which exits after driver.IDLE_S idle) and the waiter threads
+    (overlap.comm.waiters; an earlier case's many p2p ops leave threads beyond the pool's
+    keep_threads, which exit after its idle_s). One may end during this case and must not
+    count as a change in the scheduler's threads; a waiter left blocked on an op shows in
+    the pool's ``outstanding`` instead."""
+    return sum(
+        t.name.startswith(("overlap-steps-", "overlap-waiter-")) for t in threading.enumerate()
+    )
 
 
 def long_training_is_flat(steps: int) -> dict[str, float]:
@@ -171,13 +176,14 @@ def long_training_is_flat(steps: int) -> dict[str, float]:
         sched.synchronize()
         opt.step()
         if i == warm:
-            rss0, threads0 = proc.memory_info().rss, proc.num_threads() - _drivers()
-    rss1, threads1 = proc.memory_info().rss, proc.num_threads() - _drivers()
+            rss0, threads0 = proc.memory_info().rss, proc.num_threads() - _pooled()
+    rss1, threads1 = proc.memory_info().rss, proc.num_threads() - _pooled()
     sched.remove()
     return {
         "rss_growth": (rss1 - rss0) / rss0,
         "threads_before": threads0,
         "threads_after": threads1,
+        "waiters_outstanding": get_pool().outstanding,
     }
 
 

@@ -68,6 +68,7 @@ def test_2000_steps_keep_rss_flat_and_threads_constant(pools: Callable[[int], Ra
     for r in pools(2).run(rc.long_training_is_flat, 2000, timeout=600):
         assert r["rss_growth"] < 0.05, r
         assert r["threads_after"] == r["threads_before"], r
+        assert r["waiters_outstanding"] == 0, r
 
 
 @pytest.mark.parametrize("where", ["collective", "compressed", "bucket"])
