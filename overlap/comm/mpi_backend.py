@@ -53,6 +53,7 @@ from overlap.comm.validate import (
     nbytes_of,
     scratch_like,
 )
+from overlap.dtypes import present
 from overlap.errors import CommError, MessageMismatchError
 
 __all__ = ["MpiBackend", "MpiGroup"]
@@ -91,11 +92,10 @@ def _device_type(t: Any) -> str:
     return "cuda" if isinstance(t, torch.Tensor) and t.device.type == "cuda" else "cpu"
 
 
+# dtypes NumPy lacks, viewed as the signed integer of their width (the bytes are the same)
 _NO_NUMPY = {
     torch.bfloat16: torch.int16,
-    torch.uint16: torch.int16,
-    torch.uint32: torch.int32,
-    torch.uint64: torch.int64,
+    **{u: s for b in (16, 32, 64) for u in present(f"uint{b}") for s in present(f"int{b}")},
 }
 
 

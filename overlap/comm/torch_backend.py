@@ -52,6 +52,7 @@ from overlap.comm.validate import (
     scratch_like,
 )
 from overlap.comm.waiters import TorchOp
+from overlap.dtypes import float8_dtypes, present
 from overlap.errors import CommError
 
 __all__ = ["TorchBackend"]
@@ -81,10 +82,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # dtypes gloo refuses with a bare "Invalid scalar type" (measured, torch 2.13): refused here
 # first, naming the tensor and the fix.
-_GLOO_UNSUPPORTED = frozenset(
-    [torch.int16, torch.uint16, torch.uint32, torch.uint64]
-    + [getattr(torch, n) for n in dir(torch) if n.startswith("float8_")]
-)
+_GLOO_UNSUPPORTED = frozenset(present("int16", "uint16", "uint32", "uint64") + float8_dtypes())
 
 
 class TorchBackend:
