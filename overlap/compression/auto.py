@@ -11,7 +11,8 @@ compression="auto")`` measures instead of guessing:
   reduction hidden under backward costs nothing however long it takes.
 * **The trial.** Each candidate (default: NoCompression, FP16, OneBit, PowerSGD rank 4)
   runs ``1 + trial_steps`` steps in turn; the first is a settle step (buffers, the bucket
-  rebuild) and is not counted; the median of the others is the candidate's cost.
+  rebuild) and is not counted; the median of the others (the lower one of an even count,
+  so that one stalled step cannot decide) is the candidate's cost.
 * **Accuracy policy.** Lossy candidates (anything but NoCompression and the fp16/bf16 casts)
   are tried only from step ``warmup_steps`` on: plain averaging before, as OneBit's own
   warm-up. Once chosen, a choice is kept: a later measuring round (``remeasure()``, or every
@@ -266,9 +267,10 @@ class Auto(Compressor):
             self._active = cand
 
     def _decide(self, group: Any, device: torch.device) -> Steps:
-        med = [
-            sorted(ts)[len(ts) // 2] if ts else math.inf for ts in self._times
-        ]  # inf: never measured (cannot win)
+        # the lower median: of an even count (trial_steps=2) the upper one is the larger,
+        # so one stalled step (a data-loader hiccup, DDP's bucket rebuild on torch 2.2 in
+        # the same loop: 1.2 s) decided the choice; inf: never measured (cannot win)
+        med = [sorted(ts)[(len(ts) - 1) // 2] if ts else math.inf for ts in self._times]
         costs = torch.tensor(med, dtype=torch.float64, device=device)
         yield [comm.all_reduce(costs, op="max", group=group, async_op=True)]
         worst = costs.cpu().tolist()

@@ -124,6 +124,26 @@ def picks_the_fastest_by_the_slowest_rank() -> dict[str, Any]:
         tracer.detach()
 
 
+def one_stalled_step_does_not_decide() -> dict[str, Any]:
+    """Auto([none, b]) with two measured steps each, b 50 ms a bucket: rank 0 stalls 300 ms
+    (a data-loader hiccup) in none's first measured step. The cost of a candidate is the
+    lower median of its steps, so the stall does not make none look slower than b (with
+    the upper one, none cost 300 ms and b was chosen)."""
+    import time
+
+    r = comm.get_rank()
+    model = _model()
+    auto = Auto([NoCompression(), B({0: 0.05, 1: 0.05})], warmup_steps=0, trial_steps=2)
+    sched = BucketScheduler(model, compression=auto)
+    gen = torch.Generator().manual_seed(r)
+    for i in range(6):
+        if i == 1 and r == 0:  # step 0 settles none; steps 1 and 2 measure it
+            time.sleep(0.3)
+        _step(model, sched, gen)
+    sched.remove()
+    return auto.statistics()
+
+
 def none_chosen_takes_the_inline_path_and_equals_ddp() -> dict[str, Any]:
     """Auto([none, slow]): none wins, the scheduler then issues DDP's inline allreduce, and
     the gradients are DDP's at every step, through the trial and after it."""

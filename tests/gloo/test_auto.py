@@ -31,6 +31,12 @@ def test_auto_picks_by_the_slowest_rank_and_keeps_its_choice(
     assert res[0]["switched"]["costs_ms"] == res[1]["switched"]["costs_ms"]
 
 
+def test_one_stalled_step_does_not_decide(pools: Callable[[int], RankPool]) -> None:
+    for out in pools(2).run(ac.one_stalled_step_does_not_decide, timeout=60):
+        assert out["choice"] == "none", out
+        assert out["costs_ms"]["none"] < 45 <= out["costs_ms"]["b"], out
+
+
 def test_auto_choosing_none_runs_ddps_inline_path(pools: Callable[[int], RankPool]) -> None:
     for out in pools(2).run(ac.none_chosen_takes_the_inline_path_and_equals_ddp, timeout=60):
         assert out["choice"] == "none", out
