@@ -85,6 +85,22 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _GLOO_UNSUPPORTED = frozenset(present("int16", "uint16", "uint32", "uint64") + float8_dtypes())
 
 
+def issue_failed(opname: str, rank: int, group: str, backend: str, exc: Exception) -> CommError:
+    """The CommError for an op torch refused or failed to issue. Where this torch's backend
+    lacks the op (gloo before torch 2.7 had no reduce_scatter or all_to_all of lists:
+    "ProcessGroupGloo does not support reduce_scatter", measured on torch 2.2.2), the
+    message names the ways out. Every rank of the group gets the same refusal, before
+    anything is sent, so the group stays in step."""
+    msg = f"{opname} on rank {rank} (group {group}) failed: {exc}"
+    if "does not support" in str(exc) or "not supported with async_op" in str(exc):
+        msg += (
+            f". torch {torch.__version__}'s {backend} backend lacks this op: upgrade torch "
+            "(gloo has it in torch 2.13), use the MPI backend (init_distributed('mpi')), or "
+            "an op it has (all_reduce, all_to_all_single)"
+        )
+    return CommError(msg)
+
+
 class TorchBackend:
     """deepspeed.comm-style ops over an initialised torch.distributed default group."""
 
@@ -231,9 +247,7 @@ class TorchBackend:
             except (ValueError, TypeError):
                 raise
             except Exception as exc:
-                raise CommError(
-                    f"{opname} on rank {info.global_rank} (group {info.name}) failed: {exc}"
-                ) from exc
+                raise issue_failed(opname, info.global_rank, info.name, self.name, exc) from exc
             if post is not None:
                 post()
             if obs is not None:
@@ -253,9 +267,7 @@ class TorchBackend:
         except (ValueError, TypeError):
             raise
         except Exception as exc:
-            raise CommError(
-                f"{opname} on rank {info.global_rank} (group {info.name}) failed: {exc}"
-            ) from exc
+            raise issue_failed(opname, info.global_rank, info.name, self.name, exc) from exc
         if work is None:  # torch skipped the op (e.g. empty tensor on some versions)
             if post is not None:
                 post()
