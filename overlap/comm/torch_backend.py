@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm import debug as _debug
+from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
@@ -71,6 +72,7 @@ _TORCH_OPS = {
 
 PostFn = Callable[[], object]
 _now = time.perf_counter_ns
+_DRAIN_S = 0.005  # destroy_group's pause for gloo's workers (see there)
 _Tensor = torch.Tensor
 _strided = torch.strided
 
@@ -87,12 +89,12 @@ _GLOO_UNSUPPORTED = frozenset(present("int16", "uint16", "uint32", "uint64") + f
 
 def issue_failed(opname: str, rank: int, group: str, backend: str, exc: Exception) -> CommError:
     """The CommError for an op torch refused or failed to issue. Where this torch's backend
-    lacks the op (gloo before torch 2.7 had no reduce_scatter or all_to_all of lists:
-    "ProcessGroupGloo does not support reduce_scatter", measured on torch 2.2.2), the
-    message names the ways out. Every rank of the group gets the same refusal, before
-    anything is sent, so the group stays in step."""
+    lacks the op ("ProcessGroupGloo does not support reduce_scatter", torch 2.2.2; gloo's
+    missing reduce_scatter and all_to_all are built from other ops instead, see
+    overlap.comm.gloo_fallback), the message names the ways out. Every rank of the group
+    gets the same refusal, before anything is sent, so the group stays in step."""
     msg = f"{opname} on rank {rank} (group {group}) failed: {exc}"
-    if "does not support" in str(exc) or "not supported with async_op" in str(exc):
+    if _fallback.lacks(exc):
         msg += (
             f". torch {torch.__version__}'s {backend} backend lacks this op: upgrade torch "
             "(gloo has it in torch 2.13), use the MPI backend (init_distributed('mpi')), or "
@@ -185,6 +187,15 @@ class TorchBackend:
             if pg is not None:
                 forget_group(pg)
                 dist.destroy_process_group(pg)
+        if self._cpu:
+            # Let gloo's worker threads finish tearing down the group's last ops before the
+            # caller drops it. On torch 2.2 a worker that frees an op's last reference to a
+            # tensor takes the GIL, and freeing a ProcessGroupGloo holds the GIL while it
+            # joins those workers: a deadlock, hit by a BucketScheduler refused right after
+            # its start-up broadcast (py-spy: ~ProcessGroupGloo in pthread_mutex_lock, the
+            # worker in gil_scoped_acquire under ~AsyncWork). Sleeping releases the GIL; a
+            # group is freed rarely, so the few milliseconds cost nothing that matters.
+            time.sleep(_DRAIN_S)
 
     # ------------------------------------------------------------------------- helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:
@@ -432,31 +443,71 @@ class TorchBackend:
             inp = self._t(input, "input_list")
             check_reduce_scatter_flat(out, inp, info.size)
             flat = apart(inp, out, -info.rank * nbytes_of(out))
-            return self._launch(
-                "reduce_scatter",
-                info,
-                lambda: _reduce_scatter_single(out, flat, op=top, group=info.pg, async_op=True),
-                output,
-                nbytes_of(inp),
-                async_op,
-                post,
-                keep=inp,
-                future=False,
+            return self._native_or_fallback(
+                "reduce_scatter_flat",
+                lambda: self._launch(
+                    "reduce_scatter",
+                    info,
+                    lambda: _reduce_scatter_single(out, flat, op=top, group=info.pg, async_op=True),
+                    output,
+                    nbytes_of(inp),
+                    async_op,
+                    post,
+                    keep=inp,
+                    future=False,
+                ),
+                lambda: self._reduce_scatter_fallback(out, flat, top, info, async_op, post),
             )
         ins = self._ts(input, "input_list", info.size)
         check_reduce_scatter_list(out, ins)
         ins = apart_list(ins, [out])
-        return self._launch(
+        return self._native_or_fallback(
             "reduce_scatter",
-            info,
-            lambda: dist.reduce_scatter(out, ins, op=top, group=info.pg, async_op=True),
-            output,
-            nbytes_of(ins),
-            async_op,
-            post,
-            keep=ins,
-            future=False,
+            lambda: self._launch(
+                "reduce_scatter",
+                info,
+                lambda: dist.reduce_scatter(out, ins, op=top, group=info.pg, async_op=True),
+                output,
+                nbytes_of(ins),
+                async_op,
+                post,
+                keep=ins,
+                future=False,
+            ),
+            lambda: self._reduce_scatter_fallback(out, ins, top, info, async_op, post),
         )
+
+    def _reduce_scatter_fallback(
+        self,
+        out: torch.Tensor,
+        inp: Any,
+        top: Any,
+        info: GroupInfo,
+        async_op: bool,
+        post: PostFn | None,
+    ) -> Any:
+        """reduce_scatter where this torch's gloo lacks it (overlap.comm.gloo_fallback)."""
+        issue, copy_out, keep = _fallback.reduce_scatter(out, inp, top, info.pg, info.rank)
+        then = copy_out if post is None else (lambda: (copy_out(), post()))
+        nbytes = nbytes_of(inp)
+        return self._launch("reduce_scatter", info, issue, out, nbytes, async_op, then, keep=keep)
+
+    def _native_or_fallback(
+        self, kind: str, native: Callable[[], Any], fallback: Callable[[], Any]
+    ) -> Any:
+        """``native()``, unless this torch's gloo lacks the op ``kind``: then (from the first
+        refusal on, which comes at issue, before anything is sent, on every rank alike)
+        ``fallback()``, which builds it from ops gloo has (overlap.comm.gloo_fallback)."""
+        if self.name != "gloo":
+            return native()
+        if kind not in _fallback.LACKING:
+            try:
+                return native()
+            except CommError as exc:
+                if not _fallback.lacks(exc.__cause__):
+                    raise
+            _fallback.note_lacking(kind)
+        return fallback()
 
     def all_to_all_single(
         self,
@@ -496,14 +547,24 @@ class TorchBackend:
         info = resolve_group(group)
         outs = self._ts(output_tensor_list, "output_tensor_list", info.size)
         ins = apart_list(self._ts(input_tensor_list, "input_tensor_list", info.size), outs)
-        return self._launch(
+        nbytes = nbytes_of(ins)
+
+        def fallback() -> Any:
+            issue, copy_out, keep = _fallback.all_to_all(outs, ins, info.pg)
+            return self._launch("all_to_all", info, issue, outs, nbytes, async_op, copy_out, keep)
+
+        return self._native_or_fallback(
             "all_to_all",
-            info,
-            lambda: dist.all_to_all(outs, ins, group=info.pg, async_op=True),
-            outs,
-            nbytes_of(ins),
-            async_op,
-            keep=ins,
+            lambda: self._launch(
+                "all_to_all",
+                info,
+                lambda: dist.all_to_all(outs, ins, group=info.pg, async_op=True),
+                outs,
+                nbytes,
+                async_op,
+                keep=ins,
+            ),
+            fallback,
         )
 
     def gather(

@@ -170,6 +170,39 @@ def case_all_to_all(mode: str) -> None:
     assert [o.item() for o in outs] == [float(q * 10 + r) for q in range(w)]
 
 
+def case_gloo_fallbacks(mode: str) -> None:
+    """reduce_scatter and all_to_all built from ops gloo has (overlap.comm.gloo_fallback),
+    as on a torch whose gloo lacks them (2.2): the same results as the native ops, also
+    for an all_to_all of mixed dtypes and uneven sizes. Elsewhere (MPI) the native ops."""
+    from overlap.comm import gloo_fallback
+
+    forced = comm.get_backend() == "gloo" and not gloo_fallback.LACKING
+    if forced:
+        gloo_fallback.LACKING.update(["reduce_scatter", "reduce_scatter_flat", "all_to_all"])
+    try:
+        case_reduce_scatter(mode)
+        case_all_to_all(mode)
+        if forced:
+            r, w = rw()
+
+            def kind(to: int) -> torch.dtype:  # what rank `to` receives, from every rank
+                return torch.float64 if to % 2 else torch.int32
+
+            ins = [torch.full((j + 1,), r * 10 + j, dtype=kind(j)) for j in range(w)]
+            outs = [torch.full((r + 1,), -1, dtype=kind(r)) for _ in range(w)]
+            got = go(lambda a: comm.all_to_all(outs, ins, async_op=a), mode)
+            assert got is outs or mode == "blocking", got
+            for q, o in enumerate(outs):
+                assert o.dtype == kind(r) and o.tolist() == [q * 10 + r] * (r + 1), (q, o)
+            # the inputs are left as they were (reduce_scatter reduces a copy)
+            flat = torch.arange(2.0 * w)
+            comm.reduce_scatter(torch.empty(2), flat)
+            assert flat.tolist() == [float(i) for i in range(2 * w)]
+    finally:
+        if forced:
+            gloo_fallback.LACKING.clear()
+
+
 def case_gather(mode: str) -> None:
     r, w = rw()
     gl = [torch.empty(2) for _ in range(w)] if r == 0 else None
