@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from overlap.runtime import new_event_loop, uvloop_available
 from overlap.testing import RankPool
@@ -41,6 +42,12 @@ def pools() -> Iterator[Callable[[int], RankPool]]:
 
 
 SHORT_TIMEOUT = 5.0
+
+# torch.amp.GradScaler (device "cpu") arrived in torch 2.3; overlap supports torch>=2.2
+needs_amp_grad_scaler = pytest.mark.skipif(
+    not hasattr(torch.amp, "GradScaler"),
+    reason=f"torch {torch.__version__} has no torch.amp.GradScaler (torch 2.3 and later)",
+)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from overlap.testing import RankPool
+from tests.conftest import needs_amp_grad_scaler
 from tests.gloo import onebit_adam_cases as oc
 
 
@@ -47,6 +48,7 @@ def test_nonfinite_skip_skips_on_every_rank(
     assert out == [[seen, 2, oc.STEPS - 2]] * 2
 
 
+@needs_amp_grad_scaler
 def test_grad_scaler_drives_it_on_every_rank(pools: Callable[[int], RankPool]) -> None:
     """Regression: torch.amp.GradScaler skipped step() on the rank whose gradient
     overflowed, and its peers' collective in step() waited for it until the timeout. The

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from overlap.testing import RankPool
-from tests.conftest import SHORT_TIMEOUT
+from tests.conftest import SHORT_TIMEOUT, needs_amp_grad_scaler
 from tests.gloo import scheduler_cases as sc
 
 
@@ -170,6 +170,7 @@ def test_a_nonfinite_step_leaves_the_scheduler_usable(
     assert out == [want, want], out
 
 
+@needs_amp_grad_scaler
 @pytest.mark.parametrize(
     ("name", "mode"),
     [
