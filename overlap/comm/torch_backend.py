@@ -439,42 +439,32 @@ class TorchBackend:
         _, top, divide = self._reduce_args(op, out.dtype)
         info = resolve_group(group)
         post: PostFn | None = (lambda: out.div_(info.size)) if divide else None
+        data: Any  # what the op reads: one flat tensor, or the list of chunks
         if isinstance(input, torch.Tensor):
             inp = self._t(input, "input_list")
             check_reduce_scatter_flat(out, inp, info.size)
-            flat = apart(inp, out, -info.rank * nbytes_of(out))
-            return self._native_or_fallback(
-                "reduce_scatter_flat",
-                lambda: self._launch(
-                    "reduce_scatter",
-                    info,
-                    lambda: _reduce_scatter_single(out, flat, op=top, group=info.pg, async_op=True),
-                    output,
-                    nbytes_of(inp),
-                    async_op,
-                    post,
-                    keep=inp,
-                    future=False,
-                ),
-                lambda: self._reduce_scatter_fallback(out, flat, top, info, async_op, post),
-            )
-        ins = self._ts(input, "input_list", info.size)
-        check_reduce_scatter_list(out, ins)
-        ins = apart_list(ins, [out])
+            data = apart(inp, out, -info.rank * nbytes_of(out))
+            kind, torch_op = "reduce_scatter_flat", _reduce_scatter_single
+        else:
+            data = self._ts(input, "input_list", info.size)
+            check_reduce_scatter_list(out, data)
+            data = apart_list(data, [out])
+            kind, torch_op = "reduce_scatter", dist.reduce_scatter
+        nbytes = nbytes_of(data)
         return self._native_or_fallback(
-            "reduce_scatter",
+            kind,
             lambda: self._launch(
                 "reduce_scatter",
                 info,
-                lambda: dist.reduce_scatter(out, ins, op=top, group=info.pg, async_op=True),
+                lambda: torch_op(out, data, op=top, group=info.pg, async_op=True),
                 output,
-                nbytes_of(ins),
+                nbytes,
                 async_op,
                 post,
-                keep=ins,
+                keep=data,
                 future=False,
             ),
-            lambda: self._reduce_scatter_fallback(out, ins, top, info, async_op, post),
+            lambda: self._reduce_scatter_fallback(out, data, top, info, async_op, post),
         )
 
     def _reduce_scatter_fallback(
