@@ -71,6 +71,8 @@ def dtype_reductions() -> None:
         raise AssertionError("bool sum was accepted")
     except TypeError as e:
         assert "MPI cannot reduce bool tensors with op='sum'" in str(e)
+    if not hasattr(torch, "uint16"):  # torch 2.3 and later
+        return
     try:
         comm.all_reduce(torch.ones(2, dtype=torch.uint16), op="sum")
         raise AssertionError("uint16 was accepted")
