@@ -44,6 +44,7 @@ def lacks(exc: BaseException | None) -> bool:
 
 
 def note_lacking(kind: str) -> None:
+    """Record that this torch's gloo lacks ``kind`` (and say so once, at INFO)."""
     if kind not in LACKING:
         LACKING.add(kind)
         log.info(

@@ -96,9 +96,9 @@ def issue_failed(opname: str, rank: int, group: str, backend: str, exc: Exceptio
     msg = f"{opname} on rank {rank} (group {group}) failed: {exc}"
     if _fallback.lacks(exc):
         msg += (
-            f". torch {torch.__version__}'s {backend} backend lacks this op: upgrade torch "
-            "(gloo has it in torch 2.13), use the MPI backend (init_distributed('mpi')), or "
-            "an op it has (all_reduce, all_to_all_single)"
+            f". torch {torch.__version__}'s {backend} backend lacks this op: upgrade torch, "
+            "use the MPI backend (init_distributed('mpi')), or an op it has (all_reduce, "
+            "all_to_all_single)"
         )
     return CommError(msg)
 
