@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["LACKING", "all_to_all", "lacks", "reduce_scatter"]
+__all__ = ["LACKING", "all_to_all", "lacks", "note_lacking", "reduce_scatter"]
 
 log = logging.getLogger(__name__)
 
