@@ -350,7 +350,7 @@ def _bench_concurrent(args: argparse.Namespace) -> int:
         return 0
     ref = "mpi4py Iallreduce + Waitall" if args.backend == "mpi" else "torch async_op + wait"
     t = Table(
-        ["in flight", "overlap awaited s", "raw s", "overlap/raw"],
+        ["in flight", "awaited", "overlap awaited s", "raw s", "overlap/raw"],
         title=f"{args.backend}, {args.world_size} ranks: small all_reduces in flight at once "
         f"(median of {reps}; raw: {ref})",
     )
@@ -358,6 +358,7 @@ def _bench_concurrent(args: argparse.Namespace) -> int:
         t.add(
             **{
                 "in flight": r["in_flight"],
+                "awaited": r["order"],
                 "overlap awaited s": round(r["ours_s"], 3),
                 "raw s": round(r["raw_s"], 3),
                 "overlap/raw": round(r["ours/raw"], 2),

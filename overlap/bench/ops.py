@@ -218,43 +218,56 @@ def bench_ops_rank(
 
 
 def bench_concurrent_rank(n: int, reps: int, loop: str = "uvloop") -> list[dict[str, Any]]:
-    """n small all_reduces in flight at once: overlap's, awaited with ``asyncio.gather``,
-    against the backend's own (mpi4py ``Iallreduce`` x n + ``Waitall``, or torch's
-    ``async_op=True`` works + ``wait``), interleaved ``reps`` times; medians in seconds."""
+    """n small all_reduces in flight at once: overlap's against the backend's own (mpi4py
+    ``Iallreduce`` x n + ``Waitall``, or torch's ``async_op=True`` works + ``wait``),
+    interleaved ``reps`` times; medians in seconds. Two rows: awaited ``together`` (one
+    ``collect_all``) and ``last first`` (the last op awaited alone, then the rest; raw: its
+    ``Wait``, then the rest), where the awaited op waits behind n - 1 ops nobody awaits yet."""
     import overlap
 
     r = comm.get_rank()
     ts = [torch.full((4,), float(i + r)) for i in range(n)]
 
-    def theirs() -> None:
+    def theirs(last_first: bool) -> None:
         if _on_mpi():
             MPI = _mpi()
             bufs = [t.numpy() for t in ts]
             reqs = [MPI.COMM_WORLD.Iallreduce(MPI.IN_PLACE, b, op=MPI.SUM) for b in bufs]
+            if last_first:
+                reqs[-1].Wait()
             MPI.Request.Waitall(reqs)
         else:
             import torch.distributed as dist
 
-            for w in [dist.all_reduce(t, async_op=True) for t in ts]:
+            works = [dist.all_reduce(t, async_op=True) for t in ts]
+            if last_first:
+                works[-1].wait()
+            for w in works:
                 w.wait()
 
-    async def ours() -> None:
-        await comm.collect_all([comm.all_reduce(t, async_op=True) for t in ts])
+    async def ours(last_first: bool) -> None:
+        hs = [comm.all_reduce(t, async_op=True) for t in ts]
+        if last_first:
+            await hs.pop()
+        await comm.collect_all(hs)
 
     async def main() -> list[dict[str, Any]]:
-        times: dict[str, list[float]] = {"ours": [], "raw": []}
-        for _ in range(reps):
-            comm.barrier()
-            t0 = time.perf_counter()
-            await ours()
-            times["ours"].append(time.perf_counter() - t0)
-            comm.barrier()
-            t0 = time.perf_counter()
-            theirs()
-            times["raw"].append(time.perf_counter() - t0)
-        o, t = median(times["ours"]), median(times["raw"])
-        return [{"op": "all_reduce", "in_flight": n, "reps": reps, "ours_s": o, "raw_s": t,
-                 "ours/raw": o / t}]  # fmt: skip
+        rows = []
+        for order in ("together", "last first"):
+            times: dict[str, list[float]] = {"ours": [], "raw": []}
+            for _ in range(reps):
+                comm.barrier()
+                t0 = time.perf_counter()
+                await ours(order == "last first")
+                times["ours"].append(time.perf_counter() - t0)
+                comm.barrier()
+                t0 = time.perf_counter()
+                theirs(order == "last first")
+                times["raw"].append(time.perf_counter() - t0)
+            o, t = median(times["ours"]), median(times["raw"])
+            rows.append({"op": "all_reduce", "in_flight": n, "order": order, "reps": reps,
+                         "ours_s": o, "raw_s": t, "ours/raw": o / t})  # fmt: skip
+        return rows
 
     return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
 

@@ -324,6 +324,45 @@ def collect_all_waits_for_a_late_sender_and_fails_fast() -> None:
     overlap.run(main())
 
 
+def backs_off_only_when_nothing_else_is_open() -> None:
+    """An awaited receive whose sender waits until told: the progress engine keeps calling
+    MPI on every tick while another op of the process is open (MPI moves that op's work
+    only inside MPI calls, and the awaited one may wait behind it: awaiting the last of
+    4,000 all_reduces first took 10x mpi4py's time when the engine backed off), and backs
+    off once nothing else is open."""
+    from overlap.comm import progress
+
+    r = _pair_rank()
+    if r is None:
+        return
+    comm.barrier()  # the one the other ranks took in _pair_rank
+
+    async def delay_while_waiting(other_open: bool) -> tuple[float, int]:
+        other = comm.irecv(torch.zeros(1), src=1, tag=51) if other_open else None
+        h = comm.irecv(torch.zeros(1), src=1, tag=52)
+        task = asyncio.ensure_future(h)
+        await asyncio.sleep(0.8)  # the engine's back-off starts after 0.5 s without progress
+        delay = progress.ProgressEngine.for_loop(asyncio.get_running_loop())._delay
+        now_open = progress._open
+        comm.send(torch.ones(1), dst=1, tag=50)  # only now does rank 1 send
+        await asyncio.wait_for(task, 20)
+        if other is not None:
+            await asyncio.wait_for(other, 20)
+        return delay, now_open
+
+    delays: dict[bool, tuple[float, int]] = {}
+    for other_open in (True, False):
+        if r == 0:
+            delays[other_open] = overlap.run(delay_while_waiting(other_open))
+        else:
+            comm.recv(torch.zeros(1), src=0, tag=50)
+            comm.send(torch.ones(1), dst=0, tag=52)
+            if other_open:
+                comm.send(torch.ones(1), dst=0, tag=51)
+    if r == 0:  # (back-off delay, MPI ops open): with another op open, then without
+        assert delays[True][0] == 0.0 and delays[False][0] > 0.0, delays
+
+
 def tag_above_tag_ub_is_refused() -> None:
     """A tag above MPI_TAG_UB (MPICH: 2**29 - 1, below overlap's own 2**30 limit) is refused
     with a ValueError naming the limit, before anything is posted (MPI said "Invalid tag"
@@ -350,6 +389,7 @@ CHECKS: dict[str, Callable[[], Any]] = {
     ),
     "mpi/onebit_gather_pattern_matches_reference": onebit_gather_pattern_matches_reference,
     "mpi/loop_stays_responsive": loop_stays_responsive,
+    "mpi/backs_off_only_when_nothing_else_is_open": backs_off_only_when_nothing_else_is_open,
     "mpi/no_thread_per_request": no_thread_per_request,
     "mpi/zero_copy_cpu_buffers": zero_copy_cpu_buffers,
     "mpi/dtype_reductions": dtype_reductions,

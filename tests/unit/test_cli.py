@@ -284,7 +284,8 @@ def test_bench_tables_round_their_floats() -> None:
 def test_bench_ops_concurrent_runs_and_refuses_bad_counts() -> None:
     out = run("bench", "ops", "--concurrent", "50", "--iters", "1", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
-    (row,) = json.loads(out.stdout)
-    assert row["in_flight"] == 50 and row["ours_s"] > 0 and row["raw_s"] > 0
+    rows = json.loads(out.stdout)
+    assert [r["order"] for r in rows] == ["together", "last first"]
+    assert all(r["in_flight"] == 50 and r["ours_s"] > 0 and r["raw_s"] > 0 for r in rows)
     bad = run("bench", "ops", "--concurrent", "lots")
     assert bad.returncode == 2 and "--concurrent takes counts" in bad.stderr
