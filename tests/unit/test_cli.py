@@ -30,7 +30,7 @@ def test_env_reports_backends() -> None:
 
 
 def test_demo_runs_two_ranks_and_writes_trace_and_timeline(tmp_path: Path) -> None:
-    out = run("demo", "--steps", "2", "--out-dir", str(tmp_path))
+    out = run("demo", "--steps", "2", "--model-size", "small", "--out-dir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     for variant in ("ddp", "overlap-none", "overlap-fp16", "overlap-onebit"):
         assert variant in out.stdout
@@ -170,48 +170,34 @@ def test_bench_lm_rejects_a_freeze_past_the_end() -> None:
     assert out.returncode == 2 and "--freeze-step 10" in out.stderr
 
 
-def test_bench_train_pin_heap_reaches_the_ranks() -> None:
-    # the ranks read glibc's thresholds from the environment they start with
+def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> None:
+    """One run of three variants (one world: each run costs about 15 s of start-up).
+
+    The JSON rows say where a step's time went: forward + backward, the training thread's
+    CPU, the whole rank's CPU (a superset of the training thread's, step by step), the
+    scheduler worker's CPU per step and the last step's bucket timeline. --pin-heap reaches
+    the ranks (they read glibc's thresholds from the environment they start with), and so
+    does --diloco-fragments (0 of them is refused: test_bad_counts_and_sizes_...)."""
     out = run(
-        "bench", "train", "--variant", "compute", "--model-size", "0.05", "--steps", "2",
-        "--warmup", "1", "--pin-heap", "--json",
+        "bench", "train", "--variant", "compute", "--variant", "overlap-onebit", "--variant",
+        "diloco-streaming", "--model-size", "0.05", "--steps", "2", "--warmup", "1",
+        "--pin-heap", "--diloco-fragments", "1", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    (row,) = json.loads(out.stdout)
-    assert row["heap_pinned"] is True and row["step_ms"] > 0, row
-
-
-def test_bench_train_reports_backward_cpu_and_bucket_timeline() -> None:
-    """The JSON rows say where a step's time went: forward + backward, the training
-    thread's CPU, the whole rank's CPU (a superset of the training thread's, step by step),
-    the scheduler worker's CPU per step and the last step's bucket timeline."""
-    out = run(
-        "bench", "train", "--variant", "compute", "--variant", "overlap-onebit",
-        "--model-size", "0.05", "--steps", "2", "--warmup", "1", "--json",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    compute, onebit = json.loads(out.stdout)
-    for row in (compute, onebit):
+    compute, onebit, diloco = json.loads(out.stdout)
+    assert [compute["variant"], onebit["variant"], diloco["variant"]] == [
+        "compute", "overlap-onebit", "diloco-streaming",
+    ]  # fmt: skip
+    for row in (compute, onebit, diloco):
         assert 0 < row["backward_ms"] <= row["step_ms"] and row["train_cpu_ms"] > 0, row
         assert row["rank_cpu_ms"] >= row["train_cpu_ms"], row
+        assert row["heap_pinned"] is True, row
     assert "worker_cpu_ms" not in compute and "buckets_ms" not in compute
     assert onebit["worker_cpu_ms"] > 0, onebit
     assert onebit["buckets_ms"], onebit
     for index, ready, start, end in onebit["buckets_ms"]:
         assert isinstance(index, int) and 0 <= ready <= start <= end, onebit["buckets_ms"]
-
-
-def test_bench_train_diloco_fragments_reach_the_ranks_and_zero_is_refused() -> None:
-    out = run(
-        "bench", "train", "--variant", "diloco-streaming", "--model-size", "0.05", "--steps",
-        "2", "--warmup", "1", "--diloco-fragments", "1", "--json",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    (row,) = json.loads(out.stdout)
-    assert row["fragments"] == 1, row  # the default, 8, gives 2 here (one per tensor)
-    bad = run("bench", "train", "--variant", "diloco-streaming", "--diloco-fragments", "0")
-    assert bad.returncode == 2 and "--diloco-fragments: must be at least 1, got 0" in bad.stderr
-    assert not bad.stdout
+    assert diloco["fragments"] == 1, diloco  # the default, 8, gives 2 here (one per tensor)
 
 
 def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
@@ -262,6 +248,10 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
         # before: matplotlib's traceback after the whole run, or '-o /tmp' wrote /tmp.png
         (["bench", "train", "--plot", "/nonexistent/x.png"], "create /nonexistent first"),
         (["bench", "lm", "--plot-time", "/tmp"], "'/tmp' is a directory; give a file name"),
+        (
+            ["bench", "train", "--variant", "diloco-streaming", "--diloco-fragments", "0"],
+            "--diloco-fragments: must be at least 1, got 0",
+        ),
     ):
         try:  # argparse's refusals exit; the commands' own checks return the code
             code: object = cli.main(args)
