@@ -155,7 +155,11 @@ def test_user_spans_reach_torch_profiler() -> None:
     assert t.spans[0][0] == "my-forward"
 
 
-def test_cli_summarize_and_plot(tmp_path: Path) -> None:
+def test_cli_summarize_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """summarize and plot as a user runs them (a process each); their refusals of bad input
+    in this process (each process costs a torch import)."""
+    from overlap import cli
+
     path = tmp_path / "t.json"
     make_trace().export_chrome(str(path))
     out = subprocess.run(
@@ -165,15 +169,6 @@ def test_cli_summarize_and_plot(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0 and "overlap report" in out.stdout, out.stderr
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    out = subprocess.run(
-        [sys.executable, "-m", "overlap.cli", "trace", "summarize", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2 and "not valid JSON" in out.stderr
     png = tmp_path / "timeline.png"
     out = subprocess.run(
         [sys.executable, "-m", "overlap.cli", "trace", "plot", str(path), "-o", str(png)],
@@ -183,13 +178,18 @@ def test_cli_summarize_and_plot(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    out = subprocess.run(
-        [sys.executable, "-m", "overlap.cli", "trace", "plot", str(path), "--steps", "x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2 and "slice syntax" in out.stderr and not out.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for args, says in (
+        (["trace", "summarize", str(bad)], "not valid JSON"),
+        (["trace", "plot", str(path), "--steps", "x"], "slice syntax"),
+    ):
+        try:  # argparse's refusals exit; the commands' own checks return the code
+            code: object = cli.main(args)
+        except SystemExit as exited:
+            code = exited.code
+        said = capsys.readouterr()
+        assert code == 2 and says in said.err and not said.out, (args, code, said)
 
 
 def test_tracer_keeps_at_most_max_spans() -> None:
