@@ -20,6 +20,20 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     )
 
 
+def assert_cli_refuses(capsys: pytest.CaptureFixture[str], args: list[str], says: str) -> None:
+    """``overlap args``, run in this process, exits 2 saying ``says`` on stderr and nothing
+    on stdout (no traceback: one would be an exception raised here)."""
+    from overlap import cli
+
+    try:  # argparse's refusals exit; the commands' own checks return the code
+        code: object = cli.main(args)
+    except SystemExit as exited:
+        code = exited.code
+    said = capsys.readouterr()
+    assert code == 2 and says in said.err, (args, code, said.err)
+    assert not said.out, (args, said.out)
+
+
 def test_env_reports_backends() -> None:
     out = run("env")
     assert out.returncode == 0, out.stderr
@@ -209,8 +223,6 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
     The first case runs the command as a user does (its own process); the rest call
     ``overlap.cli.main`` in this process, where a traceback would be an exception raised
     here (each process costs about 2.5 s of torch import: 44 s for them all)."""
-    from overlap import cli
-
     out = run("bench", "ops", "--sizes", "4,abc", timeout=60)
     assert out.returncode == 2 and "argument --sizes: cannot read size 'abc'" in out.stderr
     assert "Traceback" not in out.stderr and not out.stdout, out.stderr
@@ -253,13 +265,7 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
             "--diloco-fragments: must be at least 1, got 0",
         ),
     ):
-        try:  # argparse's refusals exit; the commands' own checks return the code
-            code: object = cli.main(args)
-        except SystemExit as exited:
-            code = exited.code
-        said = capsys.readouterr()
-        assert code == 2 and says in said.err, (args, code, said.err)
-        assert not said.out, (args, said.out)
+        assert_cli_refuses(capsys, args, says)
 
 
 def test_bench_tables_round_their_floats() -> None:

@@ -158,7 +158,7 @@ def test_user_spans_reach_torch_profiler() -> None:
 def test_cli_summarize_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """summarize and plot as a user runs them (a process each); their refusals of bad input
     in this process (each process costs a torch import)."""
-    from overlap import cli
+    from tests.unit.test_cli import assert_cli_refuses
 
     path = tmp_path / "t.json"
     make_trace().export_chrome(str(path))
@@ -184,12 +184,7 @@ def test_cli_summarize_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["trace", "summarize", str(bad)], "not valid JSON"),
         (["trace", "plot", str(path), "--steps", "x"], "slice syntax"),
     ):
-        try:  # argparse's refusals exit; the commands' own checks return the code
-            code: object = cli.main(args)
-        except SystemExit as exited:
-            code = exited.code
-        said = capsys.readouterr()
-        assert code == 2 and says in said.err and not said.out, (args, code, said)
+        assert_cli_refuses(capsys, args, says)
 
 
 def test_tracer_keeps_at_most_max_spans() -> None:
