@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -348,21 +349,41 @@ def run_demo(
     link: str = "loopback",
 ) -> dict[int, dict[str, Any]]:
     """Launch ``world_size`` local ranks with torch's elastic launcher; return their results."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=0,
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results: dict[int, dict[str, Any]] = elastic_launch(config, demo_rank)(
-        steps, model_size, os.path.abspath(out_dir), link
-    )
+    # the launcher's per-rank error files go to a directory of ours, removed afterwards:
+    # left to itself it makes a /tmp/torchelastic_* directory per run and never removes it
+    with tempfile.TemporaryDirectory(prefix="overlap-demo-") as log_dir:
+        config = _launch_config(
+            log_dir,
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=world_size,
+            run_id=uuid.uuid4().hex[:8],
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+            max_restarts=0,
+            monitor_interval=0.2,
+            start_method="spawn",
+        )
+        results: dict[int, dict[str, Any]] = elastic_launch(config, demo_rank)(
+            steps, model_size, os.path.abspath(out_dir), link
+        )
     return results
+
+
+def _launch_config(log_dir: str, **fields: Any) -> Any:
+    """torch's LaunchConfig writing its logs under ``log_dir``: torch >= 2.3 takes a
+    ``logs_specs``, torch 2.2 a ``log_dir`` field."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "logs_specs" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+        fields["logs_specs"] = DefaultLogsSpecs(log_dir=log_dir)
+    else:  # torch 2.2
+        fields["log_dir"] = log_dir
+    return LaunchConfig(**fields)

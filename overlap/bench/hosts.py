@@ -68,6 +68,7 @@ class Cluster(list[Host]):
     them (what a cluster's hostfile and ssh would give)."""
 
     launcher: str = ""  # hydra's ssh launcher stand-in: runs the proxy on the named host
+    tmp: str = ""  # a directory of the cluster's, removed with its hosts
 
     def torchrun_args(self, host: Host, procs_per_host: int, run_id: str) -> list[str]:
         """torchrun's multi-node arguments for ``host`` (c10d rendezvous on host 0). Host
@@ -78,6 +79,9 @@ class Cluster(list[Host]):
             *["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self[0].addr}:29400"],
             *["--rdzv-id", run_id, "--local-addr", host.addr, "--max-restarts", "0"],
             *["--rdzv-conf", f"is_host={int(host.index == 0)}"],
+            # torchrun's error files go under the cluster's own directory, removed with it
+            # (left to itself each agent makes a /tmp/torchelastic_* and never removes it)
+            *["--log-dir", os.path.join(self.tmp, "torchrun")],
         ]
 
     def torchrun(
@@ -172,6 +176,7 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
                         *["root", "tbf", "rate", link, "burst", "512kb", "latency", "100ms"],
                     )
                 hosts.append(Host(i, ns, addr))
+            hosts.tmp = tmp
             hosts.launcher = os.path.join(tmp, "launcher")
             cases = "\n".join(f"  {h.addr}) ns={h.netns};;" for h in hosts)
             with open(hosts.launcher, "w") as f:

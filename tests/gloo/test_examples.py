@@ -43,28 +43,23 @@ def test_pipeline_example_runs_standalone() -> None:
 def _torchrun(script: str, *args: str, n: int = 2) -> subprocess.CompletedProcess[str]:
     import os
 
+    import tempfile
+
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(n),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "127.0.0.1:0",
-            script,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
-    )
+    with tempfile.TemporaryDirectory() as log_dir:  # else torchrun leaves a /tmp/torchelastic_*
+        return subprocess.run(
+            [
+                *[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)],
+                *["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"],
+                *["--log-dir", log_dir, script, *args],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=env,
+        )
 
 
 def test_async_training_example_under_torchrun() -> None:

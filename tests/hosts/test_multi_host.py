@@ -279,22 +279,26 @@ def _dead_creator(name: str) -> bool:
     return not pid_alive(int(parts[1]))
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, tmp: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``overlap args`` (with TMPDIR=``tmp`` when given)."""
+    env = _env() if tmp is None else {**_env(), "TMPDIR": str(tmp)}
     return subprocess.run(
         [sys.executable, "-m", "overlap.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=str(ROOT),
-        env=_env(),
+        env=env,
     )
 
 
-def test_bench_ops_and_train_run_on_namespace_hosts() -> None:
+def test_bench_ops_and_train_run_on_namespace_hosts(tmp_path: Path) -> None:
     ops = _cli(
         *["bench", "ops", "--hosts", "2", "--procs-per-host", "1", "--link", "1gbit"],
         *["--op", "all_reduce", "--sizes", "4,64KiB", "--iters", "5", "--warmup", "1", "--json"],
+        tmp=tmp_path,
     )
+    assert not list(tmp_path.iterdir())  # torchrun's agents left torchelastic_* dirs here before
     assert ops.returncode == 0, ops.stderr[-3000:]
     rows = json.loads(ops.stdout)
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_reduce", 4), ("all_reduce", 65536)]

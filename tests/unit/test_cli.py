@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 OVERLAP = [sys.executable, "-m", "overlap.cli"]
 
 
-def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*OVERLAP, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [*OVERLAP, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
     )
 
 
@@ -44,8 +46,14 @@ def test_env_reports_backends() -> None:
 
 
 def test_demo_runs_two_ranks_and_writes_trace_and_timeline(tmp_path: Path) -> None:
-    out = run("demo", "--steps", "2", "--model-size", "small", "--out-dir", str(tmp_path))
+    scratch = tmp_path / "tmp"  # the demo's TMPDIR: it must leave nothing there
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    out = run("demo", "--steps", "2", "--model-size", "small", "--out-dir", str(tmp_path), env=env)
     assert out.returncode == 0, out.stdout + out.stderr
+    # torch's launcher left a torchelastic_* here before; torch's compile cache is meant to stay
+    left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
+    assert not left, left
     for variant in ("ddp", "overlap-none", "overlap-fp16", "overlap-onebit"):
         assert variant in out.stdout
     assert "overlap ratio" in out.stdout and "ui.perfetto.dev" in out.stdout
