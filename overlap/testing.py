@@ -11,6 +11,17 @@ which ranks, and the pool is torn down (the next call starts fresh processes): a
 fast instead of stalling the suite.
 
 ``fn`` and its arguments are pickled, so ``fn`` must be importable (defined at module level).
+
+Ranks are forked from multiprocessing's fork server (``start_method="forkserver"``, the
+default where the platform has one), which imports torch and overlap once for the whole
+process: a rank then starts in tens of milliseconds instead of paying torch's import (about
+3 s of CPU each on a small machine), which is most of what a short multi-process test costs.
+The server is a fresh interpreter, not a copy of the caller (no threads, no CUDA context,
+no event loop are inherited), and each rank is given the caller's ``os.environ`` as it is
+at ``start()``, so ranks see the environment a spawned process would. What only takes
+effect when a process is exec'd (glibc's ``MALLOC_*``/``GLIBC_TUNABLES``, ``LD_PRELOAD``)
+comes from the environment the server started with; ``start_method="spawn"`` starts every
+rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -53,6 +64,24 @@ def _free_port() -> int:
         return port
 
 
+# what the fork server imports once, so that its ranks do not: torch (through overlap) and
+# this module, whose _worker every rank runs; "__main__" as spawn would (a script's own
+# functions stay importable by the ranks)
+_PRELOAD = ["__main__", "overlap.testing"]
+START_METHODS = ("forkserver", "spawn")
+
+
+def _default_start_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _context(method: str) -> Any:
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # read once, when the server starts
+    return ctx
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -62,6 +91,9 @@ def _worker(
     env: dict[str, str],
     timeout: float,
 ) -> None:
+    # the caller's environment at start() and the pool's own: a forked rank would otherwise
+    # have the fork server's, as it was when the server started
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -127,9 +159,21 @@ class RankPool:
         backend: str = "gloo",
         timeout: float = 120.0,
         env: dict[str, str] | None = None,
+        start_method: str | None = None,
     ) -> None:
+        """``env``: set in every rank on top of the caller's environment (OMP_NUM_THREADS is
+        1 unless given). ``start_method``: "forkserver" (the default where the platform has
+        one) or "spawn"; the module's docstring says what differs."""
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
+        method = start_method or _default_start_method()
+        if method not in START_METHODS or method not in mp.get_all_start_methods():
+            have = [m for m in START_METHODS if m in mp.get_all_start_methods()]
+            raise ValueError(
+                f"start_method={start_method!r}: RankPool starts ranks with one of {have} "
+                "(not 'fork': a copy of the caller would inherit its threads and locks)"
+            )
+        self.start_method = method
         self.world_size = world_size
         self.backend = backend
         self.timeout = timeout
@@ -141,13 +185,14 @@ class RankPool:
     def start(self) -> RankPool:
         if self._procs:
             return self
-        ctx = mp.get_context("spawn")
+        ctx = _context(self.start_method)
         port = _free_port()
+        env = {**os.environ, **self.env}
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, child, self.backend, self.env, self.timeout),
+                args=(rank, self.world_size, port, child, self.backend, env, self.timeout),
                 name=f"overlap-rank-{rank}",
                 daemon=True,
             )
@@ -288,8 +333,12 @@ def spawn_ranks(
     timeout: float = 120.0,
     loop: LoopKind | None = None,
     env: dict[str, str] | None = None,
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``world_size`` fresh processes; return their results."""
-    with RankPool(world_size, backend=backend, timeout=timeout, env=env) as pool:
+    pool = RankPool(
+        world_size, backend=backend, timeout=timeout, env=env, start_method=start_method
+    )
+    with pool:
         return pool.run(fn, *args, timeout=timeout, loop=loop, **kwargs)

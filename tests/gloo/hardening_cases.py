@@ -150,6 +150,15 @@ def skip_flag_covers_every_bucket() -> list[bool]:
         sched.remove()
 
 
+def environment_seen() -> tuple[str | None, str | None, str | None, int]:
+    """(OVERLAP_TEST_MARK, OVERLAP_TEST_OWN, OVERLAP_TEST_GONE, parent's pid) in this rank."""
+    import os
+
+    env = os.environ
+    got = env.get("OVERLAP_TEST_MARK"), env.get("OVERLAP_TEST_OWN"), env.get("OVERLAP_TEST_GONE")
+    return (*got, os.getppid())
+
+
 def debug_enabled() -> bool:
     from overlap.comm import debug
 

@@ -42,7 +42,6 @@ def test_pipeline_example_runs_standalone() -> None:
 
 def _torchrun(script: str, *args: str, n: int = 2) -> subprocess.CompletedProcess[str]:
     import os
-
     import tempfile
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

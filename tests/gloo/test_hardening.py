@@ -46,6 +46,34 @@ def test_spawn_ranks_env_enables_debug_mode() -> None:
     assert spawn_ranks(hc.debug_enabled, 1, env={"OVERLAP_DEBUG": "1"}, timeout=60) == [True]
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_as_it_is_at_start(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """A forked rank gets the caller's environment of now, not the fork server's of when it
+    started (the first call may start the server; the second finds it running)."""
+    import os
+
+    monkeypatch.setenv("OVERLAP_TEST_GONE", "set")
+    for mark, gone in (("first", "set"), ("second", None)):
+        monkeypatch.setenv("OVERLAP_TEST_MARK", mark)
+        own = {"OVERLAP_TEST_OWN": mark}
+        got = spawn_ranks(hc.environment_seen, 2, env=own, start_method=method, timeout=60)
+        assert [g[:3] for g in got] == [(mark, mark, gone)] * 2, got
+        monkeypatch.delenv("OVERLAP_TEST_GONE", raising=False)
+    parents = {g[3] for g in got}
+    if method == "forkserver":  # forked by the server, which imported torch once
+        assert os.getpid() not in parents, parents
+    else:
+        assert parents == {os.getpid()}
+
+
+def test_a_start_method_rank_pool_cannot_use_is_refused() -> None:
+    for bad in ("fork", "threads"):
+        with pytest.raises(ValueError, match=f"start_method='{bad}': RankPool starts ranks"):
+            RankPool(2, start_method=bad)
+
+
 def test_scheduler_lifecycle_refusals_and_release(pools: Callable[[int], RankPool]) -> None:
     cycles = 30
     for out in pools(2).run(hc.scheduler_lifecycle, cycles, timeout=180):
