@@ -68,6 +68,15 @@ def main() -> None:
     except Exception as e:  # what the user sees: the type and when
         text = f"{type(e).__name__} {time.monotonic() - last:.2f} {str(e)[:300]}"
         _record(os.path.join(out, f"error.{rank}"), text)
+        # torchrun's agent stops a host's other ranks once one of them exits: stay until they
+        # have recorded their own errors (or long past the test's patience, so that a rank
+        # that really hangs is still there for the test to take its stacks)
+        local = comm.get_local_world_size()
+        first = comm.get_node_rank() * local
+        peers = [os.path.join(out, f"error.{r}") for r in range(first, first + local)]
+        deadline = time.monotonic() + timeout + 40
+        while not all(map(os.path.exists, peers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(3)
 
 

@@ -181,14 +181,16 @@ def _fault(
 
     script = str(ROOT / "tests" / "hosts" / "fault_script.py")
     with namespace_hosts(2, link="1gbit") as hosts:
-        procs = hosts.torchrun(
-            [script, str(tmp_path), str(timeout), *(["train"] if mode == "train" else [])],
-            2,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=_env(),
-            cwd=str(ROOT),
-        )
+        log = tmp_path / "stderr.log"  # both hosts' launchers and ranks: shown on a hang
+        with open(log, "w") as err:
+            procs = hosts.torchrun(
+                [script, str(tmp_path), str(timeout), *(["train"] if mode == "train" else [])],
+                2,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=_env(),
+                cwd=str(ROOT),
+            )
         try:
             deadline = time.monotonic() + 90
             while not all((tmp_path / f"ready.{r}").exists() for r in range(4)):
@@ -206,7 +208,8 @@ def _fault(
                 subprocess.run(["ip", "-n", hosts[1].netns, "link", "set", "eth0", "down"])
             while not all((tmp_path / f"error.{r}").exists() for r in (0, 1)):
                 if time.monotonic() - t0 >= timeout + 20:
-                    raise AssertionError(f"host 0's ranks still hang:\n{_stacks(tmp_path)}")
+                    stacks, said = _stacks(tmp_path), log.read_text()[-4000:]
+                    raise AssertionError(f"host 0's ranks still hang:\n{stacks}\n{said}")
                 time.sleep(0.1)
             procs[0].wait(timeout=30)  # and the job on host 0 ends
             errors = {r: (tmp_path / f"error.{r}").read_text() for r in (0, 1)}
