@@ -30,7 +30,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from overlap.bench.link import _remove, _run, _terminate_as_exit, check_rate, require_root
+from overlap.bench.link import (
+    _hosts_file,
+    _remove,
+    _run,
+    _terminate_as_exit,
+    check_rate,
+    require_root,
+)
 from overlap.runtime import pid_alive
 
 __all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
@@ -176,6 +183,8 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
                         *["root", "tbf", "rate", link, "burst", "512kb", "latency", "100ms"],
                     )
                 hosts.append(Host(i, ns, addr))
+            for h in hosts:  # every host resolves every other, as on a cluster
+                _hosts_file(h.netns, [(o.addr, o.netns) for o in hosts])
             hosts.tmp = tmp
             hosts.launcher = os.path.join(tmp, "launcher")
             cases = "\n".join(f"  {h.addr}) ns={h.netns};;" for h in hosts)

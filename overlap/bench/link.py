@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["LinkError", "check_rate", "require_root", "shaped_link"]
@@ -45,13 +45,43 @@ def _run(*cmd: str) -> None:
         raise LinkError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
 
 
+# ``ip netns exec NAME`` bind-mounts the files of /etc/netns/NAME over their namesakes in /etc
+NETNS_ETC = "/etc/netns"
+
+
+def _hosts_file(name: str, hosts: Sequence[tuple[str, str]] = ()) -> None:
+    """Give namespace ``name`` an /etc/hosts: the machine's, plus the IPv4-mapped loopback
+    and each ``(address, host name)`` of ``hosts`` in both forms.
+
+    torch's c10d store names the peer of every connection it accepts. On a dual-stack
+    socket an IPv4 peer is ``::ffff:a.b.c.d``, which /etc/hosts does not list, so the lookup
+    goes to DNS; inside a namespace no name server is reachable, and each connection printed
+    "[c10d] The hostname of the client socket cannot be retrieved. err=-3" (three in every
+    demo run). A real cluster's hosts resolve each other; these now do too."""
+    try:
+        with open("/etc/hosts") as f:
+            base = f.read()
+    except OSError:
+        base = "127.0.0.1 localhost\n"
+    lines = [base.rstrip("\n"), "# overlap's, for this namespace", "::ffff:127.0.0.1 localhost"]
+    for addr, host in hosts:
+        lines += [f"{addr} {host}", f"::ffff:{addr} {host}"]
+    folder = os.path.join(NETNS_ETC, name)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "hosts"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def _remove(name: str) -> None:
-    """Kill what still runs inside namespace ``name``, then delete it."""
+    """Kill what still runs inside namespace ``name``, then delete it and its /etc files."""
     pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
     for pid in pids.stdout.split():
         with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
             os.kill(int(pid), signal.SIGKILL)
     subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+    with contextlib.suppress(OSError):  # made by _hosts_file; kept while anyone uses it
+        os.rmdir(NETNS_ETC)
 
 
 @contextlib.contextmanager
@@ -94,6 +124,7 @@ def shaped_link(rate: str) -> Iterator[list[str]]:
     name = f"overlap-{os.getpid()}"
     _run("ip", "netns", "add", name)
     try:
+        _hosts_file(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
         _run(
             "ip",

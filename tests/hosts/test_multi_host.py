@@ -62,9 +62,17 @@ def _child_holding_hosts() -> tuple[subprocess.Popen[str], str]:
     return child, child.stdout.readline().strip()
 
 
+def _etc_netns() -> list[str]:
+    """What /etc/netns holds (each namespace host's own /etc/hosts lies there)."""
+    from overlap.bench.link import NETNS_ETC
+
+    return os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else []
+
+
 def _ours() -> list[str]:
-    listed = _netns()
-    return [x.split()[0] for x in listed.splitlines() if x.startswith(f"ovh{os.getpid()}-")]
+    """This process's namespaces, and their files in /etc/netns, still there."""
+    listed = [x.split()[0] for x in _netns().splitlines()] + _etc_netns()
+    return [x for x in listed if x.startswith(f"ovh{os.getpid()}-")]
 
 
 def _torchrun_job(script: str) -> dict[str, object]:
@@ -137,8 +145,10 @@ def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
     child.send_signal(signal.SIGKILL)  # no clean-up can run
     child.wait(timeout=30)
     time.sleep(0.2)
+    assert [x for x in _etc_netns() if x.startswith(f"{tag}-")]
     with namespace_hosts(1):  # sweeps what dead processes left, then makes its own
         assert tag not in _netns()
+        assert not [x for x in _etc_netns() if x.startswith(f"{tag}-")]
     assert sweep_stale() == []
     assert _ours() == []
 
@@ -148,6 +158,24 @@ def test_sigterm_removes_the_hosts() -> None:
     child.terminate()
     child.wait(timeout=30)
     assert tag not in _netns()
+    assert not [x for x in _etc_netns() if x.startswith(f"{tag}-")]
+
+
+def test_hosts_resolve_each_other_and_the_mapped_loopback() -> None:
+    """As a cluster's hosts do. c10d's store looks up the name of every peer it accepts, as
+    ``::ffff:a.b.c.d`` on its dual-stack socket; with no name server reachable from a
+    namespace each lookup failed and torch printed a warning per connection."""
+    from overlap.bench.hosts import namespace_hosts
+
+    with namespace_hosts(2) as hosts:
+        for h in hosts:
+            for name, addr in [(o.netns, o.addr) for o in hosts] + [("localhost", "127.0.0.1")]:
+                for query in (name, f"::ffff:{addr}"):
+                    got = subprocess.run(
+                        [*h.prefix(), "getent", "hosts", query], capture_output=True, text=True
+                    )
+                    assert got.returncode == 0 and name in got.stdout.split(), (h, query, got)
+    assert _ours() == []
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -302,6 +330,8 @@ def test_bench_ops_and_train_run_on_namespace_hosts(tmp_path: Path) -> None:
         tmp=tmp_path,
     )
     assert not list(tmp_path.iterdir())  # torchrun's agents left torchelastic_* dirs here before
+    # the hosts resolve the addresses c10d's store names its peers by (no DNS in a namespace)
+    assert "cannot be retrieved" not in ops.stderr, ops.stderr[-3000:]
     assert ops.returncode == 0, ops.stderr[-3000:]
     rows = json.loads(ops.stdout)
     assert [(r["op"], r["bytes"]) for r in rows] == [("all_reduce", 4), ("all_reduce", 65536)]
