@@ -9,6 +9,7 @@ Needs root (CAP_NET_ADMIN); without it, :class:`LinkError` says so.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -19,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["LinkError", "check_rate", "require_root", "shaped_link"]
+
+log = logging.getLogger(__name__)
 
 
 class LinkError(RuntimeError):
@@ -67,9 +70,17 @@ def _hosts_file(name: str, hosts: Sequence[tuple[str, str]] = ()) -> None:
     for addr, host in hosts:
         lines += [f"{addr} {host}", f"::ffff:{addr} {host}"]
     folder = os.path.join(NETNS_ETC, name)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "hosts"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    except OSError as exc:  # a read-only /etc: the namespace works, torch only warns more
+        log.warning(
+            "could not give namespace %s its own hosts file (%s): torch's c10d may "
+            "warn that it cannot name its peers",
+            name,
+            exc,
+        )
 
 
 def _remove(name: str) -> None:
