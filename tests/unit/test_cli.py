@@ -114,6 +114,7 @@ def test_readme_quick_start_runs_alone_and_on_two_ranks(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--log-dir", str(tmp_path / "logs")]  # else a /tmp/torchelastic_* stays
     for launch in ([], [*torchrun, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]):
         out = subprocess.run(
             [sys.executable, *launch, str(script)],
@@ -126,7 +127,7 @@ def test_readme_quick_start_runs_alone_and_on_two_ranks(tmp_path: Path) -> None:
         assert out.returncode == 0, (launch, out.stdout + out.stderr)
 
 
-def test_torchrun_example() -> None:
+def test_torchrun_example(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(
@@ -142,6 +143,8 @@ def test_torchrun_example() -> None:
             "c10d",
             "--rdzv-endpoint",
             "127.0.0.1:0",
+            "--log-dir",
+            str(tmp_path),  # else torchrun leaves a /tmp/torchelastic_* behind
             str(ROOT / "examples" / "async_allreduce.py"),
         ],
         capture_output=True,
