@@ -127,32 +127,10 @@ def test_readme_quick_start_runs_alone_and_on_two_ranks(tmp_path: Path) -> None:
         assert out.returncode == 0, (launch, out.stdout + out.stderr)
 
 
-def test_torchrun_example(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "127.0.0.1:0",
-            "--log-dir",
-            str(tmp_path),  # else torchrun leaves a /tmp/torchelastic_* behind
-            str(ROOT / "examples" / "async_allreduce.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        cwd=ROOT,
-    )
+def test_torchrun_example() -> None:
+    from tests.gloo.test_examples import _torchrun  # the suite's torchrun of an example
+
+    out = _torchrun("examples/async_allreduce.py")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "averaged over 2 ranks: [0.5, 1.5, 2.5, 3.5]" in out.stdout
 
