@@ -1,28 +1,52 @@
 #!/usr/bin/env bash
 # The CPU benchmarks whose goals this 2-core development machine cannot settle (its ranks
 # share two cores), run on the lent GPU machine's 16 CPU cores: several namespace hosts
-# (issue 14), the ops (issue 15) and streaming DiLoCo (issue 21). Needs root there and the
-# `ip`/`tc` that scripts/gpu-wheels.sh puts in .whl/netbin (run with carry [".whl"]).
-# Output: one file per benchmark in $OUT (./device-cpu-out without it). About 7 minutes.
+# (issue 14), streaming DiLoCo (issue 21) and the awaited ops on gloo and MPI (issue 15).
+# Needs root there and the `ip`/`tc` that scripts/gpu-wheels.sh puts in .whl/netbin (run
+# with carry [".whl"]); the MPI ops use the mpich/mpi4py wheels that scripts/gpu-check.sh
+# installed (run it first in the same command; without them that bench is skipped).
+# Output: one file per benchmark in $OUT (./device-cpu-out without it).
+# DEADLINE (epoch seconds, optional): a benchmark whose time limit would run past it is
+# skipped, so a lease-bound run ends with the results it had time for. The benchmarks run
+# in the order of what is least settled; about 9 minutes with no deadline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-$PWD/device-cpu-out}"
 mkdir -p "$OUTDIR"
+SITE="${TMPDIR:-/tmp}/overlap-gpu-site"
 export PATH="$PWD/.whl/netbin:$PATH" LD_LIBRARY_PATH="$PWD/.whl/netbin/lib" PYTHONPATH="$PWD"
 PY="${PYTHON:-python3}"
+DEADLINE="${DEADLINE:-0}"
 bench() {  # name, seconds, arguments
     local name=$1 secs=$2
     shift 2
-    echo "== $name: overlap bench $*"
+    if [ "$DEADLINE" -gt 0 ] && [ $(( $(date +%s) + secs )) -gt "$DEADLINE" ]; then
+        echo "== $name: skipped (its $secs s would pass the deadline)"
+        return
+    fi
+    echo "== $name: overlap bench $* ($(date -u +%H:%M:%S))"
     timeout "$secs" "$PY" -m overlap.cli bench "$@" --markdown 2>"$OUTDIR/$name.err" \
         | tee "$OUTDIR/$name.md" | grep '^|'
 }
 "$PY" -m overlap.cli env | tee "$OUTDIR/env.txt"  # which CPU codec ran (numba or torch ops)
 nproc >> "$OUTDIR/env.txt"
-bench hosts-1gbit 240 train --hosts 2 --procs-per-host 2 --link 1gbit --variant compute \
+ONEBIT=(--variant compute --variant overlap-onebit-flat --variant overlap-onebit)
+bench hosts-1gbit 200 train --hosts 2 --procs-per-host 2 --link 1gbit --variant compute \
     --variant ddp --variant ddp-fp16 --variant overlap-onebit-flat --variant overlap-onebit \
     --steps 8 --warmup 3
-bench ops 170 ops --op all_reduce --op broadcast --op sendrecv --sizes 4,16MiB --iters 1500
-bench diloco-1gbit 120 train --link 1gbit --pin-heap --variant compute --variant diloco \
+bench diloco-1gbit 110 train --link 1gbit --pin-heap --variant compute --variant diloco \
     --variant diloco-streaming --steps 32 --warmup 8
+bench hosts-1gbit-2 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
+    --steps 8 --warmup 3
+bench diloco-1gbit-2 80 train --link 1gbit --pin-heap --variant compute \
+    --variant diloco-streaming --steps 32 --warmup 8
+if [ -x "$SITE/bin/mpiexec" ]; then
+    LIBMPI="$(find "$SITE/mpich" -name 'libmpi.so.12' 2>/dev/null | head -1)"
+    PYTHONPATH="$SITE:$PWD" OVERLAP_MPIEXEC="$SITE/bin/mpiexec" MPI4PY_LIBMPI="$LIBMPI" \
+        PATH="$SITE/bin:$PATH" bench ops-mpi 90 ops --backend mpi --op all_reduce \
+        --op sendrecv --sizes 8,1MiB --iters 1500
+fi
+bench ops 100 ops --op all_reduce --op broadcast --op sendrecv --sizes 4,16MiB --iters 1500
+bench hosts-1gbit-3 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
+    --steps 8 --warmup 3
 echo "namespaces left: $(ip netns list | wc -l)"
