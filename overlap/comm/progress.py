@@ -15,13 +15,19 @@ So each event loop that awaits MPI handles gets one :class:`ProgressEngine`:
   behind it. Awaiting the last of 4,000 all_reduces first took 8.7 s with the back-off
   (MPI called once a millisecond) against 0.9 s for an mpi4py ``Test`` loop;
 * with nothing in flight it does not run at all;
-* the first op awaited on an idle loop is tested in a tight loop for up to 200 us
+* the first op awaited on an idle loop is tested in a tight loop for up to 1 ms
   (``OVERLAP_MPI_SPIN_US``; the ops of one ``collect_all`` share one window,
   overlap.comm.spin) before joining the ticks: small ops then complete without two
-  loop round trips, and a 1 MiB one (about 140 us here) without any. Measured on 2 ranks:
-  an awaited 8-byte Iallreduce took 21.7 us with no spin and 12.5 us with a 20 us spin;
-  against mpi4py's Iallreduce + Wait, side by side, a 50 us spin made an awaited 256 KiB
-  one 1.18x and a 1 MiB one 1.17x, 200 us 1.03x and 1.03x, 500 us no better;
+  loop round trips, and ops up to about 4 MiB without any. Measured on 2 ranks: an
+  awaited 8-byte Iallreduce took 21.7 us with no spin and 12.5 us with a 20 us spin.
+  An op that outlasts the spin costs 10-17% more than mpi4py's Iallreduce + Wait until
+  about 16 MiB (its future, the ticks, and Tests spread over loop round trips while the
+  peer waits for this rank's next piece), so the window is set by the slowest machine's
+  time for the sizes that matter: 200 us covered 1 MiB where it took 140 us, not where it
+  took 240-310 us (a later 2-core machine, the lent 16-core one), and there 1 ms made an
+  awaited 1 MiB all_reduce 1.11x mpi4py's instead of 1.23x, and 4 MiB 1.05x instead of
+  1.16x (docs/benchmarks.md). The window only bounds how long the loop is held for an op
+  that has not finished by then;
 * each later tick first tests the oldest pending request in a tight loop for up to 20 us
   (``OVERLAP_MPI_TICK_SPIN_US``; not while backing off), then polls the batch. MPI moves a
   large message a piece per MPI call, so the rate of calls sets its speed, and a batch
@@ -79,7 +85,7 @@ def others_open(polled: int) -> bool:
     return _open > polled
 
 
-SPIN_S = _knobs.number("OVERLAP_MPI_SPIN_US", 200, low=0, high=1e5, unit="microseconds") * 1e-6
+SPIN_S = _knobs.number("OVERLAP_MPI_SPIN_US", 1000, low=0, high=1e5, unit="microseconds") * 1e-6
 TICK_SPIN_S = (
     _knobs.number("OVERLAP_MPI_TICK_SPIN_US", 20, low=0, high=1e5, unit="microseconds") * 1e-6
 )
