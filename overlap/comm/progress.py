@@ -21,8 +21,8 @@ So each event loop that awaits MPI handles gets one :class:`ProgressEngine`:
   loop round trips, and ops up to about 4 MiB without any. Measured on 2 ranks: an
   awaited 8-byte Iallreduce took 21.7 us with no spin and 12.5 us with a 20 us spin.
   An op that outlasts the spin costs 10-17% more than mpi4py's Iallreduce + Wait until
-  about 16 MiB (its future, the ticks, and Tests spread over loop round trips while the
-  peer waits for this rank's next piece), so the window is set by the slowest machine's
+  about 16 MiB (its future, and the loop round trips between ticks, in which this rank
+  makes no MPI call and the op does not move), so the window is set by the slowest machine's
   time for the sizes that matter: 200 us covered 1 MiB where it took 140 us, not where it
   took 240-310 us (a later 2-core machine, the lent 16-core one), and there 1 ms made an
   awaited 1 MiB all_reduce 1.11x mpi4py's instead of 1.23x, and 4 MiB 1.05x instead of
