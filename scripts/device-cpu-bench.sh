@@ -5,7 +5,7 @@
 # Needs root there and the `ip`/`tc` that scripts/gpu-wheels.sh puts in .whl/netbin (run
 # with carry [".whl"]); the MPI ops use the mpich/mpi4py wheels that scripts/gpu-check.sh
 # installed (run it first in the same command; without them that bench is skipped).
-# Output: one file per benchmark in $OUT (./device-cpu-out without it).
+# Output: a JSON file (and its stderr) per benchmark in $OUT (./device-cpu-out without it).
 # DEADLINE (epoch seconds, optional): a benchmark whose time limit would run past it is
 # skipped, so a lease-bound run ends with the results it had time for. The benchmarks run
 # in the order of what is least settled; about 9 minutes with no deadline.
@@ -25,8 +25,10 @@ bench() {  # name, seconds, arguments
         return
     fi
     echo "== $name: overlap bench $* ($(date -u +%H:%M:%S))"
-    timeout "$secs" "$PY" -m overlap.cli bench "$@" --markdown 2>"$OUTDIR/$name.err" \
-        | tee "$OUTDIR/$name.md" | grep '^|'
+    # JSON keeps every field (per-step times, the buckets' timeline, CPU per thread), which
+    # a later session can read without device time; the summary is for the run's output.
+    timeout "$secs" "$PY" -m overlap.cli bench "$@" --json >"$OUTDIR/$name.json" \
+        2>"$OUTDIR/$name.err" && "$PY" scripts/bench_summary.py "$OUTDIR/$name.json"
 }
 "$PY" -m overlap.cli env | tee "$OUTDIR/env.txt"  # which CPU codec ran (numba or torch ops)
 nproc >> "$OUTDIR/env.txt"
