@@ -34,6 +34,16 @@ class Bucket:
     # and the spans of ``flat`` that hold the others (each a maximal run of them)
     solo: tuple[int, ...] = ()
     rest: tuple[tuple[int, int], ...] = ()
+    # each parameter's view of ``flat``, made once: the hooks and the copy back ask for one
+    # per parameter and step, and a slice + view_as made on each ask was about 8% of a small
+    # model's CPU step (a sampling profile of 6 Linear(64, 64) layers, one bucket each)
+    views: list[torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.views = [
+            self.flat[a : a + p.numel()].view_as(p)
+            for p, a in zip(self.params, self.offsets, strict=True)
+        ]
 
     @property
     def numel(self) -> int:
@@ -48,8 +58,8 @@ class Bucket:
         return [p.shape for p in self.params]
 
     def view_of(self, pos: int) -> torch.Tensor:
-        p = self.params[pos]
-        return self.flat[self.offsets[pos] : self.offsets[pos] + p.numel()].view_as(p)
+        """Parameter ``pos``'s slot of ``flat``, shaped like it (the same object every time)."""
+        return self.views[pos]
 
     def plan_solo(self, min_bytes: int) -> None:
         """Choose :attr:`solo` and :attr:`rest`: tensors of at least ``min_bytes`` are
