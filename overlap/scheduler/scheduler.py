@@ -800,11 +800,11 @@ class BucketScheduler:
             # before any collective (streams.py, "Out of step")
             raise (yield from self._stop_here(None))
         n, w, me = len(self.params), self.world, comm.get_rank(self.ctrl)
-        # the parameters used on each rank, then per rank: its backward raised halfway, it
-        # unfroze a parameter the buckets lack; either drops the step on every rank
-        # Built and read in Python (a bytearray under the tensor, one tolist() back): with
-        # tensor indexing, nonzero() and any() the vote cost 83 us a step at 12 parameters
-        # and 319 us at 1,000, against 6 and 82 (timeit, this machine)
+        # The parameters used on each rank, then per rank: its backward raised halfway, it
+        # unfroze a parameter the buckets lack (either drops the step on every rank), it has
+        # joined. Built and read in Python, a bytearray under the tensor and one tolist()
+        # back: with tensor indexing, nonzero() and any() the vote cost 83 us a step at 12
+        # parameters and 319 us at 1,000, against 6 and 82 (timeit, this machine).
         votes = bytearray(n + 3 * w)
         for i in self._order:
             votes[i] = 1
