@@ -118,10 +118,74 @@ def check() -> None:
     assert torch.equal(z, torch.full((2,), 8.0)), z
 
 
+def check_p2p() -> None:
+    """isend/irecv seen before take their ready calls: the same matching, values, sender
+    and errors as the full path, and nothing changed since gets through."""
+    r = comm.get_rank()
+    peer = 1 - r
+    backend = state.active()
+    raised: dict[str, str] = {}
+    catch = catcher(raised)
+    out, inp = torch.zeros(4), torch.full((4,), float(r))
+    for i in range(3):  # the first builds, later ones hit
+        inp.fill_(float(10 * i + r))
+        got = comm.irecv(out, src=peer)
+        comm.isend(inp, dst=peer).wait()
+        got.wait()
+        assert torch.equal(out, torch.full((4,), float(10 * i + peer))), (i, out)
+        assert got.source == peer, got.source
+    assert any(k[0] == "isend" for k in backend._ready if isinstance(k[0], str)), backend._ready
+    assert any(k[0] == "irecv" for k in backend._ready if isinstance(k[0], str)), backend._ready
+
+    # Two tags in flight on the same tensors' addresses: each lands where its tag says.
+    a, b = torch.zeros(2), torch.zeros(2)
+    ha, hb = comm.irecv(a, src=peer, tag=1), comm.irecv(b, src=peer, tag=2)
+    comm.isend(torch.full((2,), 2.0), dst=peer, tag=2).wait()
+    comm.isend(torch.full((2,), 1.0), dst=peer, tag=1).wait()
+    ha.wait()
+    hb.wait()
+    assert a.tolist() == [1.0, 1.0] and b.tolist() == [2.0, 2.0], (a, b)
+
+    # Awaited, on the ready path.
+    async def pair() -> None:
+        await comm.collect_all([comm.irecv(out, src=peer), comm.isend(inp, dst=peer)])
+
+    inp.fill_(float(100 + r))
+    overlap.run(pair())
+    assert torch.equal(out, torch.full((4,), float(100 + peer))), out
+
+    # A peer given as True or 1.0 hashes like 1: the full path's answer, nothing sent.
+    catch("bool_dst", lambda: comm.isend(inp, dst=True))
+    catch("float_src", lambda: comm.irecv(out, src=1.0))  # type: ignore[arg-type]
+    assert raised["bool_dst"] != "no error" and raised["float_src"] != "no error", raised
+
+    # Same address, bytes and dtype, not contiguous: the documented error, nothing sent.
+    sq, sq2 = torch.zeros(2, 2), torch.ones(2, 2)
+    hsq = comm.irecv(sq, src=peer)
+    comm.isend(sq2, dst=peer).wait()
+    hsq.wait()
+    catch("view_send", lambda: comm.isend(sq2.t(), dst=peer))
+    catch("view_recv", lambda: comm.irecv(sq.t(), src=peer))
+    for name in ("view_send", "view_recv"):
+        assert raised[name].startswith("ValueError") and "contiguous" in raised[name], raised
+
+    # A short message into a receive on the ready path: still refused with its sizes.
+    big, small = torch.zeros(4), torch.ones(2)
+    h1 = comm.irecv(big, src=peer, tag=5)
+    comm.isend(torch.ones(4), dst=peer, tag=5).wait()
+    h1.wait()
+    h2 = comm.irecv(big, src=peer, tag=5)
+    comm.isend(small, dst=peer, tag=5).wait()
+    catch("short", lambda: h2.wait())
+    assert raised["short"].startswith("MessageMismatchError") and "2 bytes" not in raised["short"]
+    assert "received 8 bytes" in raised["short"], raised["short"]
+
+
 def main() -> None:
     overlap.init_distributed(dist_backend="mpi")
     try:
         check()
+        check_p2p()
         out = "READY ok"
     except BaseException:
         out = "READY " + traceback.format_exc().replace("\n", " | ")
