@@ -399,15 +399,7 @@ class MpiBackend:
             ready = self._ready.get(key)
         except Exception:  # not a tensor, no storage, an unhashable op: the full path
             key, ready = None, None
-        if (
-            ready is not None
-            and isinstance(tensor, _Tensor)
-            and tensor.is_cpu
-            and tensor.layout is _strided
-            and tensor.is_contiguous()
-            and self.timeout is None
-            and _hooks.observer is None
-        ):
+        if ready is not None and self._ready_now(tensor):
             g, start = ready
             try:
                 if not async_op:
@@ -821,31 +813,40 @@ class MpiBackend:
             "MPI_TAG_UB); use a smaller tag"
         )
 
-    def _ready_p2p(self, key: tuple[Any, ...], tensor: Any) -> Any:
-        """A point-to-point call seen before, or None: as all_reduce's ready calls, the key
-        holds everything the call was built from (op, address, bytes, dtype, peer, group,
-        tag), and the checks that can change between calls with the same key (a CPU,
-        strided, contiguous tensor; no job timeout, tracer or debug mode) run every time.
+    def _ready_p2p(
+        self, op: str, tensor: Any, peer: Any, group: Any, tag: Any
+    ) -> tuple[tuple[Any, ...] | None, Any]:
+        """(key, ready call or None) of a point-to-point call: as all_reduce's ready calls,
+        the key holds everything the call was built from (op, address, bytes, dtype, peer,
+        group, tag), and the checks that can change between calls with the same key run
+        every time (:meth:`_ready_now`). A peer or tag that is not an ``int`` (``True`` or
+        ``1.0`` hash like 1) gets no key: the full path says what it makes of it.
 
         Why: the full path of one ``irecv`` (the tensor and peer checks, the host view, the
         byte count, the post) cost 26 us on the 2-core machine right after a barrier, where
         mpi4py's ``Irecv`` took 2-4 (docs/benchmarks.md, "a correction")."""
+        if not ((peer is None or type(peer) is int) and type(tag) is int):
+            return None, None
         try:
+            key = (op, tensor.data_ptr(), tensor.nbytes, tensor.dtype, peer, group, tag)
             ready = self._ready.get(key)
-        except TypeError:  # an unhashable group or tag: the full path
-            return None
-        if (
-            ready is not None
-            and isinstance(tensor, _Tensor)
+        except Exception:  # not a tensor, no storage, an unhashable group: the full path
+            return None, None
+        return key, ready if ready is not None and self._ready_now(tensor) else None
+
+    def _ready_now(self, tensor: Any) -> bool:
+        """The checks a ready call makes on every call: what can differ between two calls
+        with the same key (a view at the same address, a tracer attached since, debug mode
+        turned on) sends it down the full path."""
+        return (
+            isinstance(tensor, _Tensor)
             and tensor.is_cpu
             and tensor.layout is _strided
             and tensor.is_contiguous()
             and self.timeout is None
             and _hooks.observer is None
             and not _debug._enabled
-        ):
-            return ready
-        return None
+        )
 
     def _keep_ready(self, key: tuple[Any, ...], g: MpiGroup, start: Callable[[], Any]) -> None:
         """Remember a call the full path accepted (a plain CPU tensor, nothing framed)."""
@@ -859,13 +860,7 @@ class MpiBackend:
             pass
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
-        key: tuple[Any, ...] | None = None
-        if type(dst) is int and type(tag) is int:  # 1.0 or True would hash like 1
-            try:
-                key = ("isend", tensor.data_ptr(), tensor.nbytes, tensor.dtype, dst, group, tag)
-            except Exception:  # not a tensor, no storage: the full path says what is wrong
-                key = None
-        ready = self._ready_p2p(key, tensor) if key is not None else None
+        key, ready = self._ready_p2p("isend", tensor, dst, group, tag)
         if ready is not None:
             g, start = ready
             try:
@@ -978,13 +973,7 @@ class MpiBackend:
     def irecv(
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
     ) -> Handle:
-        key: tuple[Any, ...] | None = None
-        if (src is None or type(src) is int) and type(tag) is int:  # 1.0, True hash like 1
-            try:
-                key = ("irecv", tensor.data_ptr(), tensor.nbytes, tensor.dtype, src, group, tag)
-            except Exception:  # not a tensor, no storage: the full path says what is wrong
-                key = None
-        ready = self._ready_p2p(key, tensor) if key is not None else None
+        key, ready = self._ready_p2p("irecv", tensor, src, group, tag)
         if ready is not None:
             g, start = ready
             sender: list[int] = []
