@@ -425,9 +425,7 @@ class MpiBackend:
                 except Exception as exc:
                     raise self._error("all_reduce", g, exc) from exc
                 if key is not None:  # the full path accepted it: keep the calls
-                    if len(self._ready) >= 4096:
-                        self._ready.clear()
-                    self._ready[key] = (g, start)
+                    self._keep_ready(key, g, start)
                 if not async_op:
                     return tensor
                 return self._handle("all_reduce", g, req, tensor, t.nbytes, None, t)
@@ -849,15 +847,13 @@ class MpiBackend:
         )
 
     def _keep_ready(self, key: tuple[Any, ...], g: MpiGroup, start: Callable[[], Any]) -> None:
-        """Remember a call the full path accepted (a plain CPU tensor, nothing framed)."""
+        """Remember a call the full path accepted (a plain CPU tensor, nothing framed; the
+        key already hashed, on its lookup). Bounded: a loop over fresh tensors fills it."""
         if self.timeout is not None or _hooks.observer is not None or _debug._enabled:
             return
-        try:
-            if len(self._ready) >= 4096:
-                self._ready.clear()
-            self._ready[key] = (g, start)
-        except TypeError:
-            pass
+        if len(self._ready) >= 4096:
+            self._ready.clear()
+        self._ready[key] = (g, start)
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
         key, ready = self._ready_p2p("isend", tensor, dst, group, tag)

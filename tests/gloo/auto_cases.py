@@ -80,12 +80,15 @@ class _Lines(logging.Handler):
 
 
 def picks_the_fastest_by_the_slowest_rank() -> dict[str, Any]:
-    """a: free on rank 0, 50 ms a bucket on rank 1; b: 20 ms everywhere. Rank 0 alone would
-    pick a; the costs are reduced with MAX, so every rank picks b. Then a remeasure where a
-    is only a little faster keeps b (hysteresis), and one where a is far faster switches."""
+    """a: free on rank 0, 150 ms a bucket on rank 1; b: 20 ms everywhere. Rank 0 alone
+    would pick a; the costs are reduced with MAX, so every rank picks b. Then a remeasure
+    where a is only a little faster keeps b (hysteresis), and one where a is far faster
+    switches. The gaps are wide because a step's measured cost is its sleep plus the
+    machine's overhead, which was 15-35 ms a step on a loaded 2-core machine (with a at
+    50 ms and a switch against b at 30 ms, 3 runs of 5 failed there)."""
     r = comm.get_rank()
     model = _model()
-    a, b = A({1: 0.05}), B({0: 0.02, 1: 0.02})
+    a, b = A({1: 0.15}), B({0: 0.02, 1: 0.02})
     auto = Auto([a, b], warmup_steps=0, trial_steps=2, margin=0.3)
     tracer = overlap.Tracer()
     sched = BucketScheduler(model, compression=auto, tracer=tracer)
@@ -110,7 +113,7 @@ def picks_the_fastest_by_the_slowest_rank() -> dict[str, Any]:
             out["same"] &= _same_on_every_rank(_step(model, sched, gen))
         out["kept"] = auto.statistics()
         # a far faster: switch
-        a.delay, b.delay = {}, {0: 0.03, 1: 0.03}
+        a.delay, b.delay = {}, {0: 0.1, 1: 0.1}
         auto.remeasure()
         for _ in range(7):
             out["same"] &= _same_on_every_rank(_step(model, sched, gen))
@@ -125,7 +128,7 @@ def picks_the_fastest_by_the_slowest_rank() -> dict[str, Any]:
 
 
 def one_stalled_step_does_not_decide() -> dict[str, Any]:
-    """Auto([none, b]) with two measured steps each, b 50 ms a bucket: rank 0 stalls 300 ms
+    """Auto([none, b]) with two measured steps each, b 150 ms a bucket: rank 0 stalls 300 ms
     (a data-loader hiccup) in none's first measured step. The cost of a candidate is the
     lower median of its steps, so the stall does not make none look slower than b (with
     the upper one, none cost 300 ms and b was chosen)."""
@@ -133,7 +136,7 @@ def one_stalled_step_does_not_decide() -> dict[str, Any]:
 
     r = comm.get_rank()
     model = _model()
-    auto = Auto([NoCompression(), B({0: 0.05, 1: 0.05})], warmup_steps=0, trial_steps=2)
+    auto = Auto([NoCompression(), B({0: 0.15, 1: 0.15})], warmup_steps=0, trial_steps=2)
     sched = BucketScheduler(model, compression=auto)
     gen = torch.Generator().manual_seed(r)
     for i in range(6):

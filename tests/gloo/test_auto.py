@@ -18,8 +18,8 @@ def test_auto_picks_by_the_slowest_rank_and_keeps_its_choice(
         assert out["chosen_at"] == [None] * 5 + ["b"] * 3, out["chosen_at"]
         first = out["first"]
         assert first["choice"] == "b" and first["decided_at"] == 6, first
-        assert first["costs_ms"]["a"] >= 45, first  # rank 1's cost, not rank 0's
-        assert 18 <= first["costs_ms"]["b"] < 45, first
+        assert first["costs_ms"]["a"] >= 140, first  # rank 1's cost, not rank 0's
+        assert 18 <= first["costs_ms"]["b"] < 140, first
         kept = out["kept"]
         assert kept["choice"] == "b" and not kept["measuring"], kept
         switched = out["switched"]
@@ -34,7 +34,7 @@ def test_auto_picks_by_the_slowest_rank_and_keeps_its_choice(
 def test_one_stalled_step_does_not_decide(pools: Callable[[int], RankPool]) -> None:
     for out in pools(2).run(ac.one_stalled_step_does_not_decide, timeout=60):
         assert out["choice"] == "none", out
-        assert out["costs_ms"]["none"] < 45 <= out["costs_ms"]["b"], out
+        assert out["costs_ms"]["none"] < 140 <= out["costs_ms"]["b"], out
 
 
 def test_auto_choosing_none_runs_ddps_inline_path(pools: Callable[[int], RankPool]) -> None:
