@@ -859,29 +859,31 @@ class MpiBackend:
         key, ready = self._ready_p2p("isend", tensor, dst, group, tag)
         if ready is not None:
             g, start = ready
-            try:
-                req = start()
-            except Exception as exc:
-                raise self._error("isend", g, exc) from exc
-            return self._handle("isend", g, req, tensor, tensor.nbytes, None, tensor)
+            sent: Handle = self._launch("isend", g, start, tensor, tensor.nbytes, True, keep=tensor)
+            return sent
         t = self._t(tensor, "tensor")
         g = self._g(group)
         dest = self._peer(dst, "dst", g)
         if tag > self.tag_ub:
             raise self._tag_refused(tag)
-        framed = _debug._enabled and _p2p_debug.is_framed(t)
-        if framed:
+        if _debug._enabled and _p2p_debug.is_framed(t):
             buf = _p2p_debug.frame(t, self.global_rank)  # debug mode: a header in front
         else:
             buf, _ = self._host(t)
         start = partial(g.comm.Isend, self._buf(buf), dest, tag)
         h: Handle = self._launch("isend", g, start, t, nbytes_of(t), True, keep=buf)
-        if key is not None and t.is_cpu and not framed:  # accepted: keep the call
+        if key is not None and t.is_cpu:  # accepted: keep the call (not in debug mode)
             self._keep_ready(key, g, start)
         return h
 
     def _irecv(
-        self, t: torch.Tensor, src: int | None, g: MpiGroup, tag: int, sender: list[int]
+        self,
+        t: torch.Tensor,
+        src: int | None,
+        g: MpiGroup,
+        tag: int,
+        sender: list[int],
+        key: tuple[Any, ...] | None = None,
     ) -> Handle:
         """Post a receive; ``sender`` gets the sending global rank once it landed, and so does
         the handle's ``source`` (read from ``sender``)."""
@@ -891,18 +893,28 @@ class MpiBackend:
         if _debug._enabled and _p2p_debug.is_framed(t):
             h = self._framed_irecv(t, source, g, tag, sender)
         else:
-            h = self._plain_irecv(t, source, g, tag, sender)
+            h = self._plain_irecv(t, source, g, tag, sender, key)
         h._source = lambda: sender[0] if sender else None
         return h
 
     def _plain_irecv(
-        self, t: torch.Tensor, source: int, g: MpiGroup, tag: int, sender: list[int]
+        self,
+        t: torch.Tensor,
+        source: int,
+        g: MpiGroup,
+        tag: int,
+        sender: list[int],
+        key: tuple[Any, ...] | None = None,
     ) -> Handle:
+        """A receive straight into the tensor's host buffer; with ``key`` (irecv's ready-call
+        key), the call is kept once MPI accepted it (see :meth:`_ready_p2p`)."""
         host, back = self._host(t, copy_in=False)
         want = nbytes_of(t)
-        return self._post_irecv(
-            host, source, g, tag, t, want, self._recv_post(t, g, tag, want, sender, back)
-        )
+        post = self._recv_post(t, g, tag, want, sender, back)
+        h = self._post_irecv(host, source, g, tag, t, want, post)
+        if key is not None and t.is_cpu:
+            self._keep_ready(key, g, partial(g.comm.Irecv, self._buf(host), source, tag))
+        return h
 
     def _recv_post(
         self,
@@ -975,20 +987,10 @@ class MpiBackend:
             sender: list[int] = []
             want = tensor.nbytes
             post = self._recv_post(tensor, g, tag, want, sender, None)
-            try:
-                req = start()
-            except Exception as exc:
-                raise self._error("irecv", g, exc) from exc
-            h = self._handle("irecv", g, req, tensor, want, post, tensor)
+            h: Handle = self._launch("irecv", g, start, tensor, want, True, post, keep=tensor)
             h._source = lambda: sender[0] if sender else None
             return h
-        t = self._t(tensor, "tensor")
-        g = self._g(group)
-        h = self._irecv(t, src, g, tag, [])
-        if key is not None and t.is_cpu and not _debug._enabled:  # a plain receive was posted
-            source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
-            self._keep_ready(key, g, partial(g.comm.Irecv, self._buf(t), source, tag))
-        return h
+        return self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, [], key)
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.isend(tensor, dst, group, tag).wait()
