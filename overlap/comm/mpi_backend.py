@@ -34,9 +34,10 @@ from overlap.comm import hooks as _hooks
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm.aliasing import apart
 from overlap.comm.groups import NonMemberGroup
-from overlap.comm.handle import EVENT_ENGINE, Handle
+from overlap.comm.handle import Handle
+from overlap.comm.mpi_recv import MpiRecv
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
-from overlap.comm.p2p import P2POp, describe
+from overlap.comm.p2p import P2POp
 from overlap.comm.progress import MpiOp
 from overlap.comm.reduce_op import ReduceOp, parse_op
 from overlap.comm.validate import (
@@ -54,7 +55,7 @@ from overlap.comm.validate import (
     scratch_like,
 )
 from overlap.dtypes import present
-from overlap.errors import CommError, MessageMismatchError
+from overlap.errors import CommError
 
 __all__ = ["MpiBackend", "MpiGroup"]
 
@@ -316,13 +317,24 @@ class MpiBackend:
         post: Post | None,
         keep: Any,
     ) -> Handle:
-        """The Handle of a posted request, completed by its MpiOp."""
-        h = Handle(opname, result, nbytes, g.name, "mpi", keep, EVENT_ENGINE, g.size)
-        h._engine = MpiOp(self.MPI, req, post, self.global_rank, self.timeout)
-        return h
+        """The Handle of a posted request: an MpiOp, which completes itself."""
+        return MpiOp(
+            opname, result, nbytes, g.name, keep, len(g.ranks), self.MPI, req, post,
+            self.global_rank, self.timeout,
+        )  # fmt: skip
 
     def _error(self, opname: str, g: MpiGroup, exc: Exception) -> CommError:
         return CommError(f"{opname} on rank {self.global_rank} (group {g.name}) failed: {exc}")
+
+    def _issue(self, opname: str, g: MpiGroup, start: Callable[[], Any]) -> Any:
+        """Post the op (``start()``): its request. MPI's refusals become CommError; a
+        ValueError or TypeError (mpi4py's word on a bad argument) stays what it is."""
+        try:
+            return start()
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise self._error(opname, g, exc) from exc
 
     def _launch(
         self,
@@ -357,13 +369,7 @@ class MpiBackend:
             if obs is not None:
                 obs(opname, t0, _now(), nbytes, g.name, "mpi", g.size)
             return result
-        try:
-            req = start()
-        except (ValueError, TypeError):
-            raise
-        except Exception as exc:
-            raise self._error(opname, g, exc) from exc
-        handle = self._handle(opname, g, req, result, nbytes, post, keep)
+        handle = self._handle(opname, g, self._issue(opname, g, start), result, nbytes, post, keep)
         if not async_op:  # a job timeout is configured: the MpiOp enforces it while waiting
             handle.wait()
             return result
@@ -462,10 +468,31 @@ class MpiBackend:
     def broadcast(
         self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
     ) -> Any:
+        """A call seen before takes a ready call, as all_reduce's (key: address, bytes,
+        dtype, src, group)."""
+        key, ready = self._ready_p2p("broadcast", tensor, src, group, 0)
+        if ready is not None:
+            g, start = ready
+            if not async_op:
+                try:
+                    start().Wait()
+                except Exception as exc:
+                    raise self._error("broadcast", g, exc) from exc
+                return tensor
+            return self._handle(
+                "broadcast", g, self._issue("broadcast", g, start), tensor, tensor.nbytes, None,
+                tensor,
+            )  # fmt: skip
         t = self._t(tensor, "tensor")
         g = self._g(group)
         check_peer(src, "src", g.ranks, g.name)
         host, back = self._host(t)
+        if back is None and self.timeout is None and _hooks.observer is None:
+            start = partial(g.comm.Ibcast, self._buf(host), g.ranks.index(src))
+            out = self._launch("broadcast", g, start, t, nbytes_of(t), async_op, keep=host)
+            if key is not None and t.is_cpu:  # accepted: keep the call
+                self._keep_ready(key, g, start)
+            return out
         return self._launch(
             "broadcast",
             g,
@@ -859,8 +886,9 @@ class MpiBackend:
         key, ready = self._ready_p2p("isend", tensor, dst, group, tag)
         if ready is not None:
             g, start = ready
-            sent: Handle = self._launch("isend", g, start, tensor, tensor.nbytes, True, keep=tensor)
-            return sent
+            return self._handle(
+                "isend", g, self._issue("isend", g, start), tensor, tensor.nbytes, None, tensor
+            )
         t = self._t(tensor, "tensor")
         g = self._g(group)
         dest = self._peer(dst, "dst", g)
@@ -882,101 +910,65 @@ class MpiBackend:
         src: int | None,
         g: MpiGroup,
         tag: int,
-        sender: list[int],
         key: tuple[Any, ...] | None = None,
     ) -> Handle:
-        """Post a receive; ``sender`` gets the sending global rank once it landed, and so does
-        the handle's ``source`` (read from ``sender``)."""
+        """Post a receive; the handle's ``source`` names the sending global rank once the
+        message has landed."""
         source = self.MPI.ANY_SOURCE if src is None else self._peer(src, "src", g)
         if tag > self.tag_ub:
             raise self._tag_refused(tag)
         if _debug._enabled and _p2p_debug.is_framed(t):
-            h = self._framed_irecv(t, source, g, tag, sender)
-        else:
-            h = self._plain_irecv(t, source, g, tag, sender, key)
-        h._source = lambda: sender[0] if sender else None
-        return h
-
-    def _plain_irecv(
-        self,
-        t: torch.Tensor,
-        source: int,
-        g: MpiGroup,
-        tag: int,
-        sender: list[int],
-        key: tuple[Any, ...] | None = None,
-    ) -> Handle:
-        """A receive straight into the tensor's host buffer; with ``key`` (irecv's ready-call
-        key), the call is kept once MPI accepted it (see :meth:`_ready_p2p`)."""
+            return self._framed_irecv(t, source, g, tag)
         host, back = self._host(t, copy_in=False)
-        want = nbytes_of(t)
-        post = self._recv_post(t, g, tag, want, sender, back)
-        h = self._post_irecv(host, source, g, tag, t, want, post)
-        if key is not None and t.is_cpu:
-            self._keep_ready(key, g, partial(g.comm.Irecv, self._buf(host), source, tag))
+        start = partial(g.comm.Irecv, self._buf(host), source, tag)
+        h = self._recv(g, start, t, tag, host, back)
+        if key is not None and t.is_cpu:  # accepted: keep the call (see _ready_p2p)
+            self._keep_ready(key, g, start)
         return h
 
-    def _recv_post(
+    def _recv(
         self,
-        t: torch.Tensor,
         g: MpiGroup,
+        start: Callable[[], Any],
+        t: torch.Tensor,
         tag: int,
-        want: int,
-        sender: list[int],
-        back: Callable[[], Any] | None,
-    ) -> Post:
-        """A plain receive's post-processing: note the sender, refuse a short message."""
-        me = self.global_rank
+        keep: Any,
+        back: Callable[[], Any] | None = None,
+    ) -> MpiRecv:
+        """Post the receive ``start`` makes, straight into the tensor's host buffer ``keep``;
+        its MpiRecv notes the sender and refuses a short message, then runs ``back``."""
+        req = self._issue("irecv", g, start)
+        post = None if back is None else (lambda _status: back())
+        return MpiRecv(
+            t, t.nbytes, g.name, g.ranks, tag, keep, self.MPI, req, post, self.global_rank,
+            self.timeout,
+        )  # fmt: skip
 
-        def post(status: Any) -> None:
-            frm = g.ranks[status.Get_source()]
-            sender.append(frm)
-            got = status.Get_count(self.MPI.BYTE)
-            if 0 <= got < want:  # (MPI_UNDEFINED, negative, past 2**31 - 1 bytes: unchecked)
-                raise MessageMismatchError(
-                    f"irecv on rank {me} (group {g.name}, tag {tag}) received {got} bytes "
-                    f"from rank {frm} into a {want}-byte tensor ({describe(t)}): the sender's "
-                    "tensor is smaller. Send and receive tensors of the same size; MPI wrote "
-                    f"the first {got} bytes and left the rest as it was",
-                    ranks=[frm, me],
-                )
-            if back is not None:
-                back()
-
-        return post
-
-    def _post_irecv(
-        self, into: Any, source: int, g: MpiGroup, tag: int, t: torch.Tensor, want: int, post: Post
-    ) -> Handle:
-        """Post MPI_Irecv into ``into`` (the tensor's host buffer, or debug mode's frame),
-        which the Handle keeps until ``post`` has run on the completed request's Status."""
-        h: Handle = self._launch(
-            "irecv",
-            g,
-            lambda: g.comm.Irecv(self._buf(into), source, tag),
-            t,
-            want,
-            True,
-            post,
-            keep=into,
-        )
-        return h
-
-    def _framed_irecv(
-        self, t: torch.Tensor, source: int, g: MpiGroup, tag: int, sender: list[int]
-    ) -> Handle:
+    def _framed_irecv(self, t: torch.Tensor, source: int, g: MpiGroup, tag: int) -> Handle:
         """Debug mode's receive (overlap.comm.p2p_debug.frame): into a buffer for the header
         and the payload; the tensor gets the payload only if the header says it fits. A
         message larger than the buffer is MPI's truncation error, the tensor unchanged."""
         want = nbytes_of(t)
         frame = torch.empty(_p2p_debug.FRAME_HEADER_BYTES + want, dtype=torch.uint8)
         me = self.global_rank
+        sender: list[int] = []
 
         def post(status: Any) -> None:
             got = status.Get_count(self.MPI.BYTE)
             sender.append(_p2p_debug.land_frame(frame, got, t, tag, me))
 
-        return self._post_irecv(frame, source, g, tag, t, want, post)
+        h: Handle = self._launch(
+            "irecv",
+            g,
+            lambda: g.comm.Irecv(self._buf(frame), source, tag),
+            t,
+            want,
+            True,
+            post,
+            keep=frame,
+        )
+        h._source = lambda: sender[0] if sender else None
+        return h
 
     def irecv(
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
@@ -984,13 +976,8 @@ class MpiBackend:
         key, ready = self._ready_p2p("irecv", tensor, src, group, tag)
         if ready is not None:
             g, start = ready
-            sender: list[int] = []
-            want = tensor.nbytes
-            post = self._recv_post(tensor, g, tag, want, sender, None)
-            h: Handle = self._launch("irecv", g, start, tensor, want, True, post, keep=tensor)
-            h._source = lambda: sender[0] if sender else None
-            return h
-        return self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, [], key)
+            return self._recv(g, start, tensor, tag, tensor)
+        return self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, key)
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.isend(tensor, dst, group, tag).wait()
@@ -998,9 +985,11 @@ class MpiBackend:
     def recv(
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
     ) -> int:
-        sender: list[int] = []
-        self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, sender).wait()
-        return sender[0]
+        h = self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag)
+        h.wait()
+        frm = h.source
+        assert frm is not None  # a receive that completed knows its sender
+        return frm
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> list[Handle]:
         if not p2p_op_list:

@@ -50,21 +50,23 @@ go to one background "reaper" thread per process that polls them with the same b
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, ClassVar
 
 from overlap.comm import knobs as _knobs
 from overlap.comm import spin as _spin
-from overlap.comm.handle import PENDING, Handle
+from overlap.comm.handle import _LOCK, PENDING, Handle
 from overlap.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiOp", "ProgressEngine", "stop_reaper"]
 
 log = logging.getLogger(__name__)
+_now = time.perf_counter_ns
 
 PostFn = Callable[[Any], object]  # called with the MPI.Status of the completed request
 
@@ -91,38 +93,76 @@ TICK_SPIN_S = (
 )
 
 
-class MpiOp:
-    """One MPI request behind a Handle, and that Handle's completion engine."""
+class MpiOp(Handle):
+    """One MPI request and the Handle the user holds for it, in one object.
+
+    The Handle of an MPI op is its own completion engine's state (the request, its
+    post-processing, its lock): one object per op, where a Handle and a separate engine
+    object cost an allocation, a dozen stores and a deallocation more per op. The
+    CompletionEngine calls go through :data:`MPI_ENGINE` to the methods below.
+    """
 
     __slots__ = ("MPI", "deadline", "lock", "post", "rank", "req", "status")
 
+    # Whether completing the op reads the request's Status (a receive's sender and size):
+    # a Status is made only then, or when there is a ``post``.
+    reads_status: ClassVar[bool] = False
+
     def __init__(
-        self, MPI: Any, req: Any, post: PostFn | None, rank: int, timeout: float | None = None
+        self,
+        op: str,
+        result: Any,
+        nbytes: int,
+        group: str,
+        keep: Any,
+        world: int,
+        MPI: Any,
+        req: Any,
+        post: PostFn | None,
+        rank: int,
+        timeout: float | None = None,
     ) -> None:
         global _open
+        # Handle.__init__'s stores, made here: one call frame less per op
+        self.op = op
+        self.world = world
+        self.nbytes = nbytes
+        self.group = group
+        self.backend = "mpi"
+        self.start_ns = _now()
+        self.end_ns = None
+        self._result = result
+        self._keep = keep
+        self._engine = MPI_ENGINE
+        self._state = PENDING
+        self._exc = None
+        self._lock = _LOCK
+        self._done_lock = None
+        self._waiters = None
+        self._callbacks = None
         _open += 1
         self.MPI = MPI
         self.req = req
         self.post = post
         self.rank = rank
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # whoever holds it may Test or Wait the request
         # The Status the last Test or Wait filled (see _recover)
         self.status: Any = None
         # The job timeout (init_distributed(timeout=...)): past it the op fails with
         # CommTimeoutError instead of waiting on a peer that may have died.
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
-    def expire(self, handle: Handle) -> None:
-        """Fail ``handle`` with CommTimeoutError (call with the lock held, or from the engine).
+    def expire(self) -> None:
+        """Fail the op with CommTimeoutError (call with the lock held, or from the engine).
 
         MPI cannot cancel a collective, so the request and its buffers are kept alive for
         good: MPI may still write into them.
         """
         _closed()
-        _graveyard.append((self.req, handle._keep, handle._result))
-        handle._finish(
+        _graveyard.append((self.req, self._keep, self._result))
+        self._finish(
             CommTimeoutError(
-                f"{handle.op} on rank {self.rank} (group {handle.group}) did not complete within "
+                f"{self.op} on rank {self.rank} (group {self.group}) did not complete within "
                 "the job timeout given to init_distributed(timeout=...): a peer may have died, "
                 "or not issued the same op"
             )
@@ -132,27 +172,28 @@ class MpiOp:
         return self.deadline is not None and time.monotonic() > self.deadline
 
     # Called with self.lock held, once the request is complete.
-    def _complete(self, handle: Handle, status: Any) -> None:
-        _closed()
-        try:
-            if self.post is not None:
+    def _complete(self, status: Any) -> None:
+        global _open
+        _open -= 1
+        if self.post is not None:
+            try:
                 self.post(status)
-        except BaseException as exc:
-            handle._finish(_wrap(exc, handle, self.rank))
-            return
-        handle._finish(None)
+            except BaseException as exc:
+                self._finish(_wrap(exc, self, self.rank))
+                return
+        self._finish(None)
 
-    def _fail(self, handle: Handle, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         _closed()
-        handle._finish(_wrap(exc, handle, self.rank))
+        self._finish(_wrap(exc, self, self.rank))
 
-    def test(self, handle: Handle) -> bool:
-        """One non-blocking Test if nobody else holds the op; True once the handle is done."""
-        return self.spin(handle, 0.0)
+    def test(self) -> bool:
+        """One non-blocking Test if nobody else holds the op; True once the op is done."""
+        return self.spin(0.0)
 
-    def spin(self, handle: Handle, seconds: float) -> bool:
+    def spin(self, seconds: float) -> bool:
         """Test in a tight loop for up to ``seconds`` (at least once) if nobody else holds
-        the op; True once the handle is done.
+        the op; True once the op is done.
 
         The lock is taken, and the Status made, once for the whole spin, not per Test: MPI
         moves a large message a piece per MPI call, so the rate of calls sets its speed. A
@@ -160,99 +201,115 @@ class MpiOp:
         1.24x mpi4py's Iallreduce + Wait at 64 KiB and 1.10-1.13x at 1 MiB; one lock per
         spin, 1.12-1.13x and 1.06-1.08x (2 ranks, side by side in one run).
         """
-        if handle._state is not PENDING:
+        if self._state is not PENDING:
             return True
         if not self.lock.acquire(blocking=False):
             return False
         try:
-            if handle._state is not PENDING:
+            if self._state is not PENDING:
                 return True
             # A Status only where the post-processing reads it (irecv's sender).
-            status = self.status = None if self.post is None else self.MPI.Status()
+            status = self.status = self.MPI.Status() if self.post or self.reads_status else None
             test, clock = self.req.Test, time.perf_counter
             deadline = clock() + seconds
             while True:
                 try:
                     flag = test(status)
                 except Exception as exc:
-                    self._fail(handle, exc)
+                    self._fail(exc)
                     return True
                 if flag:
-                    self._complete(handle, status)
+                    self._complete(status)
                     return True
                 if clock() >= deadline:
                     return False
         finally:
             self.lock.release()
 
-    # ------------------------------------------------------------- CompletionEngine protocol
-    def _freed(self, handle: Handle) -> bool:
-        """MPI completed (and freed) the request while ``handle`` stayed pending: a signal
+    def _freed(self) -> bool:
+        """MPI completed (and freed) the request while the op stayed pending: a signal
         (Ctrl-C) was raised in the waiting thread between the Test or Wait that completed
         it and the handle's completion. Testing the freed request would report an empty
-        status (a receive from rank -2 of 0 bytes), so the handle is completed with
+        status (a receive from rank -2 of 0 bytes), so the op is completed with
         ``self.status``, the one that Test or Wait filled."""
-        return handle._state is PENDING and self.req == self.MPI.REQUEST_NULL
+        return self._state is PENDING and self.req == self.MPI.REQUEST_NULL
 
-    def _recover(self, handle: Handle) -> None:
-        if self._freed(handle):
+    def _recover(self) -> None:
+        if self._freed():
             with self.lock:
-                if self._freed(handle):
-                    self._complete(handle, self.status)
+                if self._freed():
+                    self._complete(self.status)
 
-    def start(self, handle: Handle) -> None:
-        self._recover(handle)
-        if self.test(handle):
+    # ------------------------------------------------------ what MPI_ENGINE calls (below)
+    def _start(self) -> None:
+        self._recover()
+        if self.test():
             return
         loop = asyncio._get_running_loop()
         if loop is not None:
-            ProgressEngine.for_loop(loop).add(self, handle)
+            ProgressEngine.for_loop(loop).add(self)
         else:
-            _reaper().add(self, handle)
+            _reaper().add(self)
 
-    def wait(self, handle: Handle, timeout: float | None) -> bool:
-        self._recover(handle)
-        if timeout is None and self.deadline is not None:
-            # A job timeout is configured: poll (tightly, then backing off) up to it.
-            if not self._wait_until(handle, self.deadline):
-                with self.lock:
-                    if handle._state is PENDING:
-                        self.expire(handle)
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> Any:
+        """:meth:`Handle.wait`; the common case (no timeout anywhere, the op pending) goes
+        straight to ``MPI_Wait``, two calls shorter."""
+        if timeout is None and self.deadline is None and self._state is PENDING:
+            self._wait_forever()
+            return self.result()
+        return Handle.wait(self, timeout)
+
+    def _wait_forever(self) -> None:
+        """MPI's own Wait (mpi4py releases the GIL), under the op's lock."""
+        with self.lock:
+            if self._state is not PENDING:
+                return
+            if self.req == self.MPI.REQUEST_NULL:  # freed by an interrupted wait: _freed
+                self._complete(self.status)
+                return
+            status = self.status = self.MPI.Status() if self.post or self.reads_status else None
+            try:
+                self.req.Wait(status)
+            except Exception as exc:
+                self._fail(exc)
+                return
+            except (KeyboardInterrupt, SystemExit):
+                # Ctrl-C: raised once MPI_Wait has returned (or before it began): complete
+                # the op if MPI did (a receive keeps its sender and size), else leave it
+                # pending.
+                if self._freed():
+                    self._complete(status)
+                raise
+            self._complete(status)
+
+    def _wait(self, timeout: float | None) -> bool:
+        if timeout is None and self.deadline is None:
+            self._wait_forever()
             return True
+        self._recover()
         if timeout is None:
-            with self.lock:
-                if handle._state is PENDING:
-                    status = self.status = None if self.post is None else self.MPI.Status()
-                    try:
-                        self.req.Wait(status)  # MPI's own Wait; mpi4py releases the GIL
-                    except Exception as exc:
-                        self._fail(handle, exc)
-                        return True
-                    except (KeyboardInterrupt, SystemExit):
-                        # Ctrl-C: raised once MPI_Wait has returned (or before it began):
-                        # complete the handle if MPI did (a receive keeps its sender and
-                        # size), else leave it pending.
-                        if self._freed(handle):
-                            self._complete(handle, status)
-                        raise
-                    self._complete(handle, status)
+            # A job timeout is configured: poll (tightly, then backing off) up to it.
+            assert self.deadline is not None
+            if not self._wait_until(self.deadline):
+                with self.lock:
+                    if self._state is PENDING:
+                        self.expire()
             return True
-        assert timeout is not None
         deadline = time.monotonic() + max(timeout, 0.0)
         if self.deadline is not None and self.deadline < deadline:
-            if not self._wait_until(handle, self.deadline):
+            if not self._wait_until(self.deadline):
                 with self.lock:
-                    if handle._state is PENDING:
-                        self.expire(handle)
+                    if self._state is PENDING:
+                        self.expire()
             return True
-        return self._wait_until(handle, deadline)
+        return self._wait_until(deadline)
 
-    def _wait_until(self, handle: Handle, deadline: float) -> bool:
+    def _wait_until(self, deadline: float) -> bool:
         """Test until done or ``deadline`` (monotonic): tight for BUSY_S, then backing off."""
         start = time.monotonic()
         delay = 1e-5
         while True:
-            if self.test(handle):
+            if self.test():
                 return True
             now = time.monotonic()
             if now >= deadline:
@@ -261,7 +318,21 @@ class MpiOp:
                 time.sleep(min(delay, deadline - now))
                 delay = min(delay * 2, MAX_DELAY_S)
 
-    def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
+    def __await__(self) -> Generator[Any, None, Any]:
+        """:meth:`Handle.__await__` with :meth:`_on_await` inlined: an 8-byte op awaited
+        on an idle loop is spun on and done here, two calls shorter."""
+        if self._state is PENDING:
+            loop = asyncio.get_running_loop()
+            engine = ProgressEngine.for_loop(loop)
+            idle = SPIN_S > 0 and engine._head >= len(engine._pending)  # not has_pending()
+            seconds = _spin.window(SPIN_S) if idle else 0.0
+            if not (seconds > 0 and self.spin(seconds)):
+                engine.add(self)
+                if self._state is PENDING:
+                    yield from self._until_done(loop)
+        return self.result()
+
+    def _on_await(self, loop: asyncio.AbstractEventLoop) -> None:
         engine = ProgressEngine.for_loop(loop)
         # Nothing else to progress on this loop: test this request in a tight loop for up
         # to SPIN_S, as MPI_Wait would, so the op completes without loop round trips.
@@ -270,9 +341,26 @@ class MpiOp:
         # Inside a collect_all the handles share one window (overlap.comm.spin).
         if not engine.has_pending() and SPIN_S > 0:
             seconds = _spin.window(SPIN_S)
-            if seconds > 0 and self.spin(handle, seconds):
+            if seconds > 0 and self.spin(seconds):
                 return
-        engine.add(self, handle)
+        engine.add(self)
+
+
+class _MpiEngine:
+    """The CompletionEngine of every MPI op: each call goes to the op's own method."""
+
+    def start(self, handle: Handle) -> None:
+        handle._start()  # type: ignore[attr-defined]
+
+    def wait(self, handle: Handle, timeout: float | None) -> bool:
+        done: bool = handle._wait(timeout)  # type: ignore[attr-defined]
+        return done
+
+    def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
+        handle._on_await(loop)  # type: ignore[attr-defined]
+
+
+MPI_ENGINE = _MpiEngine()
 
 
 def _closed() -> None:
@@ -294,7 +382,7 @@ BATCH = 8  # requests tested per tick from the front, and again from a rotating 
 
 
 class _Poller:
-    """Shared bookkeeping: pending (op, handle) pairs in issue order, and one ``Testsome`` per
+    """Shared bookkeeping: pending ops in issue order, and one ``Testsome`` per
     poll over at most 2 x BATCH of them.
 
     Testing every pending request on every tick made n requests in flight cost O(n^2):
@@ -310,7 +398,7 @@ class _Poller:
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[MpiOp, Handle]] = []
+        self._pending: list[MpiOp] = []
         self._head = 0  # entries before it are finished
         self._cursor = 0  # the rotating window's start
         self._last_progress = time.monotonic()
@@ -323,11 +411,11 @@ class _Poller:
         """Indices to test this poll: the BATCH oldest pending, then the rotating window."""
         p = self._pending
         h, n = self._head, len(p)
-        while h < n and p[h][1]._state is not PENDING:
+        while h < n and p[h]._state is not PENDING:
             h += 1
         self._head = h
         if h >= 1024 and h * 2 >= n:  # compact: drop the finished entries in front
-            self._pending = p = [e for e in p[h:] if e[1]._state is PENDING]
+            self._pending = p = [e for e in p[h:] if e._state is PENDING]
             self._head = h = 0
             self._cursor = 0
             n = len(p)
@@ -341,11 +429,11 @@ class _Poller:
         return idx
 
     @staticmethod
-    def _test_held(held: list[tuple[MpiOp, Handle]]) -> bool:
+    def _test_held(held: list[MpiOp]) -> bool:
         """One ``Testsome`` over ``held`` (their locks held): complete what finished, expire
         what is overdue; True if any handle finished."""
-        MPI = held[0][0].MPI
-        reqs = [op.req for op, _ in held]
+        MPI = held[0].MPI
+        reqs = [op.req for op in held]
         statuses = [MPI.Status() for _ in held]
         progressed = False
         try:
@@ -353,24 +441,23 @@ class _Poller:
         except Exception as exc:
             # Testsome reports errors for the whole batch: test one by one to place them.
             done = None
-            for op, h in held:
+            for op in held:
                 try:
                     st = MPI.Status()
                     if op.req.Test(st):
-                        op._complete(h, st)
+                        op._complete(st)
                 except Exception:
-                    op._fail(h, exc)
+                    op._fail(exc)
         if done:
             progressed = True
             # MPI_Testsome packs the completed requests' statuses first: the j-th status is
             # the j-th completed request's, not held[j]'s (reading statuses[k] gave a
             # receive an empty status: 0 bytes from MPI_ANY_SOURCE).
             for j, k in enumerate(done):
-                op, h = held[k]
-                op._complete(h, statuses[j])
-        for op, h in held:
-            if h._state is PENDING and op.overdue():
-                op.expire(h)
+                held[k]._complete(statuses[j])
+        for op in held:
+            if op._state is PENDING and op.overdue():
+                op.expire()
                 progressed = True
         return progressed
 
@@ -381,16 +468,16 @@ class _Poller:
         pending = self._pending
         progressed = False
         held: list[MpiOp] = []  # ops whose lock this poll holds
-        live: list[tuple[MpiOp, Handle]] = []
+        live: list[MpiOp] = []
         try:
             for i in self._window():
-                op, h = pending[i]
-                if h._state is not PENDING:
+                op = pending[i]
+                if op._state is not PENDING:
                     progressed = True
                 elif op.lock.acquire(blocking=False):
                     held.append(op)
-                    if h._state is PENDING:
-                        live.append((op, h))
+                    if op._state is PENDING:
+                        live.append(op)
                     else:  # completed by another thread meanwhile
                         progressed = True
                 # else: a thread is waiting on it right now; it stays in the list
@@ -443,11 +530,11 @@ class ProgressEngine(_Poller):
     @property
     def in_flight(self) -> int:
         """Requests still pending on this loop."""
-        return sum(1 for _, h in self._pending[self._head :] if h._state is PENDING)
+        return sum(1 for op in self._pending[self._head :] if op._state is PENDING)
 
-    def add(self, op: MpiOp, handle: Handle) -> None:
-        """Track ``handle`` (call on the loop's thread). Resets the back-off."""
-        self._pending.append((op, handle))
+    def add(self, op: MpiOp) -> None:
+        """Track ``op`` (call on the loop's thread). Resets the back-off."""
+        self._pending.append(op)
         self._last_progress = time.monotonic()
         self._delay = 0.0
         if not self._scheduled:
@@ -460,8 +547,7 @@ class ProgressEngine(_Poller):
             # Test the oldest request (collectives complete in issue order) in a tight loop
             # for up to TICK_SPIN_S before the batch poll: MPI moves a large message only
             # inside MPI calls, a piece per call, so the rate of calls sets its speed.
-            op, h = self._pending[self._head]
-            op.spin(h, TICK_SPIN_S)
+            self._pending[self._head].spin(TICK_SPIN_S)
         self._poll()
         if self.has_pending() and not self._loop.is_closed():
             self._scheduled = True
@@ -489,9 +575,9 @@ class _Reaper(_Poller):
         self._wake.set()
         self._thread.join(timeout)
 
-    def add(self, op: MpiOp, handle: Handle) -> None:
+    def add(self, op: MpiOp) -> None:
         with self._lock:
-            self._pending.append((op, handle))
+            self._pending.append(op)
             self._last_progress = time.monotonic()
             self._delay = 0.0
         self._wake.set()

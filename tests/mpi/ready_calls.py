@@ -181,11 +181,56 @@ def check_p2p() -> None:
     assert "received 8 bytes" in raised["short"], raised["short"]
 
 
+def check_broadcast() -> None:
+    """broadcast seen before takes its ready call: the root's values, from the root the call
+    names (not the one cached), and nothing changed since gets through."""
+    r = comm.get_rank()
+    backend = state.active()
+    raised: dict[str, str] = {}
+    catch = catcher(raised)
+    t = torch.zeros(2, 2)
+    for i in range(3):  # the first builds, later ones hit; blocking, waited, awaited
+        t.fill_(float(10 * i + r))
+        if i == 0:
+            comm.broadcast(t, 0)
+        elif i == 1:
+            comm.broadcast(t, 0, async_op=True).wait()
+        else:
+
+            async def awaited() -> None:
+                await comm.broadcast(t, 0, async_op=True)
+
+            overlap.run(awaited())
+        assert torch.equal(t, torch.full((2, 2), float(10 * i))), (i, t)
+    assert any(k[0] == "broadcast" for k in backend._ready if isinstance(k[0], str))
+
+    # Another root at the same address: that root's values.
+    t.fill_(float(r + 7))
+    comm.broadcast(t, 1)
+    assert torch.equal(t, torch.full((2, 2), 8.0)), t
+    t.fill_(float(r + 7))
+    comm.broadcast(t, 0)
+    assert torch.equal(t, torch.full((2, 2), 7.0)), t
+
+    # Same address, bytes and dtype, not contiguous; a root given as True: the full path's
+    # errors, nothing sent.
+    catch("view", lambda: comm.broadcast(t.t(), 0))
+    catch("bool_src", lambda: comm.broadcast(t, True))  # type: ignore[arg-type]
+    assert raised["view"].startswith("ValueError") and "contiguous" in raised["view"], raised
+    assert raised["bool_src"] != "no error", raised
+
+    # A tracer attached after the call was cached still sees it.
+    with overlap.Tracer() as tr:
+        comm.broadcast(t, 0)
+    assert [s for s in tr.spans if s[1] == "comm" and s[0] == "broadcast"], tr.spans
+
+
 def main() -> None:
     overlap.init_distributed(dist_backend="mpi")
     try:
         check()
         check_p2p()
+        check_broadcast()
         out = "READY ok"
     except BaseException:
         out = "READY " + traceback.format_exc().replace("\n", " | ")
