@@ -1,10 +1,11 @@
 """The MPI backend: the overlap.comm surface on mpi4py, completed by the progress engine.
 
 Selected by ``init_distributed(dist_backend="mpi")``. Every op is posted as a nonblocking MPI
-call (Iallreduce, Ibcast, ..., Isend, Irecv) and wrapped in the same
-:class:`~overlap.comm.handle.Handle` as the torch backend; its completion engine is an
-:class:`~overlap.comm.progress.MpiOp` (``await`` -> the loop's progress engine,
-``h.wait()`` -> ``MPI_Wait``). The blocking form posts the same call and waits at once.
+call (Iallreduce, Ibcast, ..., Isend, Irecv); its Handle is an
+:class:`~overlap.comm.progress.MpiOp`, a :class:`~overlap.comm.handle.Handle` that completes
+itself (``await`` -> the loop's progress engine, ``h.wait()`` -> ``MPI_Wait``; a plain
+receive is an :class:`~overlap.comm.mpi_recv.MpiRecv`). The blocking form posts the same
+call and waits at once.
 
 Buffers:
 
