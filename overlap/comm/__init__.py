@@ -301,7 +301,7 @@ def all_reduce(
             async_op,
         )
     backend = state.active()
-    if _debug.enabled():
+    if _debug._enabled:
         _debug.check(f"all_reduce[{algorithm}] op={_opname(op)}", group, [tensor])
     if algorithm == "native":
         return backend.all_reduce(tensor, op, group, async_op)
