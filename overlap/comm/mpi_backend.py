@@ -406,16 +406,7 @@ class MpiBackend:
             ready = self._ready.get(key)
         except Exception:  # not a tensor, no storage, an unhashable op: the full path
             key, ready = None, None
-        if (  # _ready_now, written out: this is every seen-before blocking call's path
-            ready is not None
-            and isinstance(tensor, _Tensor)
-            and tensor.is_cpu
-            and tensor.layout is _strided
-            and tensor.is_contiguous()
-            and self.timeout is None
-            and _hooks.observer is None
-            and not _debug._enabled
-        ):
+        if ready is not None and self._ready_now(tensor):
             g, start = ready
             try:
                 if not async_op:
