@@ -322,30 +322,25 @@ class Handle:
             # a short spin, a gloo future that is already done): then no future is made.
             self._engine.on_await(self, loop)
             if self._state is PENDING:
-                yield from self._until_done(loop)
-        return self.result()
-
-    def _until_done(self, loop: asyncio.AbstractEventLoop) -> Generator[Any, None, None]:
-        """Suspend the awaiting coroutine until the op completes (its engine observes it
-        already): a future on ``loop`` that ``_finish`` resolves through the loop's waker."""
-        waker = LoopWaker.for_loop(loop)
-        fut: asyncio.Future[Any] = loop.create_future()
-        entry = (loop, waker, fut)
-        with self._lock:
-            pending = self._state is PENDING
-            if pending:
-                if self._waiters is None:
-                    self._waiters = []
-                self._waiters.append(entry)
-        if pending:
-            try:
-                yield from fut
-            except BaseException:
-                # Cancelled or timed out: forget this waiter, leave the op alone.
+                waker = LoopWaker.for_loop(loop)
+                fut: asyncio.Future[Any] = loop.create_future()
+                entry = (loop, waker, fut)
                 with self._lock:
-                    if self._waiters is not None and entry in self._waiters:
-                        self._waiters.remove(entry)
-                raise
+                    pending = self._state is PENDING
+                    if pending:
+                        if self._waiters is None:
+                            self._waiters = []
+                        self._waiters.append(entry)
+                if pending:
+                    try:
+                        yield from fut
+                    except BaseException:
+                        # Cancelled or timed out: forget this waiter, leave the op alone.
+                        with self._lock:
+                            if self._waiters is not None and entry in self._waiters:
+                                self._waiters.remove(entry)
+                        raise
+        return self.result()
 
     def __repr__(self) -> str:
         return (

@@ -941,9 +941,8 @@ class MpiBackend:
         req = self._issue("irecv", g, start)
         post = None if back is None else (lambda _status: back())
         return MpiRecv(
-            t, t.nbytes, g.name, g.ranks, tag, keep, self.MPI, req, post, self.global_rank,
-            self.timeout,
-        )  # fmt: skip
+            t, g.name, g.ranks, tag, keep, self.MPI, req, post, self.global_rank, self.timeout
+        )
 
     def _framed_irecv(self, t: torch.Tensor, source: int, g: MpiGroup, tag: int) -> Handle:
         """Debug mode's receive (overlap.comm.p2p_debug.frame): into a buffer for the header

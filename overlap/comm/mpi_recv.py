@@ -24,14 +24,13 @@ class MpiRecv(MpiOp):
     """An ``MPI_Irecv`` into the tensor's host buffer; ``post`` (if any) copies a staged
     CUDA receive back, and runs only once the message is known to fit."""
 
-    __slots__ = ("ranks", "tag", "want")
+    __slots__ = ("ranks", "tag")
 
     reads_status: ClassVar[bool] = True
 
     def __init__(
         self,
         tensor: Any,
-        want: int,
         group: str,
         ranks: tuple[int, ...],
         tag: int,
@@ -43,23 +42,22 @@ class MpiRecv(MpiOp):
         timeout: float | None = None,
     ) -> None:
         MpiOp.__init__(
-            self, "irecv", tensor, want, group, keep, len(ranks), MPI, req, post, rank, timeout
-        )
+            self, "irecv", tensor, tensor.nbytes, group, keep, len(ranks), MPI, req, post, rank,
+            timeout,
+        )  # fmt: skip
         self.ranks = ranks  # group rank -> global rank
         self.tag = tag
-        self.want = want
-        self._source = None
 
     def _complete(self, status: Any) -> None:
         frm = self.ranks[status.Get_source()]
         self._source = frm
         got = status.Get_count(self.MPI.BYTE)
-        if 0 <= got < self.want:  # (MPI_UNDEFINED, negative, past 2**31 - 1 bytes: unchecked)
+        if 0 <= got < self.nbytes:  # (MPI_UNDEFINED, negative, past 2**31 - 1 bytes: unchecked)
             me = self.rank
             self._fail(
                 MessageMismatchError(
                     f"irecv on rank {me} (group {self.group}, tag {self.tag}) received {got} "
-                    f"bytes from rank {frm} into a {self.want}-byte tensor "
+                    f"bytes from rank {frm} into a {self.nbytes}-byte tensor "
                     f"({describe(self._result)}): the sender's tensor is smaller. Send and "
                     f"receive tensors of the same size; MPI wrote the first {got} bytes and "
                     "left the rest as it was",

@@ -55,18 +55,17 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from overlap.comm import knobs as _knobs
 from overlap.comm import spin as _spin
-from overlap.comm.handle import _LOCK, PENDING, Handle
+from overlap.comm.handle import PENDING, Handle
 from overlap.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiOp", "ProgressEngine", "stop_reaper"]
 
 log = logging.getLogger(__name__)
-_now = time.perf_counter_ns
 
 PostFn = Callable[[Any], object]  # called with the MPI.Status of the completed request
 
@@ -123,23 +122,7 @@ class MpiOp(Handle):
         timeout: float | None = None,
     ) -> None:
         global _open
-        # Handle.__init__'s stores, made here: one call frame less per op
-        self.op = op
-        self.world = world
-        self.nbytes = nbytes
-        self.group = group
-        self.backend = "mpi"
-        self.start_ns = _now()
-        self.end_ns = None
-        self._result = result
-        self._keep = keep
-        self._engine = MPI_ENGINE
-        self._state = PENDING
-        self._exc = None
-        self._lock = _LOCK
-        self._done_lock = None
-        self._waiters = None
-        self._callbacks = None
+        Handle.__init__(self, op, result, nbytes, group, "mpi", keep, MPI_ENGINE, world)
         _open += 1
         self.MPI = MPI
         self.req = req
@@ -173,8 +156,7 @@ class MpiOp(Handle):
 
     # Called with self.lock held, once the request is complete.
     def _complete(self, status: Any) -> None:
-        global _open
-        _open -= 1
+        _closed()
         if self.post is not None:
             try:
                 self.post(status)
@@ -317,20 +299,6 @@ class MpiOp(Handle):
             if now - start > BUSY_S and not others_open(1):
                 time.sleep(min(delay, deadline - now))
                 delay = min(delay * 2, MAX_DELAY_S)
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        """:meth:`Handle.__await__` with :meth:`_on_await` inlined: an 8-byte op awaited
-        on an idle loop is spun on and done here, two calls shorter."""
-        if self._state is PENDING:
-            loop = asyncio.get_running_loop()
-            engine = ProgressEngine.for_loop(loop)
-            idle = SPIN_S > 0 and engine._head >= len(engine._pending)  # not has_pending()
-            seconds = _spin.window(SPIN_S) if idle else 0.0
-            if not (seconds > 0 and self.spin(seconds)):
-                engine.add(self)
-                if self._state is PENDING:
-                    yield from self._until_done(loop)
-        return self.result()
 
     def _on_await(self, loop: asyncio.AbstractEventLoop) -> None:
         engine = ProgressEngine.for_loop(loop)
