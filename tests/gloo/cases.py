@@ -88,6 +88,11 @@ def case_broadcast(mode: str) -> None:
     t = torch.full((4,), float(r))
     assert go(lambda a: comm.broadcast(t, src=w - 1, async_op=a), mode) is t
     _allclose(t, torch.full((4,), float(w - 1)))
+    # every root in turn, twice: the options made once per root must say the root asked for
+    for src in [*range(w), *reversed(range(w))]:
+        t.fill_(float(r * 10 + src))
+        go(lambda a, src=src: comm.broadcast(t, src=src, async_op=a), mode)
+        _allclose(t, torch.full((4,), float(src * 10 + src)))
 
 
 def case_reduce(mode: str) -> None:
