@@ -740,6 +740,7 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
             "final train loss",
             "held-out loss",
             "held-out, global weights",
+            "held-out, finished",
             "vs DDP",
             "bytes/step warm-up",
             "bytes/step after freeze",
@@ -768,6 +769,10 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
                 # DiLoCo's agreed model (DiLoCo.global_weights()); the local weights above
                 "held-out, global weights": (
                     f"{r['held_out_loss_global']:.3f}" if r["variant"].startswith("diloco") else ""
+                ),
+                # the model DiLoCo.finish() ends on, the same on every rank
+                "held-out, finished": (
+                    f"{r['held_out_loss_final']:.3f}" if r["variant"].startswith("diloco") else ""
                 ),
                 "vs DDP": rel,
                 "bytes/step warm-up": human_bytes(r["bytes_warmup_step"]),

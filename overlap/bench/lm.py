@@ -252,19 +252,23 @@ def bench_lm_rank(
             # DiLoCo's global weights too (the outer optimizer's result, the same on every
             # rank): with fragments, the local weights also hold up to H - 1 steps of this
             # rank's own training since each fragment last landed.
-            held_global = held_loss
+            held_global = held_final = held_loss
             if is_diloco:
                 with sched.global_weights():
                     held_global = _held_out(model, evals, batch, eval_batches)
+                # and the model DiLoCo.finish() ends on: one more sync of every fragment
+                # the ranks hold apart, the same weights on every rank
+                sched.finish()
+                held_final = _held_out(model, evals, batch, eval_batches)
         finally:
             hooks.set_observer(None)
             if sched is not None:
                 stats = sched.statistics() if is_diloco else {}
                 sched.remove()
-        mean = torch.tensor([*losses, held_loss, held_global], dtype=torch.float64)
+        mean = torch.tensor([*losses, held_loss, held_global, held_final], dtype=torch.float64)
         comm.all_reduce(mean, op="avg")  # DiLoCo's local weights differ: every rank's loss
-        held_loss, held_global = float(mean[-2]), float(mean[-1])
-        mean = mean[:-2]
+        held_loss, held_global, held_final = (float(x) for x in mean[-3:])
+        mean = mean[:-3]
         fp32 = nparams * 4
         ring = 2 * (w - 1) * fp32 // w  # what a rank sends in an fp32 ring allreduce
         if name == "ddp-adamw":
@@ -285,6 +289,7 @@ def bench_lm_rank(
                 "final_train_loss": float(mean[-20:].mean()),
                 "held_out_loss": held_loss,
                 "held_out_loss_global": held_global,
+                "held_out_loss_final": held_final,
                 "wall_s": wall,
                 "bytes_warmup_step": sum(warm) / max(1, len(warm)),
                 "bytes_after_freeze_step": sum(late) / max(1, len(late)),

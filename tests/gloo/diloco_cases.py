@@ -84,15 +84,12 @@ class Reference:
             self._land(i)
         for i, off in enumerate(self.offs):
             if self.t % self.h == off:
-                d = [
-                    sum(self.glob[j] - self.local[r][j].detach() for r in range(self.w)) / self.w
-                    for j in self.frags[i]
-                ]
-                self.pending[i] = (self.t + self.delay, d)
+                self.pending[i] = (self.t + self.delay, self._pseudo(i))
                 if self.delay == 0:
                     self._land(i)
 
-    def _land(self, i: int) -> None:
+    def _land(self, i: int, alpha: float | None = None) -> None:
+        a = self.alpha if alpha is None else alpha
         _, d = self.pending.pop(i)
         for j, dj in zip(self.frags[i], d, strict=True):
             self.buf[j] = MOM * self.buf[j] + dj
@@ -100,7 +97,34 @@ class Reference:
             for r in range(self.w):
                 with torch.no_grad():
                     p = self.local[r][j]
-                    p.copy_(self.alpha * p + (1 - self.alpha) * self.glob[j])
+                    p.copy_(a * p + (1 - a) * self.glob[j])
+
+    def _pseudo(self, i: int) -> list[torch.Tensor]:
+        return [
+            sum(self.glob[j] - self.local[r][j].detach() for r in range(self.w)) / self.w
+            for j in self.frags[i]
+        ]
+
+    def finish(self) -> list[int]:
+        """DiLoCo.finish() from the math: land what is pending, then sync every fragment
+        that some rank holds apart from the global weights, landing it with no merge;
+        returns those fragments."""
+        for i in sorted(self.pending):
+            self._land(i)
+        due = [
+            i
+            for i, frag in enumerate(self.frags)
+            if any(
+                not torch.equal(self.local[r][j].detach(), self.glob[j])
+                for r in range(self.w)
+                for j in frag
+            )
+        ]
+        for i in due:
+            self.pending[i] = (self.t, self._pseudo(i))
+        for i in due:
+            self._land(i, alpha=0.0)
+        return due
 
 
 def _build(
@@ -181,6 +205,71 @@ def matches_reference(
         finally:
             d.remove()
     return out
+
+
+def finish_ends_on_one_model(
+    h: int, frags: int, delay: int, steps: int, alpha: float, landing: str = "fused"
+) -> list[Any]:
+    """``finish()`` after ``steps`` steps against the reference's (land what is in flight;
+    sync each fragment some rank holds apart; no merge), then H more steps against it.
+    ``landing``: "torch" makes the landings run ``outer.step()`` (see matches_reference).
+    Returns [fragments it synced (from the syncs counted), every rank the same bits,
+    weights == globals, syncs a second finish() added]."""
+    w, r = comm.get_world_size(), comm.get_rank()
+    model, inner, d = _build(h, frags, delay, alpha=alpha)
+    if landing == "torch":
+        torch.optim.lr_scheduler.LambdaLR(d.outer, lambda epoch: 1.0)
+    ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
+    try:
+        for t in range(1, steps + 1):
+            _inner_step(model, inner, t)
+            d.step()
+            ref.step()
+        before = d.statistics()["syncs"]
+        d.finish()
+        due = ref.finish()
+        _close(list(model.ps), [p.detach() for p in ref.local[r]], "finished local")
+        _close(d.globals, ref.glob, "finished global")
+        synced = d.statistics()["syncs"] - before
+        if synced != len(due):
+            raise AssertionError(f"finish() synced {synced} fragments, the math {due}")
+        flat = torch.cat([p.detach().reshape(-1) for p in model.ps])
+        every = [torch.empty_like(flat) for _ in range(w)]
+        comm.all_gather(every, flat)
+        same = all(torch.equal(x, flat) for x in every)
+        on_globals = all(torch.equal(p, g) for p, g in zip(model.ps, d.globals, strict=True))
+        d.finish()
+        again = d.statistics()["syncs"] - before - synced
+        for t in range(steps + 1, steps + h + 1):  # training goes on, on the same schedule
+            _inner_step(model, inner, t)
+            d.step()
+            ref.step()
+        _close(list(model.ps), [p.detach() for p in ref.local[r]], "after finish, local")
+        _close(d.globals, ref.glob, "after finish, global")
+        return [due, same, on_globals, again]
+    finally:
+        d.remove()
+
+
+def finish_with_int8() -> list[Any]:
+    """Streaming DiLoCo with Int8 pseudo-gradients: finish() ends every rank on the same
+    bits, the global weights. Returns [in flight before, every rank the same, == globals]."""
+    w = comm.get_world_size()
+    model, inner, d = _build(4, 2, 1, compression=overlap.Int8(block=8))
+    try:
+        for t in range(1, 11):  # fragment 0 issued at 10, in flight
+            _inner_step(model, inner, t)
+            d.step()
+        in_flight = d.statistics()["in_flight"]
+        d.finish()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.ps])
+        every = [torch.empty_like(flat) for _ in range(w)]
+        comm.all_gather(every, flat)
+        same = all(torch.equal(x, flat) for x in every)
+        on_globals = all(torch.equal(p, g) for p, g in zip(model.ps, d.globals, strict=True))
+        return [in_flight, same, on_globals]
+    finally:
+        d.remove()
 
 
 def on_a_subgroup() -> Any:
@@ -490,8 +579,11 @@ def refusals() -> dict[str, str]:
     catch("load_outer_groups", lambda: d.load_state_dict(other.state_dict()))
     assert all(torch.equal(a, b) for a, b in zip(before, d.globals, strict=True))
     other.remove()
+    with d.global_weights():
+        catch("finish_inside", d.finish)
     d.remove()
     catch("removed", d.step)
+    catch("finish_removed", d.finish)
     DiLoCo(model, inner).remove()  # the model is free again after remove()
     # a rank with another schedule: every rank refuses, naming the odd one
     catch("differs", lambda: DiLoCo(model, inner, sync_every=4 + comm.get_rank()))

@@ -185,6 +185,47 @@ def test_ranks_exit_cleanly_after_syncs_on_the_driver() -> None:
     assert codes == {0: 0, 1: 0}, codes
 
 
+@pytest.mark.parametrize(
+    ("h", "frags", "delay", "steps", "alpha", "landing", "due"),
+    [
+        # DiLoCo ending on a sync step: nothing to sync, finish() is flush()
+        (4, 1, 0, 8, 0.0, "fused", []),
+        # two steps past the last sync: the one fragment syncs once more
+        (4, 1, 0, 10, 0.0, "fused", [0]),
+        # H=4, 2 fragments (offsets 2, 0), delay 1: fragment 1 landed at step 9, fragment 0
+        # at 7 and trained since
+        (4, 2, 1, 9, 0.0, "fused", [0]),
+        # step 10: fragment 0, issued at 10, is in flight and lands in finish(); fragment 1
+        # trained since its landing at 9
+        (4, 2, 1, 10, 0.0, "fused", [1]),
+        # with the paper's merge a landing keeps the local weights apart: both sync; and
+        # through outer.step() (an LR scheduler on the outer optimizer)
+        (4, 2, 1, 9, 0.5, "fused", [0, 1]),
+        (4, 2, 1, 10, 0.5, "torch", [0, 1]),
+    ],
+)
+def test_finish_ends_every_rank_on_one_model_that_equals_the_math(
+    pools: Callable[[int], RankPool],
+    h: int,
+    frags: int,
+    delay: int,
+    steps: int,
+    alpha: float,
+    landing: str,
+    due: list[int],
+) -> None:
+    out = pools(2).run(
+        dc.finish_ends_on_one_model, h, frags, delay, steps, alpha, landing, timeout=120
+    )
+    assert out == [[due, True, True, 0]] * 2
+
+
+def test_finish_with_int8_ends_every_rank_on_the_same_bits(
+    pools: Callable[[int], RankPool],
+) -> None:
+    assert pools(2).run(dc.finish_with_int8, timeout=120) == [[[0], True, True]] * 2
+
+
 def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> None:
     out = pools(2).run(dc.refusals, timeout=120)
     want = {
@@ -207,6 +248,9 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "load_outer_groups": "ValueError: this state's outer optimizer has parameter groups "
         "of [2, 3] parameters but this DiLoCo's has [5]",
         "removed": "RuntimeError: this DiLoCo was removed",
+        "finish_inside": "RuntimeError: the model holds the global weights (inside `with "
+        "diloco.global_weights():`)",
+        "finish_removed": "RuntimeError: this DiLoCo was removed",
         "differs": "ValueError: DiLoCo differs across ranks: ranks [1]",
     }
     for r in (0, 1):
