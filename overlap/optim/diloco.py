@@ -424,12 +424,13 @@ class DiLoCo:
         :meth:`flush`); Streaming DiLoCo usually has, since its fragments land at different
         steps (and with ``alpha`` > 0 a landing keeps the local weights apart).
 
-        Why: each of the two other ends gives something up. A rank's local weights hold its own steps
-        since each fragment last landed, steps on a per-rank batch that no other rank saw;
-        the global weights drop those steps. On the bench's language model (three seeds,
-        docs/diloco.md) streaming's local weights ended 2.2% behind plain DiLoCo's model on
-        the mean and up to 3.6% on one seed; its finished model was within 2% on every
-        seed (-0.0% on the mean), agreed by every rank.
+        Why: each of the two other ends gives something up. A rank's local weights hold
+        its own steps since each fragment last landed, on a per-rank batch that no other
+        rank saw, and differ between ranks; the global weights drop those steps. On the
+        bench's language model (three seeds, docs/diloco.md) streaming's local weights
+        ended 2.2% behind plain DiLoCo's model on the mean and up to 3.6% on one seed; its
+        finished model was within 2% on every seed (-0.0% on the mean), agreed by every
+        rank.
 
         A collective: every rank of the group calls it at the same step (one MAX all-reduce
         of a float per fragment agrees on what to sync, then one reduction per fragment
