@@ -334,10 +334,12 @@ def plot_lm(rows: list[dict[str, Any]], out: str, x: str = "step") -> str:
     for r in rows:
         xs = r["train_loss"]
         smooth = smoothed(xs)
+        # the model a run ends on: DiLoCo's after finish() (the same on every rank)
+        held = r.get("held_out_loss_final", r["held_out_loss"])
         ax.plot(
             range(1, len(xs) + 1) if x == "step" else r["clock_s"],
             smooth,
-            label=f"{r['variant']} (held-out {r['held_out_loss']:.3f})",
+            label=f"{r['variant']} (held-out {held:.3f})",
         )
     f = rows[0]["freeze_step"]
     if x == "step" and any("onebit" in r["variant"] for r in rows):

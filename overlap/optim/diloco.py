@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
@@ -331,10 +331,14 @@ class DiLoCo:
         self._check_live()
         self._check_job()
         self._check_frozen()
-        prev = self._astepping
-        # The task is made before anything is awaited: every call counts its inner step, in
-        # order, even one cancelled at once
-        task = asyncio.ensure_future(self._astep(prev))
+        await self._in_order(self._astep_work)
+
+    async def _in_order(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Run ``work`` as a task after the last astep()'s or afinish()'s, and await it
+        shielded: cancelling the await cancels the wait, not the work (see :meth:`astep`).
+        The task is made before anything is awaited, so the calls run in call order, even
+        one cancelled at once."""
+        task = asyncio.ensure_future(self._after(self._astepping, work))
         self._astepping = task
         try:
             await asyncio.shield(task)
@@ -376,17 +380,18 @@ class DiLoCo:
             return
         if not task.done():
             raise RuntimeError(
-                "an astep() whose await was cancelled is still landing or issuing its "
-                "fragments in the background: `await diloco.astep()` (which waits for it "
-                "first) or let the loop run until it is done"
+                "an astep() or afinish() whose await was cancelled is still landing or "
+                "issuing its fragments in the background: `await diloco.astep()` (which "
+                "waits for it first) or let the loop run until it is done"
             )
         self._astepping = None
         if not task.cancelled():
             task.result()  # its error, once
 
-    async def _astep(self, prev: asyncio.Task[None] | None) -> None:
-        """One astep()'s work, after the previous one's (a cancelled astep() leaves its task
-        running); that one's error is raised after this step's work, which the peers do
+    @staticmethod
+    async def _after(prev: asyncio.Task[None] | None, work: Callable[[], Awaitable[None]]) -> None:
+        """``work()`` after the previous call's task (a cancelled astep() leaves its task
+        running); that one's error is raised after this call's work, which the peers do
         too."""
         earlier: BaseException | None = None
         if prev is not None:
@@ -394,6 +399,12 @@ class DiLoCo:
                 await asyncio.shield(prev)
             except BaseException as exc:
                 earlier = exc
+        await work()
+        if earlier is not None:
+            raise earlier
+
+    async def _astep_work(self) -> None:
+        """One astep()'s landings and issues."""
         self._t += 1
         land, issue = self._due_now()
         for i in land:
@@ -402,8 +413,6 @@ class DiLoCo:
             self._issue(i)
             if self.delay == 0:
                 self._land(i, await self._await(i))
-        if earlier is not None:
-            raise earlier
 
     def flush(self) -> None:
         """Land every in-flight fragment now (at the end of training, before evaluating or
@@ -440,18 +449,44 @@ class DiLoCo:
         weights as they were (the others synced by then keep their new ones).
         """
         self.flush()
+        votes = self._apart()
+        comm.all_reduce(votes, op="max", group=self.group)
+        due = self._issue_apart(votes)
+        for i in due:
+            self._land(i, self._wait(i), alpha=0.0)
+
+    async def afinish(self) -> None:
+        """:meth:`finish` in an event loop: each reduction awaited, the loop free meanwhile.
+        It runs after any astep() still at work, and cancelling its await cancels the wait,
+        not the finish, as for :meth:`astep` (the peers are in the same reductions)."""
+        self._check_live()
+        self._check_job()
+        await self._in_order(self._afinish_work)
+
+    async def _afinish_work(self) -> None:
+        for i in sorted(self._inflight):
+            self._land(i, await self._await(i))
+        votes = self._apart()
+        await comm.all_reduce(votes, op="max", group=self.group, async_op=True)
+        for i in self._issue_apart(votes):
+            self._land(i, await self._await(i), alpha=0.0)
+
+    def _apart(self) -> torch.Tensor:
+        """This rank's vote, per fragment: 1 where its local weights differ from the
+        global ones (to be MAX-reduced, so every rank syncs the same fragments)."""
         with torch.no_grad():
             apart = [
                 float(any(not torch.equal(self.params[j], self.globals[j]) for j in frag))
                 for frag in self.frags
             ]
-        votes = torch.tensor(apart, dtype=torch.float32, device=self._ctrl())
-        comm.all_reduce(votes, op="max", group=self.group)
+        return torch.tensor(apart, dtype=torch.float32, device=self._ctrl())
+
+    def _issue_apart(self, votes: torch.Tensor) -> list[int]:
+        """Issue the reduction of every fragment the reduced ``votes`` name; those."""
         due = [i for i, x in enumerate(votes.tolist()) if x]
         for i in due:
             self._issue(i)
-        for i in due:
-            self._land(i, self._wait(i), alpha=0.0)
+        return due
 
     @contextlib.contextmanager
     def global_weights(self) -> Iterator[None]:
@@ -474,8 +509,8 @@ class DiLoCo:
         self._check_live()
         if self._astep_running():
             raise RuntimeError(
-                "an astep() is waiting for a fragment to land, and the landing would write "
-                "the weights this block swaps out: await that astep() first"
+                "an astep() or afinish() is waiting for a fragment to land, and the landing "
+                "would write the weights this block swaps out: await it first"
             )
         with torch.no_grad():
             local = [p.detach().clone() for p in self.params]

@@ -208,11 +208,18 @@ def matches_reference(
 
 
 def finish_ends_on_one_model(
-    h: int, frags: int, delay: int, steps: int, alpha: float, landing: str = "fused"
+    h: int,
+    frags: int,
+    delay: int,
+    steps: int,
+    alpha: float,
+    landing: str = "fused",
+    mode: str = "blocking",
 ) -> list[Any]:
     """``finish()`` after ``steps`` steps against the reference's (land what is in flight;
     sync each fragment some rank holds apart; no merge), then H more steps against it.
     ``landing``: "torch" makes the landings run ``outer.step()`` (see matches_reference).
+    ``mode`` "async": ``await astep()`` and ``await afinish()`` in an event loop.
     Returns [fragments it synced (from the syncs counted), every rank the same bits,
     weights == globals, syncs a second finish() added]."""
     w, r = comm.get_world_size(), comm.get_rank()
@@ -220,13 +227,20 @@ def finish_ends_on_one_model(
     if landing == "torch":
         torch.optim.lr_scheduler.LambdaLR(d.outer, lambda epoch: 1.0)
     ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
+
+    def step() -> None:
+        d.step() if mode == "blocking" else overlap.run(d.astep())
+
+    def finish() -> None:
+        d.finish() if mode == "blocking" else overlap.run(d.afinish())
+
     try:
         for t in range(1, steps + 1):
             _inner_step(model, inner, t)
-            d.step()
+            step()
             ref.step()
         before = d.statistics()["syncs"]
-        d.finish()
+        finish()
         due = ref.finish()
         _close(list(model.ps), [p.detach() for p in ref.local[r]], "finished local")
         _close(d.globals, ref.glob, "finished global")
@@ -238,11 +252,11 @@ def finish_ends_on_one_model(
         comm.all_gather(every, flat)
         same = all(torch.equal(x, flat) for x in every)
         on_globals = all(torch.equal(p, g) for p, g in zip(model.ps, d.globals, strict=True))
-        d.finish()
+        finish()
         again = d.statistics()["syncs"] - before - synced
         for t in range(steps + 1, steps + h + 1):  # training goes on, on the same schedule
             _inner_step(model, inner, t)
-            d.step()
+            step()
             ref.step()
         _close(list(model.ps), [p.detach() for p in ref.local[r]], "after finish, local")
         _close(d.globals, ref.glob, "after finish, global")

@@ -186,22 +186,23 @@ def test_ranks_exit_cleanly_after_syncs_on_the_driver() -> None:
 
 
 @pytest.mark.parametrize(
-    ("h", "frags", "delay", "steps", "alpha", "landing", "due"),
+    ("h", "frags", "delay", "steps", "alpha", "landing", "mode", "due"),
     [
         # DiLoCo ending on a sync step: nothing to sync, finish() is flush()
-        (4, 1, 0, 8, 0.0, "fused", []),
+        (4, 1, 0, 8, 0.0, "fused", "blocking", []),
         # two steps past the last sync: the one fragment syncs once more
-        (4, 1, 0, 10, 0.0, "fused", [0]),
+        (4, 1, 0, 10, 0.0, "fused", "blocking", [0]),
         # H=4, 2 fragments (offsets 2, 0), delay 1: fragment 1 landed at step 9, fragment 0
         # at 7 and trained since
-        (4, 2, 1, 9, 0.0, "fused", [0]),
+        (4, 2, 1, 9, 0.0, "fused", "blocking", [0]),
         # step 10: fragment 0, issued at 10, is in flight and lands in finish(); fragment 1
-        # trained since its landing at 9
-        (4, 2, 1, 10, 0.0, "fused", [1]),
+        # trained since its landing at 9; the same through astep() and afinish()
+        (4, 2, 1, 10, 0.0, "fused", "blocking", [1]),
+        (4, 2, 1, 10, 0.0, "fused", "async", [1]),
         # with the paper's merge a landing keeps the local weights apart: both sync; and
         # through outer.step() (an LR scheduler on the outer optimizer)
-        (4, 2, 1, 9, 0.5, "fused", [0, 1]),
-        (4, 2, 1, 10, 0.5, "torch", [0, 1]),
+        (4, 2, 1, 9, 0.5, "fused", "blocking", [0, 1]),
+        (4, 2, 1, 10, 0.5, "torch", "async", [0, 1]),
     ],
 )
 def test_finish_ends_every_rank_on_one_model_that_equals_the_math(
@@ -212,10 +213,11 @@ def test_finish_ends_every_rank_on_one_model_that_equals_the_math(
     steps: int,
     alpha: float,
     landing: str,
+    mode: str,
     due: list[int],
 ) -> None:
     out = pools(2).run(
-        dc.finish_ends_on_one_model, h, frags, delay, steps, alpha, landing, timeout=120
+        dc.finish_ends_on_one_model, h, frags, delay, steps, alpha, landing, mode, timeout=120
     )
     assert out == [[due, True, True, 0]] * 2
 
