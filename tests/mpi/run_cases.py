@@ -61,6 +61,12 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
     out["diloco/streaming"] = lambda: dl.matches_reference([4], 2, 1, "async", steps=10)
     out["diloco/resume_int8"] = lambda: _true(dl.resume_is_bit_identical("int8"))
+    out["diloco/finish"] = lambda: _true(
+        dl.finish_ends_on_one_model(4, 2, 1, 10, 0.5) == [[0, 1], True, True, 0]
+    )
+    out["diloco/afinish"] = lambda: _true(
+        dl.finish_ends_on_one_model(4, 2, 1, 10, 0.0, mode="async") == [[1], True, True, 0]
+    )
     out["int8_reduce"] = lambda: _int8_bounded(dl.quantized_reduce("int8", 1000, 64))
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
     return out
