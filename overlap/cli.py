@@ -562,6 +562,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         CUDA_VARIANTS,
         DILOCO_FRAGMENTS_ENV,
         PIN_HEAP_ENV,
+        THREADS_ENV,
         VARIANTS,
     )
 
@@ -616,6 +617,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             )
             return 2
         os.environ[DILOCO_FRAGMENTS_ENV] = str(args.diloco_fragments)
+    os.environ[THREADS_ENV] = str(args.threads)  # every rank process inherits it
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
     if args.hosts:
         rows, code = _run_on_hosts(
@@ -662,6 +664,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         title=f"overlap bench train: {rows[0]['params'] / 1e6:.1f}M params, batch {batch}, "
         f"{world} ranks on {rows[0]['device']}"
         + (f" ({args.hosts} hosts x {args.procs_per_host})" if args.hosts else "")
+        + (f", {args.threads} threads a rank" if args.threads > 1 else "")
         + ", link "
         + f"{'NCCL' if args.device == 'cuda' else args.link or 'loopback'}"
         + (" between hosts" if args.hosts else "")
@@ -1098,6 +1101,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fragments of diloco-streaming (default 8; at most one per parameter tensor): "
         "more fragments spread the same sync work over more steps",
+    )
+    bt.add_argument(
+        "--threads",
+        type=_at_least(1),
+        default=1,
+        help="torch intra-op threads per rank (default 1: every variant's ranks share the "
+        "machine alike); more computes faster on a machine with cores to spare, which is "
+        "where a slow link's cost shows",
     )
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")

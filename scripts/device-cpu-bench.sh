@@ -8,7 +8,7 @@
 # Output: a JSON file (and its stderr) per benchmark in $OUT (./device-cpu-out without it).
 # DEADLINE (epoch seconds, optional): a benchmark whose time limit would run past it is
 # skipped, so a lease-bound run ends with the results it had time for. The benchmarks run
-# in the order of what is least settled; about 9 minutes with no deadline.
+# in the order of what is least settled; about 11 minutes with no deadline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-$PWD/device-cpu-out}"
@@ -35,6 +35,12 @@ nproc >> "$OUTDIR/env.txt"
 ONEBIT=(--variant compute --variant overlap-onebit-flat --variant overlap-onebit)
 bench hosts-1gbit 200 train --hosts 2 --procs-per-host 2 --link 1gbit --variant compute \
     --variant ddp --variant ddp-fp16 --variant overlap-onebit-flat --variant overlap-onebit \
+    --steps 8 --warmup 3
+# the same with 3 torch threads a rank (12 of 16 cores): a 1-thread rank's 1-bit traffic
+# hides under its own backward at 1 Gbit/s, so node's halving of the bytes between hosts
+# shows only once compute is faster (docs/cluster.md, thirtieth session)
+bench hosts-1gbit-threads 150 train --hosts 2 --procs-per-host 2 --link 1gbit --threads 3 \
+    --variant compute --variant ddp --variant overlap-onebit-flat --variant overlap-onebit \
     --steps 8 --warmup 3
 bench diloco-1gbit 110 train --link 1gbit --pin-heap --variant compute --variant diloco \
     --variant diloco-streaming --steps 32 --warmup 8

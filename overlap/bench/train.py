@@ -72,6 +72,12 @@ DILOCO_DELAY = 4
 # session: slowest step 1.21-1.39x compute-only with 8, 1.32-1.71x with 4).
 DILOCO_FRAGMENTS_ENV = "OVERLAP_BENCH_DILOCO_FRAGMENTS"
 DILOCO_FRAGMENTS = 8
+# --threads: torch's intra-op threads per rank, passed in the ranks' environment. 1 by
+# default, so that every variant's ranks share the machine alike and compute is steady;
+# more lets a machine with cores to spare compute faster, which is where a link's cost
+# shows (at 1 Gbit/s a 1-thread rank's 1-bit traffic hides under its own backward, so
+# hierarchy="node", which halves the bytes between hosts, has little to gain there).
+THREADS_ENV = "OVERLAP_BENCH_THREADS"
 ALL_VARIANTS = VARIANTS + HOST_VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
@@ -201,7 +207,8 @@ def bench_train_rank(
     from overlap import comm
     from overlap.compression import compressed_bytes
 
-    torch.set_num_threads(1)
+    threads = int(os.environ.get(THREADS_ENV, "1"))
+    torch.set_num_threads(threads)
     cuda = device == "cuda"
     w = comm.get_world_size()
     vs = [_variant(n, million, device) for n in variants]
@@ -327,6 +334,7 @@ def bench_train_rank(
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "batch": batch,
             "heap_pinned": all(k in os.environ for k in PIN_HEAP_ENV),  # --pin-heap
+            "threads": threads,  # --threads
             "step_ms": median(r["step"]) * 1e3,
             "bytes_per_rank": sent.get(n),
             "steps_ms": [round(t * 1e3, 1) for t in r["all"]],

@@ -182,11 +182,11 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     CPU, the whole rank's CPU (a superset of the training thread's, step by step), the
     scheduler worker's CPU per step and the last step's bucket timeline. --pin-heap reaches
     the ranks (they read glibc's thresholds from the environment they start with), and so
-    does --diloco-fragments (0 of them is refused: test_bad_counts_and_sizes_...)."""
+    do --diloco-fragments and --threads (0 of them is refused: test_bad_counts_and_sizes_...)."""
     out = run(
         "bench", "train", "--variant", "compute", "--variant", "overlap-onebit", "--variant",
         "diloco-streaming", "--model-size", "0.05", "--steps", "2", "--warmup", "1",
-        "--pin-heap", "--diloco-fragments", "1", "--json",
+        "--pin-heap", "--diloco-fragments", "1", "--threads", "2", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     compute, onebit, diloco = json.loads(out.stdout)
@@ -197,6 +197,7 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
         assert 0 < row["backward_ms"] <= row["step_ms"] and row["train_cpu_ms"] > 0, row
         assert row["rank_cpu_ms"] >= row["train_cpu_ms"], row
         assert row["heap_pinned"] is True, row
+        assert row["threads"] == 2, row
     assert "worker_cpu_ms" not in compute and "buckets_ms" not in compute
     assert onebit["worker_cpu_ms"] > 0, onebit
     assert onebit["buckets_ms"], onebit
@@ -255,6 +256,7 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
             ["bench", "train", "--variant", "diloco-streaming", "--diloco-fragments", "0"],
             "--diloco-fragments: must be at least 1, got 0",
         ),
+        (["bench", "train", "--threads", "0"], "--threads: must be at least 1, got 0"),
     ):
         assert_cli_refuses(capsys, args, says)
 
