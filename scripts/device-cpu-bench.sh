@@ -36,9 +36,9 @@ ONEBIT=(--variant compute --variant overlap-onebit-flat --variant overlap-onebit
 bench hosts-1gbit 200 train --hosts 2 --procs-per-host 2 --link 1gbit --variant compute \
     --variant ddp --variant ddp-fp16 --variant overlap-onebit-flat --variant overlap-onebit \
     --steps 8 --warmup 3
-# the same with 3 torch threads a rank (12 of 16 cores): a 1-thread rank's 1-bit traffic
-# hides under its own backward at 1 Gbit/s, so node's halving of the bytes between hosts
-# shows only once compute is faster (docs/cluster.md, thirtieth session)
+# the same with 3 torch threads a rank (12 of 16 cores): with one thread a rank, compute
+# and the codec's CPU fill the step at 1 Gbit/s and node's halving of the bytes between
+# hosts has little to show; faster compute may change that (docs/cluster.md, 30th session)
 bench hosts-1gbit-threads 150 train --hosts 2 --procs-per-host 2 --link 1gbit --threads 3 \
     --variant compute --variant ddp --variant overlap-onebit-flat --variant overlap-onebit \
     --steps 8 --warmup 3

@@ -75,8 +75,8 @@ DILOCO_FRAGMENTS = 8
 # --threads: torch's intra-op threads per rank, passed in the ranks' environment. 1 by
 # default, so that every variant's ranks share the machine alike and compute is steady;
 # more lets a machine with cores to spare compute faster, which is where a link's cost
-# shows (at 1 Gbit/s a 1-thread rank's 1-bit traffic hides under its own backward, so
-# hierarchy="node", which halves the bytes between hosts, has little to gain there).
+# can show (with one thread a rank at 1 Gbit/s, compute and the codec's CPU fill the step,
+# and hierarchy="node", which halves the bytes between hosts, has little to gain there).
 THREADS_ENV = "OVERLAP_BENCH_THREADS"
 ALL_VARIANTS = VARIANTS + HOST_VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
