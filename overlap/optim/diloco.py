@@ -139,7 +139,8 @@ class DiLoCo:
             dropped). The paper's 0.5 ended 5% worse at H = 8 (docs/diloco.md).
 
     Call :meth:`step` (or ``await`` :meth:`astep`) after every inner optimizer step. It
-    returns at once when nothing is due.
+    returns at once when nothing is due. After the last one, :meth:`finish` (or ``await``
+    :meth:`afinish`) ends every rank on the same model.
     """
 
     def __init__(
