@@ -124,3 +124,21 @@ def test_multi_host_example_runs_on_one_host_too() -> None:
     got = json.loads(line[7:])
     assert got["placement"] == [[0, 0, 2, 0], [1, 1, 2, 0]], got
     assert got["mean_ok"] and got["same_weights"], got
+
+
+def test_diloco_example_under_torchrun() -> None:
+    out = _torchrun("examples/diloco.py", "--steps", "60")
+    assert out.returncode == 0, out.stdout + out.stderr
+    # 60 steps at H=8, 2 fragments: 15 syncs, and afinish() syncs what differs once more
+    assert "gloo: 60 steps on 2 ranks, 16 fragment syncs" in out.stdout, out.stdout
+    assert "every rank the same model: True" in out.stdout, out.stdout
+
+
+def test_diloco_example_under_mpiexec() -> None:
+    from tests.mpi.conftest import MPIEXEC, mpiexec
+
+    if MPIEXEC is None:
+        pytest.skip("needs mpiexec")
+    out = mpiexec(2, "examples/diloco.py", "--backend", "mpi", "--steps", "60")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every rank the same model: True" in out.stdout, out.stdout
