@@ -604,9 +604,10 @@ def refusals() -> dict[str, str]:
     return out
 
 
-def peer_dies_during_sync(timeout: float) -> list[Any]:
-    """Rank 1 is SIGKILLed while rank 0 waits on an outer sync: rank 0 gets CommError within
-    the timeout (+ 5 s), with the global weights untouched."""
+def peer_dies_during_sync(timeout: float, call: str = "step") -> list[Any]:
+    """Rank 1 is SIGKILLed while rank 0 waits on an outer sync (``call`` "step": step 2's;
+    "finish": finish()'s, from its vote on): rank 0 gets CommError within the timeout
+    (+ 5 s), with the global weights untouched."""
     import os
     import signal
     import threading
@@ -621,7 +622,10 @@ def peer_dies_during_sync(timeout: float) -> list[Any]:
         time.sleep(60)
     t0 = time.monotonic()
     try:
-        d.step()
+        if call == "step":
+            d.step()
+        else:
+            d.finish()
     except CommError as e:
         return [
             "CommError",

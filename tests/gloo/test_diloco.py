@@ -161,11 +161,12 @@ def test_nonfinite_pseudo_gradient_leaves_global_weights(
     assert out == [["NonFiniteError", True, True]] * 2
 
 
-def test_peer_death_during_sync_is_comm_error_globals_whole() -> None:
+@pytest.mark.parametrize("call", ["step", "finish"])
+def test_peer_death_during_sync_is_comm_error_globals_whole(call: str) -> None:
     timeout = 10.0
     pool = RankPool(2, timeout=timeout).start()
     try:
-        res = pool.run(dc.peer_dies_during_sync, timeout, timeout=120, expect_dead=(1,))
+        res = pool.run(dc.peer_dies_during_sync, timeout, call, timeout=120, expect_dead=(1,))
     finally:
         pool.close()
     kind, seconds, cause, whole, in_flight = res[0]
