@@ -5,6 +5,10 @@ rank on the same model.
 
     torchrun --nproc-per-node 2 examples/diloco.py
     mpiexec -n 2 python examples/diloco.py --backend mpi
+
+``--trace t.json`` records the syncs (a Chrome/Perfetto trace, and how long the training
+loop waited for them); ``--fragments 1 --delay 0 --compression none`` is plain DiLoCo, which
+waits for every sync, to compare.
 """
 
 from __future__ import annotations
@@ -19,21 +23,32 @@ import overlap
 from overlap import comm
 
 
-async def train(steps: int, sync_every: int) -> None:
+async def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # every rank builds the same model (DiLoCo checks, and broadcasts)
-    model = nn.Sequential(
-        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
-    )
+    w = args.width
+    model = nn.Sequential(nn.Linear(32, w), nn.Tanh(), nn.Linear(w, w), nn.Tanh(), nn.Linear(w, 1))
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tracer = overlap.Tracer() if args.trace else None
     diloco = overlap.DiLoCo(
-        model, inner, sync_every=sync_every, fragments=2, delay=1, compression=overlap.Int8()
+        model,
+        inner,
+        sync_every=args.sync_every,
+        fragments=args.fragments,
+        delay=args.delay,
+        compression=overlap.Int8() if args.compression == "int8" else None,
+        tracer=tracer,
     )
     true_w = torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(100 + comm.get_rank())  # each rank its own data
-    for _ in range(steps):
+    for _ in range(args.steps):
         x = torch.randn(64, 32, generator=gen)
-        loss = nn.functional.mse_loss(model(x), x @ true_w)
-        loss.backward()
+        if tracer is not None:
+            with tracer.span("forward+backward"):  # the compute a sync can hide under
+                loss = nn.functional.mse_loss(model(x), x @ true_w)
+                loss.backward()
+        else:
+            loss = nn.functional.mse_loss(model(x), x @ true_w)
+            loss.backward()
         inner.step()
         inner.zero_grad()
         await diloco.astep()  # returns while a fragment's reduction is in flight
@@ -47,13 +62,19 @@ async def train(steps: int, sync_every: int) -> None:
         held_out = float(nn.functional.mse_loss(model(x), x @ true_w))
     stats = diloco.statistics()
     diloco.remove()
+    waited = ""
+    if tracer is not None:
+        tracer.detach()
+        report = tracer.report()
+        tracer.export_chrome(args.trace)  # every rank calls it; rank 0 writes the file
+        waited = f", waited for syncs {report.wait_ms:.1f} ms in all"
     if comm.get_rank() == 0:
         fp32 = flat.numel() * 4  # what DDP's allreduce puts in per step, before its ring
         sys.stdout.write(
-            f"{comm.get_backend()}: {steps} steps on {comm.get_world_size()} ranks, "
+            f"{comm.get_backend()}: {args.steps} steps on {comm.get_world_size()} ranks, "
             f"{stats['syncs']} fragment syncs, {stats['bytes_per_step']:.0f} bytes a step "
             f"(fp32 gradients: {fp32}), held-out loss {held_out:.4f}, "
-            f"every rank the same model: {same}\n"
+            f"every rank the same model: {same}{waited}\n"
         )
 
 
@@ -62,9 +83,14 @@ def main() -> None:
     parser.add_argument("--backend", default=None, help="gloo (default on CPU) or mpi")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--sync-every", type=int, default=8)
+    parser.add_argument("--fragments", type=int, default=2)
+    parser.add_argument("--delay", type=int, default=1)
+    parser.add_argument("--compression", choices=["int8", "none"], default="int8")
+    parser.add_argument("--width", type=int, default=64, help="hidden width of the model")
+    parser.add_argument("--trace", default=None, help="write a Chrome trace of the syncs here")
     args = parser.parse_args()
     overlap.init_distributed(args.backend)
-    overlap.run(train(args.steps, args.sync_every))
+    overlap.run(train(args))
     comm.destroy_process_group()
 
 

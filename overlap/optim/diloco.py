@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -47,6 +48,7 @@ from overlap.compression.codec_numba import kernel_module
 from overlap.compression.quantize import BlockCodes
 from overlap.errors import NonFiniteError
 from overlap.initial_sync import broadcast_state, module_state
+from overlap.optim.sync_trace import SyncTrace
 from overlap.ownership import claim, holder_of, release
 from overlap.params import select, unfrozen_message
 from overlap.rankstate import check_rank, group_rank
@@ -137,6 +139,10 @@ class DiLoCo:
             + (1 - alpha) * global. Default 0: the global weights replace the local ones
             (DiLoCo exactly; with a delay the fragment's last ``delay`` local steps are
             dropped). The paper's 0.5 ended 5% worse at H = 8 (docs/diloco.md).
+        tracer: an :class:`overlap.Tracer` to record into (attached if none is): each
+            fragment's issue, its reduction (as a ``bucket`` span, to its completion), the
+            training thread's wait at its landing, the landing itself, and a step mark per
+            step (:mod:`overlap.optim.sync_trace`).
 
     Call :meth:`step` (or ``await`` :meth:`astep`) after every inner optimizer step. It
     returns at once when nothing is due. After the last one, :meth:`finish` (or ``await``
@@ -154,8 +160,14 @@ class DiLoCo:
         compression: Compressor | None = None,
         group: Any = None,
         alpha: float = 0.0,
+        tracer: Any = None,
     ) -> None:
         _check_schedule(sync_every, fragments, delay)
+        if tracer is not None:
+            from overlap.trace.recorder import Tracer
+
+            if not isinstance(tracer, Tracer):
+                raise TypeError(f"tracer must be an overlap.Tracer, got {type(tracer).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # the frozen parameters are skipped, and checked at each step() (params.py)
@@ -245,6 +257,8 @@ class DiLoCo:
         self.syncs = 0
         self.bytes_sent = 0
         self._removed = False
+        self.tracer = tracer
+        self._trace = None if tracer is None else SyncTrace(tracer)
         # the job (init_distributed .. destroy_process_group) its syncs belong to
         self._generation = comm_state.generation
         self._swapped = False  # inside global_weights(): the model holds the globals
@@ -254,6 +268,11 @@ class DiLoCo:
         self.globals = [p.detach().clone() for p in self.params]
         self._prepare()
         claim([*self.params, self.compression], self)
+        if tracer is not None:
+            from overlap.trace.recorder import current
+
+            if current() is None:
+                tracer.attach()
 
     # ------------------------------------------------------------------ set-up
     def _start(self, state: list[torch.Tensor]) -> None:
@@ -317,6 +336,8 @@ class DiLoCo:
             self._issue(i)
             if self.delay == 0:
                 self._land(i, self._wait(i))
+        if self._trace is not None:
+            self._trace.step()
 
     async def astep(self) -> None:
         """As :meth:`step`, awaiting each landing on the event loop; with a delay it returns
@@ -414,6 +435,8 @@ class DiLoCo:
             self._issue(i)
             if self.delay == 0:
                 self._land(i, await self._await(i))
+        if self._trace is not None:
+            self._trace.step()
 
     def flush(self) -> None:
         """Land every in-flight fragment now (at the end of training, before evaluating or
@@ -531,6 +554,7 @@ class DiLoCo:
             yield self.params[j], self.globals[j]
 
     def _issue(self, i: int) -> None:
+        t0 = time.perf_counter_ns()
         flat = self._pseudo[i]  # made by _prepare
         with torch.no_grad():
             a = 0
@@ -546,28 +570,49 @@ class DiLoCo:
         self._inflight[i] = (self._t + self.delay, h)
         self.syncs += 1
         self.bytes_sent += self.compression.wire_bytes(flat, self.group)
+        if self._trace is not None:
+            nbytes = flat.numel() * flat.element_size()
+            self._trace.issued(i, t0, nbytes, self._t, self._t + self.delay, h)
 
     def _wait(self, i: int) -> torch.Tensor | BlockCodes:
         _, h = self._inflight[i]
+        t0 = time.perf_counter_ns()
         try:
             out = h if isinstance(h, (torch.Tensor, BlockCodes)) else h.wait()
         except BaseException:
             del self._inflight[i]  # the global weights are untouched
             raise
+        finally:
+            if self._trace is not None and not isinstance(h, (torch.Tensor, BlockCodes)):
+                self._trace.waited(i, t0)
         return out
 
     async def _await(self, i: int) -> torch.Tensor | BlockCodes:
         _, h = self._inflight[i]
+        t0 = time.perf_counter_ns()
         try:
             out = h if isinstance(h, (torch.Tensor, BlockCodes)) else await h
         except BaseException:
             del self._inflight[i]
             raise
+        finally:
+            if self._trace is not None and not isinstance(h, (torch.Tensor, BlockCodes)):
+                self._trace.waited(i, t0)
         return out
 
     def _land(self, i: int, res: torch.Tensor | BlockCodes, alpha: float | None = None) -> None:
         """Outer step on fragment ``i`` with the averaged pseudo-gradient, then the merge
         (weight ``alpha`` on the local weights; default the DiLoCo's own)."""
+        if self._trace is None:
+            self._land_now(i, res, alpha)
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            self._land_now(i, res, alpha)
+        finally:
+            self._trace.landed(i, t0, self._t)
+
+    def _land_now(self, i: int, res: torch.Tensor | BlockCodes, alpha: float | None) -> None:
         del self._inflight[i]
         alpha = self.alpha if alpha is None else alpha
         k = self._kernels

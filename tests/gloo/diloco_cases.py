@@ -286,6 +286,66 @@ def finish_with_int8() -> list[Any]:
         d.remove()
 
 
+def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
+    """A DiLoCo given a Tracer (H=4, 2 fragments, 8 steps, then flush) records each
+    fragment's issue, its reduction (a ``bucket`` span from the post to its completion),
+    the wait at its landing, the landing and a step mark per step; the report and the
+    Chrome export read them. Returns what was recorded."""
+    import json
+
+    tracer = overlap.Tracer()
+    model, inner, d = _build(4, 2, delay, tracer=tracer)
+    try:
+        for t in range(1, 9):
+            _inner_step(model, inner, t)
+            if mode == "blocking":
+                d.step()
+            else:
+                overlap.run(d.astep())
+        d.flush()
+    finally:
+        d.remove()
+        tracer.detach()
+    spans = list(tracer.spans)
+
+    def named(prefix: str) -> list[Any]:
+        return [s for s in spans if s[0].startswith(prefix)]
+
+    reduce = sorted((s for s in spans if s[1] == "bucket"), key=lambda s: s[2])
+    waits = sorted((s for s in spans if s[1] == "wait"), key=lambda s: s[2])
+    # the k-th reduction of a fragment starts after its issue began and ends before the
+    # k-th wait for that fragment does (the wait returns once the reduction has completed)
+    ordered = all(
+        r[5]["ready_ns"] <= r[2] <= r[3] <= w[3]
+        for f in (0, 1)
+        for r, w in zip(
+            [r for r in reduce if r[5]["bucket"] == f],
+            [w for w in waits if w[5]["fragment"] == f],
+            strict=True,
+        )
+    )
+    report = tracer.report()
+    exported = tracer.export_chrome(path)  # a collective: rank 0 writes every rank's
+    events: list[dict[str, Any]] = []
+    if exported is not None:
+        with open(exported) as f:
+            events = json.load(f)["traceEvents"]
+    return {
+        "issue": len(named("diloco issue")),
+        "reduce": [(r[5]["bucket"], r[5]["step"], r[5]["lands"]) for r in reduce],
+        "wait": len([s for s in spans if s[1] == "wait"]),
+        "land": len(named("diloco land")),
+        "steps": len([s for s in spans if s[1] == "step"]),
+        "comm": any(s[1] == "comm" for s in spans),
+        "ordered": ordered,
+        "report_buckets": sorted(b["bucket"] for b in report.buckets),
+        # rank 0's file holds both ranks' syncs; the other rank writes nothing
+        "exported": len([e for e in events if e.get("name") == "reduce fragment 0"]) >= 4
+        if comm.get_rank() == 0
+        else exported is None,
+    }
+
+
 def on_a_subgroup() -> Any:
     """3 ranks; ranks 0 and 1 run DiLoCo on their own group (a data-parallel group), with a
     delay, while rank 2 stays out: it equals the 2-rank reference."""
@@ -571,6 +631,7 @@ def refusals() -> dict[str, str]:
     catch("alpha", lambda: DiLoCo(model, inner, sync_every=4, delay=1, alpha=1.0))
     catch("auto", lambda: DiLoCo(model, inner, compression=overlap.Auto()))
     catch("string", lambda: DiLoCo(model, inner, compression="int8"))  # type: ignore[arg-type]
+    catch("tracer", lambda: DiLoCo(model, inner, tracer="trace.json"))
     lazy = nn.Sequential(nn.LazyLinear(2))
     catch("lazy", lambda: DiLoCo(lazy, torch.optim.SGD(lazy.parameters(), lr=0.1)))
     sched = BucketScheduler(model)

@@ -4,6 +4,7 @@ and FP8 quantizers; checkpoints, faults and refusals."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -229,6 +230,23 @@ def test_finish_with_int8_ends_every_rank_on_the_same_bits(
     assert pools(2).run(dc.finish_with_int8, timeout=120) == [[[0], True, True]] * 2
 
 
+@pytest.mark.parametrize(("delay", "mode"), [(1, "blocking"), (0, "async")])
+def test_a_tracer_sees_each_fragment_sync(
+    pools: Callable[[int], RankPool], tmp_path: Path, delay: int, mode: str
+) -> None:
+    out = pools(2).run(dc.traced_syncs, delay, mode, str(tmp_path / "t.json"), timeout=120)
+    # H=4, offsets 2 and 0: fragment 0 issues at 2 and 6, fragment 1 at 4 and 8 (with a
+    # delay of 1 that one lands in flush())
+    lands = [2, 4, 6, 8] if delay == 0 else [3, 5, 7, 9]
+    for got in out:
+        assert sorted(got["reduce"]) == sorted(
+            [(0, 2, lands[0]), (1, 4, lands[1]), (0, 6, lands[2]), (1, 8, lands[3])]
+        ), got
+        assert got["issue"] == 4 and got["wait"] == 4 and got["land"] == 4, got
+        assert got["steps"] == 8 and got["comm"] and got["ordered"], got
+        assert got["report_buckets"] == [0, 1] and got["exported"], got
+
+
 def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> None:
     out = pools(2).run(dc.refusals, timeout=120)
     want = {
@@ -241,6 +259,7 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "alpha": "ValueError: alpha must be in [0, 1), got 1.0",
         "auto": "ValueError: compression=Auto chooses by timing a BucketScheduler's steps",
         "string": "TypeError: compression takes a Compressor such as overlap.Int8()",
+        "tracer": "TypeError: tracer must be an overlap.Tracer, got str",
         "lazy": "ValueError: 0.weight is not initialised yet (a lazy module such as "
         "nn.LazyLinear has no shape before its first forward): run one forward pass, then "
         "build the DiLoCo",

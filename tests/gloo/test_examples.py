@@ -126,12 +126,18 @@ def test_multi_host_example_runs_on_one_host_too() -> None:
     assert got["mean_ok"] and got["same_weights"], got
 
 
-def test_diloco_example_under_torchrun() -> None:
-    out = _torchrun("examples/diloco.py", "--steps", "60")
+def test_diloco_example_under_torchrun(tmp_path: Path) -> None:
+    import json
+
+    trace = tmp_path / "diloco.json"
+    out = _torchrun("examples/diloco.py", "--steps", "60", "--trace", str(trace))
     assert out.returncode == 0, out.stdout + out.stderr
     # 60 steps at H=8, 2 fragments: 15 syncs, and afinish() syncs what differs once more
     assert "gloo: 60 steps on 2 ranks, 16 fragment syncs" in out.stdout, out.stdout
     assert "every rank the same model: True" in out.stdout, out.stdout
+    assert "waited for syncs" in out.stdout, out.stdout
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"reduce fragment 0", "reduce fragment 1", "forward+backward"} <= names, names
 
 
 def test_diloco_example_under_mpiexec() -> None:

@@ -1,0 +1,69 @@
+"""What DiLoCo records into a Tracer: each fragment's outer sync, where it was waited for,
+and what the syncs cost the training thread.
+
+Spans (:mod:`overlap.trace.recorder` categories, so the report and the Chrome export read
+them as they read a BucketScheduler's):
+
+* ``diloco issue fragment i`` (``user``, training thread): the pseudo-gradient and the post;
+* ``reduce fragment i`` (``bucket``, args ``bucket=i``, ``bytes``, ``flow``, ``ready_ns``,
+  ``step``, ``lands``): from the post to the moment the reduction completed, recorded by a
+  done-callback on its Handle (on whichever thread completes it); the report's bucket
+  table then gives each fragment's reduce time, and ``ready_ns`` the issue's start;
+* ``diloco wait fragment i`` (``wait``): the training thread blocked for a reduction at
+  its landing, the stall plain DiLoCo shows at every sync and streaming should not;
+* ``diloco land fragment i`` (``user``): the outer step and the merge;
+* a step mark after every ``step()`` / ``astep()``, as the scheduler makes one per step.
+
+Why a module of its own: the DiLoCo records only when a tracer was given, and this keeps
+that bookkeeping out of the sync logic.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from overlap.comm.handle import Handle
+
+__all__ = ["SyncTrace"]
+
+_now = time.perf_counter_ns
+
+
+class SyncTrace:
+    """Records one DiLoCo's syncs into ``tracer`` (an :class:`overlap.Tracer`)."""
+
+    def __init__(self, tracer: Any) -> None:
+        self.tracer = tracer
+
+    def issued(self, i: int, t0: int, nbytes: int, step: int, lands: int, handle: Any) -> None:
+        """Fragment ``i``'s reduction was posted (its issue began at ``t0``); its span ends
+        when ``handle`` completes (at once if it is already a result)."""
+        tr = self.tracer
+        posted = _now()
+        tr.record(f"diloco issue fragment {i}", "user", t0, posted, fragment=i, step=step)
+        args = {
+            "bucket": i,
+            "bytes": nbytes,
+            "flow": tr.next_flow(),
+            "ready_ns": t0,
+            "step": step,
+            "lands": lands,
+        }
+
+        def done(_h: Any = None) -> None:
+            tr.record(f"reduce fragment {i}", "bucket", posted, _now(), **args)
+
+        if isinstance(handle, Handle):
+            handle.add_done_callback(done)
+        else:
+            done()
+
+    def waited(self, i: int, t0: int) -> None:
+        self.tracer.record(f"diloco wait fragment {i}", "wait", t0, _now(), fragment=i)
+
+    def landed(self, i: int, t0: int, step: int) -> None:
+        self.tracer.record(f"diloco land fragment {i}", "user", t0, _now(), fragment=i, step=step)
+
+    def step(self) -> None:
+        self.tracer.step()
