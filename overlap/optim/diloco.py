@@ -256,6 +256,9 @@ class DiLoCo:
         self._spare: dict[int, torch.Tensor] = {}
         self.syncs = 0
         self.bytes_sent = 0
+        # seconds the training loop waited for reductions at their landings (this process
+        # only; not in state_dict(): a wall-clock figure, counted anew after a resume)
+        self.wait_s = 0.0
         self._removed = False
         self.tracer = tracer
         self._trace = None if tracer is None else SyncTrace(tracer)
@@ -583,8 +586,8 @@ class DiLoCo:
             del self._inflight[i]  # the global weights are untouched
             raise
         finally:
-            if self._trace is not None and not isinstance(h, (torch.Tensor, BlockCodes)):
-                self._trace.waited(i, t0)
+            if not isinstance(h, (torch.Tensor, BlockCodes)):
+                self._waited(i, t0)
         return out
 
     async def _await(self, i: int) -> torch.Tensor | BlockCodes:
@@ -596,9 +599,16 @@ class DiLoCo:
             del self._inflight[i]
             raise
         finally:
-            if self._trace is not None and not isinstance(h, (torch.Tensor, BlockCodes)):
-                self._trace.waited(i, t0)
+            if not isinstance(h, (torch.Tensor, BlockCodes)):
+                self._waited(i, t0)
         return out
+
+    def _waited(self, i: int, t0: int) -> None:
+        """The loop waited from ``t0`` for fragment ``i``'s reduction (``wait_s``; a
+        ``wait`` span with a tracer)."""
+        self.wait_s += (time.perf_counter_ns() - t0) / 1e9
+        if self._trace is not None:
+            self._trace.waited(i, t0)
 
     def _land(self, i: int, res: torch.Tensor | BlockCodes, alpha: float | None = None) -> None:
         """Outer step on fragment ``i`` with the averaged pseudo-gradient, then the merge
@@ -816,12 +826,15 @@ class DiLoCo:
         return total / self.sync_every
 
     def statistics(self) -> dict[str, Any]:
-        """Inner steps, syncs issued, bytes this rank sent for them, fragments in flight."""
+        """Inner steps, syncs issued, bytes this rank sent for them, seconds the training
+        loop waited for reductions at their landings (``wait_s``), fragments in flight."""
         return {
             "inner_steps": self._t,
             "syncs": self.syncs,
             "bytes_sent": self.bytes_sent,
             "bytes_per_step": self.bytes_sent / max(1, self._t),
+            # the stall: plain DiLoCo waits for every sync, streaming should hardly wait
+            "wait_s": self.wait_s,
             "steady_bytes_per_step": self.steady_bytes_per_step(),
             "in_flight": sorted(self._inflight),
         }

@@ -6,8 +6,8 @@ them as they read a BucketScheduler's):
 
 * ``diloco issue fragment i`` (``user``, training thread): the pseudo-gradient and the post;
 * ``reduce fragment i`` (``bucket``, args ``bucket=i``, ``bytes``, ``flow``, ``ready_ns``,
-  ``step``, ``lands``): from the post to the moment the reduction completed, recorded by a
-  done-callback on its Handle (on whichever thread completes it); the report's bucket
+  ``step``, ``lands``): from the post to the moment the reduction completed (its Handle's
+  ``end_ns``), recorded by a done-callback on the Handle; the report's bucket
   table then gives each fragment's reduce time, and ``ready_ns`` the issue's start;
 * ``diloco wait fragment i`` (``wait``): the training thread blocked for a reduction at
   its landing, the stall plain DiLoCo shows at every sync and streaming should not;
@@ -51,13 +51,16 @@ class SyncTrace:
             "lands": lands,
         }
 
-        def done(_h: Any = None) -> None:
-            tr.record(f"reduce fragment {i}", "bucket", posted, _now(), **args)
+        def done(h: Handle) -> None:
+            # the handle's own completion time, set before anyone waiting on it resumes
+            # (this callback may run after the awaiting loop has)
+            end = h.end_ns if h.end_ns is not None else _now()
+            tr.record(f"reduce fragment {i}", "bucket", posted, end, **args)
 
         if isinstance(handle, Handle):
             handle.add_done_callback(done)
         else:
-            done()
+            tr.record(f"reduce fragment {i}", "bucket", posted, _now(), **args)
 
     def waited(self, i: int, t0: int) -> None:
         self.tracer.record(f"diloco wait fragment {i}", "wait", t0, _now(), fragment=i)

@@ -303,6 +303,7 @@ def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
             else:
                 overlap.run(d.astep())
         d.flush()
+        wait_s = d.statistics()["wait_s"]
     finally:
         d.remove()
         tracer.detach()
@@ -338,6 +339,9 @@ def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
         "steps": len([s for s in spans if s[1] == "step"]),
         "comm": any(s[1] == "comm" for s in spans),
         "ordered": ordered,
+        # statistics()["wait_s"] counts what the wait spans show (each end read apart)
+        "wait_s": wait_s > 0
+        and abs(wait_s - sum(w[3] - w[2] for w in waits) / 1e9) < 1e-3 * len(waits),
         "report_buckets": sorted(b["bucket"] for b in report.buckets),
         # rank 0's file holds both ranks' syncs; the other rank writes nothing
         "exported": len([e for e in events if e.get("name") == "reduce fragment 0"]) >= 4

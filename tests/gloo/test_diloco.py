@@ -243,7 +243,7 @@ def test_a_tracer_sees_each_fragment_sync(
             [(0, 2, lands[0]), (1, 4, lands[1]), (0, 6, lands[2]), (1, 8, lands[3])]
         ), got
         assert got["issue"] == 4 and got["wait"] == 4 and got["land"] == 4, got
-        assert got["steps"] == 8 and got["comm"] and got["ordered"], got
+        assert got["steps"] == 8 and got["comm"] and got["ordered"] and got["wait_s"], got
         assert got["report_buckets"] == [0, 1] and got["exported"], got
 
 
