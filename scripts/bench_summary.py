@@ -10,7 +10,10 @@ import json
 import sys
 from typing import Any
 
-TRAIN = ["step_ms", "max_step_ms", "worker_cpu_ms", "exposed_ms", "train_cpu_ms", "rank_cpu_ms"]
+TRAIN = [
+    "step_ms", "max_step_ms", "worker_cpu_ms", "exposed_ms", "train_cpu_ms", "rank_cpu_ms",
+    "diloco_step_ms", "diloco_step_max_ms", "diloco_wait_max_ms",
+]  # fmt: skip
 OPS = ["torch_us", "blocking_us", "await_us", "await/torch", "await/blocking"]
 
 

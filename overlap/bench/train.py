@@ -216,7 +216,19 @@ def bench_train_rank(
     gen = torch.Generator().manual_seed(comm.get_rank())
     rec: dict[str, dict[str, list[float]]] = {
         v["name"]: {
-            k: [] for k in ("step", "comm", "hidden", "exposed", "all", "backward", "cpu", "proc")
+            k: []
+            for k in (
+                "step",
+                "comm",
+                "hidden",
+                "exposed",
+                "all",
+                "backward",
+                "cpu",
+                "proc",
+                "sync",
+                "sync_wait",
+            )
         }
         for v in vs
     }
@@ -242,8 +254,13 @@ def bench_train_rank(
         if stats is not None:
             worker[v["name"]].append(stats["worker_cpu_s"])
         v["opt"].step()
+        t_sync_in = time.perf_counter()
+        waited = 0.0
         if v["diloco"] is not None:
+            w0 = v["diloco"].wait_s
             v["diloco"].step()
+            waited = v["diloco"].wait_s - w0
+        t_sync_out = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -255,6 +272,9 @@ def bench_train_rank(
         r["backward"].append(t_bwd - t0)
         r["cpu"].append(time.thread_time() - c0)
         r["proc"].append(time.process_time() - p0)
+        if v["diloco"] is not None:  # DiLoCo.step(): all of it, and its wait for landings
+            r["sync"].append(t_sync_out - t_sync_in)
+            r["sync_wait"].append(waited)
         if stats is not None:
             v["timeline"] = stats["timeline"], t0  # the row reports the last step's buckets
             c, h = comm_overlap(stats["timeline"], t0, t_bwd)
@@ -364,6 +384,13 @@ def bench_train_rank(
             row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
         if v["diloco"] is not None:
             row["fragments"] = v["diloco"].fragments
+            # what DiLoCo.step() took of a step (median, slowest), and of that the wait for
+            # reductions at landings: the rest of a step's excess over compute-only is
+            # interference (the driver's and gloo's threads, memory bandwidth)
+            row["diloco_step_ms"] = median(r["sync"]) * 1e3
+            row["diloco_step_max_ms"] = max(r["sync"]) * 1e3
+            row["diloco_wait_ms"] = median(r["sync_wait"]) * 1e3
+            row["diloco_wait_max_ms"] = max(r["sync_wait"]) * 1e3
         if v["sched"] is not None:
             row["hierarchical"] = v["sched"].hierarchical
             if row["hierarchical"] and row["bytes_per_rank"]:  # what crosses between hosts

@@ -204,6 +204,10 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     for index, ready, start, end in onebit["buckets_ms"]:
         assert isinstance(index, int) and 0 <= ready <= start <= end, onebit["buckets_ms"]
     assert diloco["fragments"] == 1, diloco  # the default, 8, gives 2 here (one per tensor)
+    # DiLoCo.step()'s share of a step, and of that the wait for landings
+    assert 0 <= diloco["diloco_wait_ms"] <= diloco["diloco_step_ms"] <= diloco["step_ms"]
+    assert 0 <= diloco["diloco_wait_max_ms"] <= diloco["diloco_step_max_ms"], diloco
+    assert "diloco_step_ms" not in compute and "diloco_step_ms" not in onebit
 
 
 def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
