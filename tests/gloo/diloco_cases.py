@@ -215,15 +215,17 @@ def finish_ends_on_one_model(
     alpha: float,
     landing: str = "fused",
     mode: str = "blocking",
+    group: Any = None,
 ) -> list[Any]:
     """``finish()`` after ``steps`` steps against the reference's (land what is in flight;
     sync each fragment some rank holds apart; no merge), then H more steps against it.
     ``landing``: "torch" makes the landings run ``outer.step()`` (see matches_reference).
     ``mode`` "async": ``await astep()`` and ``await afinish()`` in an event loop.
+    ``group``: DiLoCo on that group (its ranks the lowest global ones, as the reference's).
     Returns [fragments it synced (from the syncs counted), every rank the same bits,
     weights == globals, syncs a second finish() added]."""
-    w, r = comm.get_world_size(), comm.get_rank()
-    model, inner, d = _build(h, frags, delay, alpha=alpha)
+    w, r = comm.get_world_size(group), comm.get_rank()
+    model, inner, d = _build(h, frags, delay, alpha=alpha, group=group)
     if landing == "torch":
         torch.optim.lr_scheduler.LambdaLR(d.outer, lambda epoch: 1.0)
     ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
@@ -249,7 +251,7 @@ def finish_ends_on_one_model(
             raise AssertionError(f"finish() synced {synced} fragments, the math {due}")
         flat = torch.cat([p.detach().reshape(-1) for p in model.ps])
         every = [torch.empty_like(flat) for _ in range(w)]
-        comm.all_gather(every, flat)
+        comm.all_gather(every, flat, group=group)
         same = all(torch.equal(x, flat) for x in every)
         on_globals = all(torch.equal(p, g) for p, g in zip(model.ps, d.globals, strict=True))
         finish()
@@ -352,12 +354,14 @@ def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
 
 def on_a_subgroup() -> Any:
     """3 ranks; ranks 0 and 1 run DiLoCo on their own group (a data-parallel group), with a
-    delay, while rank 2 stays out: it equals the 2-rank reference."""
+    delay, while rank 2 stays out: it equals the 2-rank reference, and so does finish()."""
     g = comm.new_group([0, 1])  # every rank makes it
     if comm.get_rank() == 2:
         return None
     try:
-        return matches_reference([4], 2, 1, steps=12, group=g)
+        # and finish() on the group: its vote and syncs go to the group's ranks only
+        finished = finish_ends_on_one_model(4, 2, 1, 10, 0.0, group=g)
+        return [matches_reference([4], 2, 1, steps=12, group=g), finished]
     finally:
         comm.destroy_process_group(g)
 
