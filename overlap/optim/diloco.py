@@ -272,10 +272,7 @@ class DiLoCo:
         self._prepare()
         claim([*self.params, self.compression], self)
         if tracer is not None:
-            from overlap.trace.recorder import current
-
-            if current() is None:
-                tracer.attach()
+            tracer.attach_if_none()
 
     # ------------------------------------------------------------------ set-up
     def _start(self, state: list[torch.Tensor]) -> None:

@@ -306,10 +306,7 @@ class BucketScheduler:
         self.rebuild = rebuild_buckets
         self.tracer = tracer
         if tracer is not None:
-            from overlap.trace.recorder import current
-
-            if current() is None:
-                tracer.attach()
+            tracer.attach_if_none()
         self._pidx = {id(p): i for i, p in enumerate(self.params)}
         # what each parameter was when its bucket was laid out (see _hook)
         self._kinds = [(p.dtype, p.is_cuda) for p in self.params]

@@ -90,6 +90,14 @@ class Tracer:
             pass
         return self
 
+    def attach_if_none(self) -> Tracer:
+        """Attach this tracer unless one is attached already (this one or another): what a
+        BucketScheduler or DiLoCo given ``tracer=`` does, so it records where the user's own
+        attached tracer leaves the comm layer's ops."""
+        if _current is None:
+            self.attach()
+        return self
+
     def detach(self) -> None:
         global _current
         from overlap.comm import hooks
