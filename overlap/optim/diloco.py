@@ -576,36 +576,38 @@ class DiLoCo:
 
     def _wait(self, i: int) -> torch.Tensor | BlockCodes:
         _, h = self._inflight[i]
+        if isinstance(h, (torch.Tensor, BlockCodes)):  # landed already (state_dict, load)
+            return h
         t0 = time.perf_counter_ns()
         try:
-            out = h if isinstance(h, (torch.Tensor, BlockCodes)) else h.wait()
+            out: torch.Tensor | BlockCodes = h.wait()
         except BaseException:
             del self._inflight[i]  # the global weights are untouched
             raise
         finally:
-            if not isinstance(h, (torch.Tensor, BlockCodes)):
-                self._waited(i, t0)
+            self._waited(i, t0, h)
         return out
 
     async def _await(self, i: int) -> torch.Tensor | BlockCodes:
         _, h = self._inflight[i]
+        if isinstance(h, (torch.Tensor, BlockCodes)):
+            return h
         t0 = time.perf_counter_ns()
         try:
-            out = h if isinstance(h, (torch.Tensor, BlockCodes)) else await h
+            out: torch.Tensor | BlockCodes = await h
         except BaseException:
             del self._inflight[i]
             raise
         finally:
-            if not isinstance(h, (torch.Tensor, BlockCodes)):
-                self._waited(i, t0)
+            self._waited(i, t0, h)
         return out
 
-    def _waited(self, i: int, t0: int) -> None:
-        """The loop waited from ``t0`` for fragment ``i``'s reduction (``wait_s``; a
-        ``wait`` span with a tracer)."""
+    def _waited(self, i: int, t0: int, handle: Any) -> None:
+        """The loop waited from ``t0`` for fragment ``i``'s reduction ``handle``
+        (``wait_s``; with a tracer, a ``wait`` span and the reduction's own)."""
         self.wait_s += (time.perf_counter_ns() - t0) / 1e9
         if self._trace is not None:
-            self._trace.waited(i, t0)
+            self._trace.waited(i, t0, handle)
 
     def _land(self, i: int, res: torch.Tensor | BlockCodes, alpha: float | None = None) -> None:
         """Outer step on fragment ``i`` with the averaged pseudo-gradient, then the merge

@@ -7,8 +7,10 @@ them as they read a BucketScheduler's):
 * ``diloco issue fragment i`` (``user``, training thread): the pseudo-gradient and the post;
 * ``reduce fragment i`` (``bucket``, args ``bucket=i``, ``bytes``, ``flow``, ``ready_ns``,
   ``step``, ``lands``): from the post to the moment the reduction completed (its Handle's
-  ``end_ns``), recorded by a done-callback on the Handle; the report's bucket
-  table then gives each fragment's reduce time, and ``ready_ns`` the issue's start;
+  ``end_ns``), recorded when the DiLoCo waits for it, so it is there once the wait
+  returns (a done-callback ran after the waiter had gone on: a trace read right after
+  the last landing missed its span); the report's bucket table then gives each
+  fragment's reduce time, and ``ready_ns`` the issue's start;
 * ``diloco wait fragment i`` (``wait``): the training thread blocked for a reduction at
   its landing, the stall plain DiLoCo shows at every sync and streaming should not;
 * ``diloco land fragment i`` (``user``): the outer step and the merge;
@@ -35,10 +37,12 @@ class SyncTrace:
 
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
+        # fragment -> (post time, span args) of its reduction, until it is seen complete
+        self._reducing: dict[int, tuple[int, dict[str, Any]]] = {}
 
     def issued(self, i: int, t0: int, nbytes: int, step: int, lands: int, handle: Any) -> None:
-        """Fragment ``i``'s reduction was posted (its issue began at ``t0``); its span ends
-        when ``handle`` completes (at once if it is already a result)."""
+        """Fragment ``i``'s reduction was posted (its issue began at ``t0``); its span is
+        recorded by :meth:`waited` (at once if ``handle`` is already a result)."""
         tr = self.tracer
         posted = _now()
         tr.record(f"diloco issue fragment {i}", "user", t0, posted, fragment=i, step=step)
@@ -50,20 +54,21 @@ class SyncTrace:
             "step": step,
             "lands": lands,
         }
-
-        def done(h: Handle) -> None:
-            # the handle's own completion time, set before anyone waiting on it resumes
-            # (this callback may run after the awaiting loop has)
-            end = h.end_ns if h.end_ns is not None else _now()
-            tr.record(f"reduce fragment {i}", "bucket", posted, end, **args)
-
         if isinstance(handle, Handle):
-            handle.add_done_callback(done)
+            self._reducing[i] = (posted, args)
         else:
             tr.record(f"reduce fragment {i}", "bucket", posted, _now(), **args)
 
-    def waited(self, i: int, t0: int) -> None:
-        self.tracer.record(f"diloco wait fragment {i}", "wait", t0, _now(), fragment=i)
+    def waited(self, i: int, t0: int, handle: Handle) -> None:
+        """The loop waited from ``t0`` for fragment ``i``'s ``handle``: that wait, and the
+        reduction's span to the handle's completion (left for a later wait if the wait
+        ended without it, e.g. cancelled)."""
+        tr = self.tracer
+        tr.record(f"diloco wait fragment {i}", "wait", t0, _now(), fragment=i)
+        end = handle.end_ns
+        if end is not None and i in self._reducing:
+            posted, args = self._reducing.pop(i)
+            tr.record(f"reduce fragment {i}", "bucket", posted, end, **args)
 
     def landed(self, i: int, t0: int, step: int) -> None:
         self.tracer.record(f"diloco land fragment {i}", "user", t0, _now(), fragment=i, step=step)
