@@ -257,9 +257,12 @@ def bench_lm_rank(
                 with sched.global_weights():
                     held_global = _held_out(model, evals, batch, eval_batches)
                 # and the model DiLoCo.finish() ends on: one more sync of every fragment
-                # the ranks hold apart, the same weights on every rank
+                # the ranks hold apart, the same weights on every rank (none synced, as
+                # for plain DiLoCo ending on a sync: the weights evaluated above)
+                syncs = sched.syncs
                 sched.finish()
-                held_final = _held_out(model, evals, batch, eval_batches)
+                if sched.syncs != syncs:
+                    held_final = _held_out(model, evals, batch, eval_batches)
         finally:
             hooks.set_observer(None)
             if sched is not None:
