@@ -561,6 +561,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         ALL_VARIANTS,
         CUDA_VARIANTS,
         DILOCO_FRAGMENTS_ENV,
+        DILOCO_PASS_THREAD_ENV,
         PIN_HEAP_ENV,
         THREADS_ENV,
         VARIANTS,
@@ -618,6 +619,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             return 2
         os.environ[DILOCO_FRAGMENTS_ENV] = str(args.diloco_fragments)
     os.environ[THREADS_ENV] = str(args.threads)  # every rank process inherits it
+    os.environ[DILOCO_PASS_THREAD_ENV] = args.diloco_pass_thread
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
     if args.hosts:
         rows, code = _run_on_hosts(
@@ -1109,6 +1111,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads per rank (default 1: every variant's ranks share the "
         "machine alike); more computes faster on a machine with cores to spare, which is "
         "where a slow link's cost shows",
+    )
+    bt.add_argument(
+        "--diloco-pass-thread",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="DiLoCo(pass_thread=) of the diloco variants: take streaming's pseudo-gradient "
+        "on a thread of its own under the next forward and backward (on), inside step() "
+        "(off), or on when each rank has a core to spare (auto, the default)",
     )
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")

@@ -46,8 +46,11 @@ bench diloco-1gbit 110 train --link 1gbit --pin-heap --variant compute --variant
     --variant diloco-streaming --steps 32 --warmup 8
 bench hosts-1gbit-2 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
     --steps 8 --warmup 3
+# the same with the pseudo-gradient pass inside step(): the run above takes it on a thread
+# of its own (pass_thread=None picks that with a core to spare per rank), which on 2 cores
+# took half of step() off the training thread without a faster step (docs/diloco.md)
 bench diloco-1gbit-2 80 train --link 1gbit --pin-heap --variant compute \
-    --variant diloco-streaming --steps 32 --warmup 8
+    --variant diloco-streaming --steps 32 --warmup 8 --diloco-pass-thread off
 if [ -x "$SITE/bin/mpiexec" ]; then
     LIBMPI="$(find "$SITE/mpich" -name 'libmpi.so.12' 2>/dev/null | head -1)"
     PYTHONPATH="$SITE:$PWD" OVERLAP_MPIEXEC="$SITE/bin/mpiexec" MPI4PY_LIBMPI="$LIBMPI" \

@@ -78,6 +78,8 @@ DILOCO_FRAGMENTS = 8
 # can show (with one thread a rank at 1 Gbit/s, compute and the codec's CPU fill the step,
 # and hierarchy="node", which halves the bytes between hosts, has little to gain there).
 THREADS_ENV = "OVERLAP_BENCH_THREADS"
+# --diloco-pass-thread: DiLoCo(pass_thread=) of the DiLoCo variants: auto (None), on, off
+DILOCO_PASS_THREAD_ENV = "OVERLAP_BENCH_DILOCO_PASS_THREAD"
 ALL_VARIANTS = VARIANTS + HOST_VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
@@ -129,6 +131,11 @@ def diloco_fragments() -> int:
     return int(os.environ.get(DILOCO_FRAGMENTS_ENV, DILOCO_FRAGMENTS))
 
 
+def diloco_pass_thread() -> bool | None:
+    """The DiLoCo variants' ``pass_thread`` for this run (``--diloco-pass-thread``)."""
+    return {"on": True, "off": False}.get(os.environ.get(DILOCO_PASS_THREAD_ENV, "auto"))
+
+
 def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -151,6 +158,7 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
             fragments=min(diloco_fragments(), len(list(model.parameters()))) if stream else 1,
             delay=DILOCO_DELAY if stream else 0,
             compression=Int8() if stream else None,
+            pass_thread=diloco_pass_thread(),
         )
         return v
     if "onebitadam" in name:
@@ -391,6 +399,11 @@ def bench_train_rank(
             row["diloco_step_max_ms"] = max(r["sync"]) * 1e3
             row["diloco_wait_ms"] = median(r["sync_wait"]) * 1e3
             row["diloco_wait_max_ms"] = max(r["sync_wait"]) * 1e3
+            # whether the pseudo-gradient passes ran on their own thread, and the inner
+            # optimizer's wait for them (mean per step, the whole run)
+            row["diloco_pass_thread"] = v["diloco"].pass_thread
+            stats = v["diloco"].statistics()
+            row["diloco_pass_wait_ms"] = stats["pass_wait_s"] * 1e3 / max(1, stats["inner_steps"])
         if v["sched"] is not None:
             row["hierarchical"] = v["sched"].hierarchical
             if row["hierarchical"] and row["bytes_per_rank"]:  # what crosses between hosts

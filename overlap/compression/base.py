@@ -17,7 +17,7 @@ an awaitable Handle.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -80,9 +80,16 @@ class Compressor(ABC):
         shapes: Sequence[torch.Size] | None = None,
         async_op: bool = False,
         encoded: bool = False,
+        ready: Callable[[], None] | None = None,
     ) -> Any:
         """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``, run to
         the end on a driver thread whatever is done with it (:mod:`overlap.comm.driver`).
+
+        ``ready`` (async only): called on the driver thread before the job reads ``flat``,
+        blocking until ``flat`` holds its values (DiLoCo fills it on another thread while
+        the job waits its turn in the driver's queue). The job keeps its place in the
+        queue, taken at this call, so every rank's collectives still pair in call order.
+        An error from it fails the job (and stops the twin, as any job error does).
 
         ``encoded=True`` asks a compressor with ``encodes_result`` for the average in its
         own code, not decoded (:class:`~overlap.compression.quantize.BlockCodes` for Int8):
@@ -97,9 +104,15 @@ class Compressor(ABC):
         kw: dict[str, Any] = {"encoded": True} if encoded and self.encodes_result else {}
         if not async_op:
             return run(self.reduce_steps(key, flat, group=group, shapes=shapes, **kw))
+
+        def job(twin: Any) -> Steps:
+            if ready is not None:
+                ready()
+            return self.reduce_steps(key, flat, group=twin, shapes=shapes, **kw)
+
         return driver.submit(
             self.name,
-            lambda twin: self.reduce_steps(key, flat, group=twin, shapes=shapes, **kw),
+            job,
             group,
             nbytes=self.wire_bytes(flat, group),
             backend=comm.get_backend(),

@@ -43,6 +43,16 @@ def all_finite(x: Any) -> bool:
     return bool(z == z)
 
 
+@nb.njit(f"void({_F4}, {_F4}, {_F4})", nogil=True, cache=True, boundscheck=False)
+def pseudo_gradient(glob: Any, param: Any, out: Any) -> None:
+    """out = glob - param, elementwise (float32 subtraction: the same bits as
+    ``torch.sub(glob, param, out=out)``). One thread and no GIL: DiLoCo runs it on its pass
+    thread while the training thread computes, where a torch op would start an intra-op
+    thread team of its own beside the training thread's."""
+    for i in range(glob.size):
+        out[i] = glob[i] - param[i]
+
+
 @nb.njit(nogil=True, boundscheck=False, inline="always")  # type: ignore[untyped-decorator]
 def _land_span(
     src: Any,

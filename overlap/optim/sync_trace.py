@@ -4,7 +4,10 @@ and what the syncs cost the training thread.
 Spans (:mod:`overlap.trace.recorder` categories, so the report and the Chrome export read
 them as they read a BucketScheduler's):
 
-* ``diloco issue fragment i`` (``user``, training thread): the pseudo-gradient and the post;
+* ``diloco issue fragment i`` (``user``, training thread): the pseudo-gradient (when taken
+  there) and the post;
+* ``diloco pseudo-gradient fragment i`` (``user``, the pass thread): a streaming sync's
+  pseudo-gradient, taken while the next forward and backward run;
 * ``reduce fragment i`` (``bucket``, args ``bucket=i``, ``bytes``, ``flow``, ``ready_ns``,
   ``step``, ``lands``): from the post to the moment the reduction completed (its Handle's
   ``end_ns``), recorded when the DiLoCo waits for it, so it is there once the wait
@@ -58,6 +61,10 @@ class SyncTrace:
             self._reducing[i] = (posted, args)
         else:
             tr.record(f"reduce fragment {i}", "bucket", posted, _now(), **args)
+
+    def took(self, i: int, t0: int) -> None:
+        """Fragment ``i``'s pseudo-gradient pass ran from ``t0`` to now (the pass thread)."""
+        self.tracer.record(f"diloco pseudo-gradient fragment {i}", "user", t0, _now(), fragment=i)
 
     def waited(self, i: int, t0: int, handle: Handle) -> None:
         """The loop waited from ``t0`` for fragment ``i``'s ``handle``: that wait, and the

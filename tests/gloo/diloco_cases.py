@@ -162,6 +162,7 @@ def matches_reference(
     landing: str = "fused",
     strided: bool = False,
     frozen: bool = False,
+    slow_pass: float = 0.0,
 ) -> list[Any]:
     """Run DiLoCo against the reference for each H (``group``'s ranks are the simulated
     ranks 0..W-1, so it must hold the lowest global ranks); return, per H, the fragments,
@@ -172,11 +173,17 @@ def matches_reference(
     through ``outer.step()`` and any other fused, against the contiguous reference.
     ``frozen``: the model has a frozen parameter, in both optimizers (the usual
     ``model.parameters()``): DiLoCo skips it, and after the run refuses it unfrozen (what
-    :meth:`DiLoCo.step` raised is appended, with whether it stayed ones)."""
+    :meth:`DiLoCo.step` raised is appended, with whether it stayed ones). ``slow_pass``:
+    each streaming pseudo-gradient pass first sleeps this long on its thread, so the inner
+    optimizer's next step comes while it would still read the weights (the step must wait
+    for it; the number of passes taken off the training thread is appended)."""
     w, r = comm.get_world_size(group), comm.get_rank()
     out: list[Any] = []
     for h in hs:
-        model, inner, d = _build(h, frags, delay, strided, frozen, alpha=alpha, group=group)
+        model, inner, d = _build(
+            h, frags, delay, strided, frozen, alpha=alpha, group=group,
+            pass_thread=True if slow_pass else None,
+        )  # fmt: skip
         if strided and any(p.is_contiguous() for p in model.ps if p.dim() == 2):
             raise AssertionError("the strided model's 2-D parameters are contiguous")
         if landing == "torch":
@@ -185,6 +192,16 @@ def matches_reference(
         if fused != (landing == "fused" and not strided):
             raise AssertionError(f"wanted the {landing} landing, fused={fused}")
         ref = Reference(w, h, d.frags, delay, d.alpha, d.offsets)
+        passes = [0]
+        if slow_pass:
+            take = d._pass
+
+            def slowly(*a: Any, take: Any = take, passes: list[int] = passes) -> list[int]:
+                time.sleep(slow_pass)
+                passes[0] += 1
+                return take(*a)
+
+            d._pass = slowly  # type: ignore[method-assign]
         try:
             for t in range(1, steps + 1):
                 _inner_step(model, inner, t)
@@ -196,6 +213,8 @@ def matches_reference(
                 _close(list(model.ps), [p.detach() for p in ref.local[r]], f"H={h} step {t} local")
                 _close(d.globals, ref.glob, f"H={h} step {t} global")
             out.append([d.frags, d.offsets, d.statistics()["syncs"]])
+            if slow_pass:
+                out[-1].append(passes[0])
             if frozen:
                 out[-1].append(bool(torch.equal(model.still, torch.ones(3))))
                 model.still.requires_grad_(True)
@@ -296,7 +315,7 @@ def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
     import json
 
     tracer = overlap.Tracer()
-    model, inner, d = _build(4, 2, delay, tracer=tracer)
+    model, inner, d = _build(4, 2, delay, tracer=tracer, pass_thread=True)
     try:
         for t in range(1, 9):
             _inner_step(model, inner, t)
@@ -314,6 +333,10 @@ def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
     def named(prefix: str) -> list[Any]:
         return [s for s in spans if s[0].startswith(prefix)]
 
+    import threading
+
+    me = threading.get_ident()
+    took = named("diloco pseudo-gradient")
     reduce = sorted((s for s in spans if s[1] == "bucket"), key=lambda s: s[2])
     waits = sorted((s for s in spans if s[1] == "wait"), key=lambda s: s[2])
     # the k-th reduction of a fragment starts after its issue began and ends before the
@@ -335,6 +358,8 @@ def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
             events = json.load(f)["traceEvents"]
     return {
         "issue": len(named("diloco issue")),
+        # a streaming sync's pseudo-gradient is taken on the pass thread
+        "took": (len(took), all(s[4] != me for s in took)),
         "reduce": [(r[5]["bucket"], r[5]["step"], r[5]["lands"]) for r in reduce],
         "wait": len([s for s in spans if s[1] == "wait"]),
         "land": len(named("diloco land")),
@@ -350,6 +375,40 @@ def traced_syncs(delay: int, mode: str, path: str) -> dict[str, Any]:
         if comm.get_rank() == 0
         else exported is None,
     }
+
+
+def write_during_a_pass_is_refused() -> list[Any]:
+    """A weight written in place after step() issued its fragment and before its pass read
+    it (the pass thread held up meanwhile): the inner optimizer's next step raises, naming
+    the parameter, and the step is not taken. Returns the error, whether the weights stayed
+    as the write left them, and whether the pass waited at the step."""
+    import threading
+
+    model, inner, d = _build(4, 2, 1, pass_thread=True)  # fragment 0 issues at 2, 6; 1 at 4
+    caught: dict[str, str] = {}
+    try:
+        for t in range(1, 4):
+            _inner_step(model, inner, t)
+            d.step()
+        assert d._passes is not None, "step 2's pass was not taken off the training thread"
+        hold = threading.Event()
+        d._passes.submit(hold.wait)
+        _inner_step(model, inner, 4)
+        d.step()  # issues fragment 1: its pass waits behind `hold`
+        j = d.frags[1][0]
+        with torch.no_grad():
+            model.ps[j].add_(1.0)
+        after = [p.detach().clone() for p in model.ps]
+        threading.Timer(0.1, hold.set).start()
+        ps = list(model.ps)
+        for p, g in zip(ps, _grads(ps, comm.get_rank(), 5), strict=True):
+            p.grad = g
+        catcher(caught)("write", inner.step)
+        unchanged = all(torch.equal(a, p) for a, p in zip(after, model.ps, strict=True))
+        waited = d.statistics()["pass_wait_s"] >= 0.05
+    finally:
+        d.remove()
+    return [caught.get("write", ""), unchanged, waited]
 
 
 def on_a_subgroup() -> Any:
@@ -640,6 +699,7 @@ def refusals() -> dict[str, str]:
     catch("auto", lambda: DiLoCo(model, inner, compression=overlap.Auto()))
     catch("string", lambda: DiLoCo(model, inner, compression="int8"))  # type: ignore[arg-type]
     catch("tracer", lambda: DiLoCo(model, inner, tracer="trace.json"))
+    catch("pass_thread", lambda: DiLoCo(model, inner, pass_thread=1))  # type: ignore[arg-type]
     lazy = nn.Sequential(nn.LazyLinear(2))
     catch("lazy", lambda: DiLoCo(lazy, torch.optim.SGD(lazy.parameters(), lr=0.1)))
     sched = BucketScheduler(model)
@@ -670,6 +730,8 @@ def refusals() -> dict[str, str]:
     DiLoCo(model, inner).remove()  # the model is free again after remove()
     # a rank with another schedule: every rank refuses, naming the odd one
     catch("differs", lambda: DiLoCo(model, inner, sync_every=4 + comm.get_rank()))
+    # remove() (and every refusal) left no step pre-hook on the inner optimizer
+    out["hooks"] = str(len(inner._optimizer_step_pre_hooks))
     return out
 
 

@@ -47,6 +47,30 @@ def test_streaming_schedule_and_merge_equal_the_math(
     assert out == [want] * 2
 
 
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_streaming_equals_the_math_when_the_pass_is_slow(
+    pools: Callable[[int], RankPool], mode: str
+) -> None:
+    """A streaming sync's pseudo-gradient is taken on the pass thread while the training
+    thread goes on: held up 30 ms each, the inner optimizer's next step must wait for it
+    (it would otherwise write the weights first, and the result would not be the math).
+    Every pass of the 7 syncs ran on that thread."""
+    out = pools(2).run(
+        dc.matches_reference, [8], 3, 2, mode, 20, 0.5, None, "fused", False, False, 0.03,
+        timeout=120,
+    )  # fmt: skip
+    assert out == [[[[[0, 1, 2], [3], [4]], [2, 5, 0], 7, 7]]] * 2
+
+
+def test_a_weight_written_while_its_pass_reads_it_is_refused(
+    pools: Callable[[int], RankPool],
+) -> None:
+    err, unchanged, waited = pools(2).run(dc.write_during_a_pass_is_refused, timeout=120)[0]
+    assert err.startswith("RuntimeError: parameter 3 (shape (1,), fragment 1) was written in"), err
+    assert "DiLoCo.step() and the inner optimizer's next step()" in err, err
+    assert unchanged and waited
+
+
 def test_torch_landing_equals_the_math(pools: Callable[[int], RankPool]) -> None:
     """An outer optimizer the fused landing does not take (an LR scheduler patches its
     ``step``) lands through ``outer.step()``: the same DiLoCo."""
@@ -245,6 +269,7 @@ def test_a_tracer_sees_each_fragment_sync(
             [(0, 2, lands[0]), (1, 4, lands[1]), (0, 6, lands[2]), (1, 8, lands[3])]
         ), got
         assert got["issue"] == 4 and got["wait"] == 4 and got["land"] == 4, got
+        assert got["took"] == ((4, True) if delay else (0, True)), got
         assert got["steps"] == 8 and got["comm"] and got["ordered"] and got["wait_s"], got
         assert got["report_buckets"] == [0, 1] and got["exported"], got
 
@@ -262,6 +287,8 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "auto": "ValueError: compression=Auto chooses by timing a BucketScheduler's steps",
         "string": "TypeError: compression takes a Compressor such as overlap.Int8()",
         "tracer": "TypeError: tracer must be an overlap.Tracer, got str",
+        "pass_thread": "TypeError: pass_thread must be True, False or None (auto), got 1",
+        "hooks": "0",
         "lazy": "ValueError: 0.weight is not initialised yet (a lazy module such as "
         "nn.LazyLinear has no shape before its first forward): run one forward pass, then "
         "build the DiLoCo",

@@ -182,11 +182,13 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     CPU, the whole rank's CPU (a superset of the training thread's, step by step), the
     scheduler worker's CPU per step and the last step's bucket timeline. --pin-heap reaches
     the ranks (they read glibc's thresholds from the environment they start with), and so
-    do --diloco-fragments and --threads (0 of them is refused: test_bad_counts_and_sizes_...)."""
+    do --diloco-fragments, --threads and --diloco-pass-thread (0 of them is refused:
+    test_bad_counts_and_sizes_...)."""
     out = run(
         "bench", "train", "--variant", "compute", "--variant", "overlap-onebit", "--variant",
         "diloco-streaming", "--model-size", "0.05", "--steps", "2", "--warmup", "1",
-        "--pin-heap", "--diloco-fragments", "1", "--threads", "2", "--json",
+        "--pin-heap", "--diloco-fragments", "1", "--threads", "2", "--diloco-pass-thread", "on",
+        "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     compute, onebit, diloco = json.loads(out.stdout)
@@ -208,6 +210,8 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     assert 0 <= diloco["diloco_wait_ms"] <= diloco["diloco_step_ms"] <= diloco["step_ms"]
     assert 0 <= diloco["diloco_wait_max_ms"] <= diloco["diloco_step_max_ms"], diloco
     assert "diloco_step_ms" not in compute and "diloco_step_ms" not in onebit
+    # --diloco-pass-thread reaches the ranks; the inner steps' wait for the passes
+    assert diloco["diloco_pass_thread"] is True and diloco["diloco_pass_wait_ms"] >= 0, diloco
 
 
 def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(

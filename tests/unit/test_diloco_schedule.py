@@ -52,3 +52,16 @@ def test_split_is_contiguous_balanced_and_never_empty() -> None:
 def test_bad_schedules_are_refused(args: tuple[int, int, int], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         schedule(*args, 10)
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "threads", "spare"),
+    [(2, 2, 1, False), (2, 1, 1, True), (16, 2, 1, True), (16, 4, 3, True), (16, 4, 4, False),
+     (3, 2, 1, False), (16, 0, 1, True)],
+)  # fmt: skip
+def test_a_pass_thread_is_the_default_only_with_a_core_to_spare(
+    cores: int, ranks: int, threads: int, spare: bool
+) -> None:
+    from overlap.optim.diloco import spare_core
+
+    assert spare_core(cores, ranks, threads) is spare

@@ -100,3 +100,19 @@ def test_sgd_land_int8_is_decode_then_sgd_land_bitwise(
             codes.numpy(), scales.numpy(), block, offset, g, p, b if momentum else g, *hyper
         )
         assert all(torch.equal(a, c) for a, c in zip(want, got, strict=True))
+
+
+def test_pseudo_gradient_is_torch_sub_bit_for_bit() -> None:
+    """The pass thread's global - local gives the very bits torch.sub does (the from-the-math
+    tests hold it to float rounding only), subnormal, infinite and NaN inputs included."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(1)
+    n = 10_007
+    glob, local = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    glob[:4] = torch.tensor([1e-39, math.inf, math.nan, -0.0])
+    local[:4] = torch.tensor([2e-39, 1.0, 0.0, 0.0])
+    out = torch.full((n,), 7.0)
+    k.pseudo_gradient(glob.numpy(), local.numpy(), out.numpy())
+    want = torch.sub(glob, local)
+    same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
+    assert bool(same.all())
