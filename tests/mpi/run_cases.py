@@ -60,6 +60,10 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["onebit_adam/overlapped"] = oc.overlapped_matches_reference
     out["diloco/plain"] = lambda: dl.matches_reference([1, 4], steps=9)
     out["diloco/streaming"] = lambda: dl.matches_reference([4], 2, 1, "async", steps=10)
+    # the pseudo-gradient on the pass thread, each pass held up 10 ms: the MPI job waits
+    out["diloco/pass_thread"] = lambda: dl.matches_reference(
+        [4], 2, 1, "blocking", 10, 0.5, None, "fused", False, False, 0.01
+    )
     out["diloco/resume_int8"] = lambda: _true(dl.resume_is_bit_identical("int8"))
     out["diloco/finish"] = lambda: _true(
         dl.finish_ends_on_one_model(4, 2, 1, 10, 0.5) == [[0, 1], True, True, 0]
