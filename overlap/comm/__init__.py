@@ -292,6 +292,11 @@ def all_reduce(
     isend/irecv (see overlap.comm.algorithms).
     Returns the tensor (or a Handle resolving to it with ``async_op=True``).
     """
+    b = state._backend
+    if b is not None and not _LOG.enabled and not _debug._enabled and algorithm == "native":
+        # the common call, straight to the backend (the same call as below, with fewer
+        # checks on the way: 0.45 us of an 8-byte MPI call's 6.0 on 2 ranks went here)
+        return b.all_reduce(tensor, op, group, async_op)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         return _LOG.timed(
             "all_reduce",
@@ -420,6 +425,9 @@ def broadcast(
     debug: str | None = None,
 ) -> Any:
     """Copy rank ``src``'s tensor into ``tensor`` on every rank of the group."""
+    b = state._backend
+    if b is not None and not _LOG.enabled and not _debug._enabled and not comm_off:
+        return b.broadcast(tensor, src, group, async_op)  # the common call (all_reduce's)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         return _LOG.timed(
             "broadcast",

@@ -117,6 +117,53 @@ def check() -> None:
     assert len(seen) == 2, tr.spans
     assert torch.equal(z, torch.full((2,), 8.0)), z
 
+    # The last ready call is taken by the tensor object's identity: the same object changed
+    # in place since must not take it (each change first follows a call that set it).
+    u = torch.full((2, 2), r + 1.0)
+    comm.all_reduce(u)
+    comm.all_reduce(u)  # taken from the dict, and kept as the last ready call
+    assert backend._last is not None and backend._last[0]() is u, "no last ready call"
+    u.t_()  # the same object, the same address and bytes, not contiguous
+    catch("t_", lambda: comm.all_reduce(u))
+    assert raised["t_"].startswith("ValueError") and "contiguous" in raised["t_"], raised
+    u.t_()
+    comm.all_reduce(u)
+    assert torch.equal(u, torch.full((2, 2), 12.0)), u
+    u.resize_(3)  # fewer bytes at the same address: the 3 elements only
+    u.fill_(r + 1.0)
+    comm.all_reduce(u)
+    assert torch.equal(u, torch.full((3,), 3.0)), u
+    comm.all_reduce(u)
+    u.data = u.view(torch.int32)  # the same object, another dtype: an int sum
+    # (values whose bits are normal floats: a float sum of small ints' bits, subnormals,
+    # would give the int sum's bits too)
+    u.fill_((r + 1) << 24)
+    comm.all_reduce(u)
+    want = torch.full((3,), 3 << 24, dtype=torch.int32)
+    assert u.dtype == torch.int32 and torch.equal(u, want), u
+    u.set_(torch.full((3,), r + 1, dtype=torch.int32).untyped_storage())  # another address
+    comm.all_reduce(u)
+    comm.all_reduce(u)
+    assert torch.equal(u, torch.full((3,), 6, dtype=torch.int32)), u
+    g2 = comm.new_group([0, 1])
+    comm.all_reduce(u, group=g2)  # the same object on another group: its own call
+    assert torch.equal(u, torch.full((3,), 12, dtype=torch.int32)), u
+    comm.all_reduce(u, op="max")  # and another op
+    assert torch.equal(u, torch.full((3,), 12, dtype=torch.int32)), u
+    comm.destroy_process_group(g2)
+    assert backend._last is None, "a destroyed group's call stayed the last ready call"
+    comm.all_reduce(u)
+    comm.all_reduce(u)
+    from overlap.comm import debug
+
+    debug.set_enabled(True)  # debug mode checks every call across the ranks
+    try:
+        comm.all_reduce(u)
+        catch("debug", lambda: comm.all_reduce(u, op="max" if r else "sum"))
+    finally:
+        debug.set_enabled(False)
+    assert "mismatch" in raised["debug"].lower() or "differ" in raised["debug"].lower(), raised
+
 
 def check_p2p() -> None:
     """isend/irecv seen before take their ready calls: the same matching, values, sender
@@ -223,6 +270,27 @@ def check_broadcast() -> None:
     with overlap.Tracer() as tr:
         comm.broadcast(t, 0)
     assert [s for s in tr.spans if s[1] == "comm" and s[0] == "broadcast"], tr.spans
+
+    # The last ready call, by the tensor object (all_reduce's): the same object changed in
+    # place does not take it.
+    comm.broadcast(t, 0)
+    assert backend._last_bcast is not None and backend._last_bcast[0]() is t
+    t.t_()
+    catch("t_", lambda: comm.broadcast(t, 0))
+    assert raised["t_"].startswith("ValueError") and "contiguous" in raised["t_"], raised
+    t.t_()
+    t.fill_(float(r + 1))
+    comm.broadcast(t, 1)  # another root, the same object: root 1's values
+    assert torch.equal(t, torch.full((2, 2), 2.0)), t
+    comm.broadcast(t, 1)
+    t.data = t.view(torch.int32)  # another dtype, same object, address and bytes
+    t.fill_((r + 1) << 24)
+    comm.broadcast(t, 1)
+    assert t.dtype == torch.int32 and torch.equal(t, torch.full((2, 2), 2 << 24, dtype=torch.int32))
+    t.resize_(3)
+    t.fill_(r + 5)
+    comm.broadcast(t, 0)
+    assert torch.equal(t, torch.full((3,), 5, dtype=torch.int32)), t
 
 
 def main() -> None:
