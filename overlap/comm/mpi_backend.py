@@ -67,6 +67,9 @@ Post = Callable[[Any], object]
 _now = time.perf_counter_ns
 _Tensor = torch.Tensor
 _strided = torch.strided
+# The last-ready-call memo's reference: set only for a torch.Tensor (the ready checks passed),
+# and every torch.Tensor, subclasses included, takes weak references (its C base has a weak
+# reference list), so this never raises there
 _weak = weakref.ref
 
 
