@@ -420,6 +420,8 @@ class MpiBackend:
         0.5 of a 6.0 us blocking call whose MPI part was 3.7-3.8 (docs/architecture.md,
         "The last ready call")."""
         m = self._last
+        key: tuple[Any, ...] | None = None
+        ready: tuple[MpiGroup, Callable[[], Any]] | None
         if (
             m is not None
             and m[0]() is tensor
@@ -432,24 +434,19 @@ class MpiBackend:
             and _hooks.observer is None
             and not _debug._enabled
         ):
-            g, start = m[2], m[3]
+            ready = m[2], m[3]
+        else:
             try:
-                if not async_op:
-                    start().Wait()
-                    return tensor
-                req = start()
-            except Exception as exc:
-                raise self._error("all_reduce", g, exc) from exc
-            return self._handle("all_reduce", g, req, tensor, tensor.nbytes, None, tensor)
-        key: tuple[Any, ...] | None
-        try:
-            key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, op, group)
-            ready = self._ready.get(key)
-        except Exception:  # not a tensor, no storage, an unhashable op: the full path
-            key, ready = None, None
-        if ready is not None and key is not None and self._ready_now(tensor):
+                key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, op, group)
+                ready = self._ready.get(key)
+            except Exception:  # not a tensor, no storage, an unhashable op: the full path
+                key, ready = None, None
+            if ready is not None and key is not None and self._ready_now(tensor):
+                self._last = (_weak(tensor), key, *ready)
+            else:
+                ready = None
+        if ready is not None:
             g, start = ready
-            self._last = (_weak(tensor), key, g, start)
             try:
                 if not async_op:
                     start().Wait()  # never MPI_Allreduce: see _launch
@@ -532,7 +529,7 @@ class MpiBackend:
         else:
             key, ready = self._ready_p2p("broadcast", tensor, src, group, 0)
             if ready is not None and key is not None:
-                self._last_bcast = (_weak(tensor), key, ready[0], ready[1])
+                self._last_bcast = (_weak(tensor), key, *ready)
         if ready is not None:
             g, start = ready
             if not async_op:

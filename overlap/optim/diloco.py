@@ -281,9 +281,9 @@ class DiLoCo:
         # the task of the last astep(), while it runs (or a cancelled one's, until taken up)
         self._astepping: asyncio.Task[None] | None = None
         # the pseudo-gradient pass of a streaming sync, off the training thread: fragment ->
-        # (the pass, the versions of its parameters at issue); the thread is made at the
-        # first such sync
-        self._taking: dict[int, tuple[Future[list[int]], list[int]]] = {}
+        # the pass (its result: the fragment's weights written while it read them); the
+        # thread is made at the first such sync
+        self._taking: dict[int, Future[list[int]]] = {}
         self.pass_thread = (
             spare_core(_cores(), comm.get_local_world_size(), torch.get_num_threads())
             if pass_thread is None
@@ -617,9 +617,8 @@ class DiLoCo:
         the bench's 25.2M-parameter model, 8 fragments). Otherwise (no ``pass_thread``,
         its landing is in this call, or no kernel applies) it is taken here; None."""
         pairs = list(self._fragment(i))
-        k = self._kernels
-        plain = all(_plain(p) and _plain(g) for p, g in pairs)
-        if not self.pass_thread or self.delay == 0 or k is None or not plain:
+        offload = self.pass_thread and self.delay > 0 and self._kernels is not None
+        if not (offload and all(_plain(p) and _plain(g) for p, g in pairs)):
             with torch.no_grad():
                 a = 0
                 for p, g in pairs:  # global - local, straight into the buffer
@@ -631,7 +630,7 @@ class DiLoCo:
             self._passes = ThreadPoolExecutor(1, thread_name_prefix="overlap-diloco-pass")
         versions = [p._version for p, _ in pairs]
         fut = self._passes.submit(self._pass, i, pairs, flat, versions)
-        self._taking[i] = (fut, versions)
+        self._taking[i] = fut
         return fut.result
 
     def _pass(
@@ -666,7 +665,7 @@ class DiLoCo:
             return
         t0 = time.perf_counter_ns()
         taking, self._taking = self._taking, {}
-        moved = {i: fut.result() for i, (fut, _) in sorted(taking.items())}
+        moved = {i: fut.result() for i, fut in sorted(taking.items())}
         self.pass_wait_s += (time.perf_counter_ns() - t0) / 1e9
         bad = [(i, self.frags[i][j]) for i, js in moved.items() for j in js]
         if bad:
@@ -793,12 +792,10 @@ class DiLoCo:
         if not (avg.device.type == "cpu" and avg.dtype == want and avg.is_contiguous()):
             return False
         for p, g in self._fragment(i):
-            if p.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
-                return False
-            if p.device.type != "cpu":
+            if not (_plain(p) and _plain(g)):
                 return False
             buf = opt.state.get(p, {}).get("momentum_buffer")
-            if buf is not None and (buf.dtype != torch.float32 or not buf.is_contiguous()):
+            if buf is not None and not _plain(buf):
                 return False
         return True
 
