@@ -81,6 +81,9 @@ EVENT_ENGINE: CompletionEngine = _EventEngine()
 
 _Waiter = tuple[asyncio.AbstractEventLoop, LoopWaker, "asyncio.Future[Any]"]
 _now = time.perf_counter_ns
+# Every handle's state changes take this one lock: each is a few stores, never across a wait
+# or a callback. A module global, not a per-handle slot: one store fewer per op, and one
+# attribute read fewer per state change.
 _LOCK = threading.Lock()
 
 
@@ -113,7 +116,6 @@ class Handle:
         "_engine",
         "_exc",
         "_keep",
-        "_lock",
         "_result",
         "_source",
         "_state",
@@ -157,7 +159,6 @@ class Handle:
         self._engine = engine
         self._state = PENDING
         self._exc: BaseException | None = None
-        self._lock = _LOCK  # state changes are a few stores: one lock for all handles
         self._done_lock: threading.Lock | None = None  # made by the first blocked thread
         self._waiters: list[_Waiter] | None = None
         self._callbacks: list[Callable[[Handle], None]] | None = None
@@ -179,7 +180,7 @@ class Handle:
         Safe inside a torch future callback: it only takes a short internal lock and hands the
         result to waiting loops through their wakers (DESIGN.md §3.2).
         """
-        with self._lock:
+        with _LOCK:
             if self._state is not PENDING:
                 return
             self.end_ns = end = _now()
@@ -204,7 +205,7 @@ class Handle:
     def _block_until_done(self, timeout: float | None) -> bool:
         if self._state is not PENDING:
             return True
-        with self._lock:
+        with _LOCK:
             if self._state is not PENDING:
                 return True
             lock = self._done_lock
@@ -294,7 +295,7 @@ class Handle:
     def _subscribe(self, fn: Callable[[Handle], None]) -> bool:
         """Register ``fn`` for the completion without starting the engine (the caller
         observes the op itself); False, and ``fn`` not kept, if the op is already over."""
-        with self._lock:
+        with _LOCK:
             if self._state is not PENDING:
                 return False
             if self._callbacks is None:
@@ -322,25 +323,29 @@ class Handle:
             # a short spin, a gloo future that is already done): then no future is made.
             self._engine.on_await(self, loop)
             if self._state is PENDING:
-                waker = LoopWaker.for_loop(loop)
-                fut: asyncio.Future[Any] = loop.create_future()
-                entry = (loop, waker, fut)
-                with self._lock:
-                    pending = self._state is PENDING
-                    if pending:
-                        if self._waiters is None:
-                            self._waiters = []
-                        self._waiters.append(entry)
-                if pending:
-                    try:
-                        yield from fut
-                    except BaseException:
-                        # Cancelled or timed out: forget this waiter, leave the op alone.
-                        with self._lock:
-                            if self._waiters is not None and entry in self._waiters:
-                                self._waiters.remove(entry)
-                        raise
+                yield from self._suspend(loop)
         return self.result()
+
+    def _suspend(self, loop: asyncio.AbstractEventLoop) -> Generator[Any, None, None]:
+        """Suspend the awaiting coroutine on ``loop`` until the op completes (``_finish``
+        resolves its future through the loop's waker). Cancelling or timing out the await
+        forgets this waiter and leaves the op alone."""
+        waker = LoopWaker.for_loop(loop)
+        fut: asyncio.Future[Any] = loop.create_future()
+        entry = (loop, waker, fut)
+        with _LOCK:
+            if self._state is not PENDING:
+                return
+            if self._waiters is None:
+                self._waiters = []
+            self._waiters.append(entry)
+        try:
+            yield from fut
+        except BaseException:
+            with _LOCK:
+                if self._waiters is not None and entry in self._waiters:
+                    self._waiters.remove(entry)
+            raise
 
     def __repr__(self) -> str:
         return (

@@ -454,7 +454,11 @@ class MpiBackend:
                 req = start()
             except Exception as exc:
                 raise self._error("all_reduce", g, exc) from exc
-            return self._handle("all_reduce", g, req, tensor, tensor.nbytes, None, tensor)
+            # self._handle(...), written out (no job timeout on this path)
+            return MpiOp(
+                "all_reduce", tensor, tensor.nbytes, g.name, tensor, len(g.ranks), self.MPI, req,
+                None, self.global_rank,
+            )  # fmt: skip
         t = self._t(tensor, "tensor")
         rop, mop, mtype, stage = self._reduction(t, op)
         g = self._g(group)
@@ -532,15 +536,17 @@ class MpiBackend:
                 self._last_bcast = (_weak(tensor), key, *ready)
         if ready is not None:
             g, start = ready
-            if not async_op:
-                try:
+            try:
+                if not async_op:
                     start().Wait()
-                except Exception as exc:
-                    raise self._error("broadcast", g, exc) from exc
-                return tensor
-            return self._handle(
-                "broadcast", g, self._issue("broadcast", g, start), tensor, tensor.nbytes, None,
-                tensor,
+                    return tensor
+                req = start()
+            except Exception as exc:
+                raise self._error("broadcast", g, exc) from exc
+            # self._handle(...), written out (no job timeout on this path)
+            return MpiOp(
+                "broadcast", tensor, tensor.nbytes, g.name, tensor, len(g.ranks), self.MPI, req,
+                None, self.global_rank,
             )  # fmt: skip
         t = self._t(tensor, "tensor")
         g = self._g(group)

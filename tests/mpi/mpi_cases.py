@@ -381,6 +381,41 @@ def tag_above_tag_ub_is_refused() -> None:
             assert f"above this MPI library's largest tag ({ub}, MPI_TAG_UB)" in str(e), e
 
 
+def lone_await_outlasting_its_spin() -> None:
+    """The only MPI op open in the process, awaited (MpiOp.__await__'s written-out common
+    case): a peer 30 ms late outlasts the 1 ms spin, so the loop's engine takes the op over
+    and the awaiting coroutine is resumed with the reduced tensor; both ops of the pair
+    (all_reduce, broadcast) leave nothing open."""
+    from overlap.comm import progress
+
+    g = comm.new_group([0, 1])  # every rank makes it
+    r = _pair_rank()
+    if r is None:
+        return
+    comm.barrier()  # the one the other ranks took in _pair_rank
+
+    async def lone(late: bool) -> tuple[list[float], list[float], list[int]]:
+        a, b = torch.full((2,), float(r + 1)), torch.full((3,), float(r + 5))
+        if late:
+            time.sleep(0.03)
+        h = comm.all_reduce(a, group=g, async_op=True)
+        opened = [progress._open]
+        got = await asyncio.wait_for(h, 20)
+        assert got is a, got
+        if late:
+            time.sleep(0.03)
+        h = comm.broadcast(b, src=1, group=g, async_op=True)
+        opened.append(progress._open)
+        await asyncio.wait_for(h, 20)
+        opened.append(progress._open)
+        return a.tolist(), b.tolist(), opened
+
+    for _ in range(2):  # the second time through the ready calls
+        a, b, opened = overlap.run(lone(late=r == 1))
+        assert a == [3.0, 3.0] and b == [6.0, 6.0, 6.0], (a, b)
+        assert opened == [1, 1, 0], opened
+
+
 CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/tag_above_tag_ub_is_refused": tag_above_tag_ub_is_refused,
     "mpi/collect_all_spins_share_one_window": collect_all_spins_share_one_window,
@@ -389,6 +424,7 @@ CHECKS: dict[str, Callable[[], Any]] = {
     ),
     "mpi/onebit_gather_pattern_matches_reference": onebit_gather_pattern_matches_reference,
     "mpi/loop_stays_responsive": loop_stays_responsive,
+    "mpi/lone_await_outlasting_its_spin": lone_await_outlasting_its_spin,
     "mpi/backs_off_only_when_nothing_else_is_open": backs_off_only_when_nothing_else_is_open,
     "mpi/no_thread_per_request": no_thread_per_request,
     "mpi/zero_copy_cpu_buffers": zero_copy_cpu_buffers,
