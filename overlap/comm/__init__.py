@@ -868,7 +868,8 @@ def isend(
     monitored_barrier, use them)."""
     if tag:
         check_tag(tag)
-    h: Handle = state.active().isend(tensor, dst, group, tag)
+    b = state._backend  # state.active() without its call (it raises when not initialised)
+    h: Handle = (b if b is not None else state.active()).isend(tensor, dst, group, tag)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         _LOG.time_handle("isend", _LOG.record_name(log_name, debug, depth=2), h)
     return h
@@ -890,7 +891,8 @@ def irecv(
     """
     if tag:
         check_tag(tag)
-    h: Handle = state.active().irecv(tensor, src, group, tag)
+    b = state._backend  # state.active() without its call (it raises when not initialised)
+    h: Handle = (b if b is not None else state.active()).irecv(tensor, src, group, tag)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         _LOG.time_handle("irecv", _LOG.record_name(log_name, debug, depth=2), h)
     return h

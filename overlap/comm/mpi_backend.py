@@ -163,6 +163,9 @@ class MpiBackend:
         # (tensor ref, key, group, call). See all_reduce.
         self._last: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
         self._last_bcast: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
+        # isend's and irecv's, the same way (see _last_p2p)
+        self._last_send: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
+        self._last_recv: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
 
     # ------------------------------------------------------------------ process & groups
     def _g(self, group: Any) -> MpiGroup:
@@ -245,7 +248,7 @@ class MpiBackend:
             if extra is not None:
                 extra.comm.Free()
         self._ready.clear()  # no ready call may outlive its communicator
-        self._last = self._last_bcast = None
+        self._last = self._last_bcast = self._last_send = self._last_recv = None
         group.comm.Free()
 
     # ------------------------------------------------------------------------- helpers
@@ -948,13 +951,59 @@ class MpiBackend:
             self._ready.clear()
         self._ready[key] = (g, start)
 
+    def _last_p2p(
+        self,
+        m: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None,
+        tensor: Any,
+        peer: Any,
+        group: Any,
+        tag: Any,
+    ) -> bool:
+        """Whether a send or receive is ``m``, the last ready call of its kind, again: the
+        same tensor object (a weak reference), peer, tag and group objects, and the same
+        address, bytes and contiguity, as all_reduce's last ready call (its dtype is not
+        checked: a send or receive moves bytes). ``peer is`` and ``tag is`` hold for the
+        small ints every rank and tag of a run is; another int object of the same value
+        misses, and takes the key's lookup, which compares by value."""
+        return (
+            m is not None
+            and m[0]() is tensor
+            and peer is m[1][4]
+            and tag is m[1][6]
+            and group is m[1][5]
+            and tensor.data_ptr() == m[1][1]
+            and tensor.nbytes == m[1][2]
+            and tensor.is_contiguous()
+            and _hooks.observer is None
+            and not _debug._enabled
+        )
+
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
-        key, ready = self._ready_p2p("isend", tensor, dst, group, tag)
-        if ready is not None:
+        m = self._last_send
+        if self._last_p2p(m, tensor, dst, group, tag):
+            assert m is not None
+            g, start = m[2], m[3]
+        else:
+            key, ready = self._ready_p2p("isend", tensor, dst, group, tag)
+            if ready is None:
+                return self._isend(tensor, dst, group, tag, key)
+            assert key is not None
             g, start = ready
-            return self._handle(
-                "isend", g, self._issue("isend", g, start), tensor, tensor.nbytes, None, tensor
-            )
+            self._last_send = (_weak(tensor), key, g, start)
+        try:
+            req = start()
+        except Exception as exc:
+            raise self._error("isend", g, exc) from exc
+        # self._handle(...), written out (no job timeout on a ready call)
+        return MpiOp(
+            "isend", tensor, tensor.nbytes, g.name, tensor, len(g.ranks), self.MPI, req, None,
+            self.global_rank,
+        )  # fmt: skip
+
+    def _isend(
+        self, tensor: torch.Tensor, dst: int, group: Any, tag: int, key: tuple[Any, ...] | None
+    ) -> Handle:
+        """isend's full path: every check, then the post; an accepted call is kept."""
         t = self._t(tensor, "tensor")
         g = self._g(group)
         dest = self._peer(dst, "dst", g)
@@ -1005,9 +1054,12 @@ class MpiBackend:
         its MpiRecv notes the sender and refuses a short message, then runs ``back``."""
         req = self._issue("irecv", g, start)
         post = None if back is None else (lambda _status: back())
-        return MpiRecv(
-            t, g.name, g.ranks, tag, keep, self.MPI, req, post, self.global_rank, self.timeout
-        )
+        h = MpiRecv(
+            "irecv", t, t.nbytes, g.name, keep, len(g.ranks), self.MPI, req, post,
+            self.global_rank, self.timeout,
+        )  # fmt: skip
+        h.ranks, h.tag = g.ranks, tag
+        return h
 
     def _framed_irecv(self, t: torch.Tensor, source: int, g: MpiGroup, tag: int) -> Handle:
         """Debug mode's receive (overlap.comm.p2p_debug.frame): into a buffer for the header
@@ -1038,11 +1090,16 @@ class MpiBackend:
     def irecv(
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
     ) -> Handle:
+        m = self._last_recv
+        if self._last_p2p(m, tensor, src, group, tag):
+            assert m is not None
+            return self._recv(m[2], m[3], tensor, tag, tensor)
         key, ready = self._ready_p2p("irecv", tensor, src, group, tag)
-        if ready is not None:
-            g, start = ready
-            return self._recv(g, start, tensor, tag, tensor)
-        return self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, key)
+        if ready is None:
+            return self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, key)
+        assert key is not None
+        self._last_recv = (_weak(tensor), key, *ready)
+        return self._recv(ready[0], ready[1], tensor, tag, tensor)
 
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
         self.isend(tensor, dst, group, tag).wait()

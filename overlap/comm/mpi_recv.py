@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from overlap.comm.p2p import describe
-from overlap.comm.progress import MpiOp, PostFn
+from overlap.comm.progress import MpiOp
 from overlap.errors import MessageMismatchError
 
 __all__ = ["MpiRecv"]
@@ -28,25 +28,10 @@ class MpiRecv(MpiOp):
 
     reads_status: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        tensor: Any,
-        group: str,
-        ranks: tuple[int, ...],
-        tag: int,
-        keep: Any,
-        MPI: Any,
-        req: Any,
-        post: PostFn | None,
-        rank: int,
-        timeout: float | None = None,
-    ) -> None:
-        MpiOp.__init__(
-            self, "irecv", tensor, tensor.nbytes, group, keep, len(ranks), MPI, req, post, rank,
-            timeout,
-        )  # fmt: skip
-        self.ranks = ranks  # group rank -> global rank
-        self.tag = tag
+    # Set by the backend right after construction (MpiOp's own __init__, one call frame
+    # fewer per receive): the group's global ranks (group rank -> global rank), the tag.
+    ranks: tuple[int, ...]
+    tag: int
 
     def _complete(self, status: Any) -> None:
         frm = self.ranks[status.Get_source()]
