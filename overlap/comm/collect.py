@@ -46,7 +46,7 @@ class _Collected(Handle):
     already done cost 5.0 us (single process, uvloop) against 0.5 for awaiting the two one
     after the other, and an awaited 8-byte MPI sendrecv 30.8 us against 18.6 (2 ranks):
     the time between the receive's completion and the next post is on both ranks'
-    critical path (docs/architecture.md, "Lean ops")."""
+    critical path (docs/architecture.md, "The awaited op's own path")."""
 
     __slots__ = ("_left", "_watching", "handles")
     _observed = False
