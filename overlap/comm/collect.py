@@ -27,47 +27,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Generator, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from overlap.comm import spin as _spin
-from overlap.comm.handle import _LOCK, FAILED, PENDING, Handle, _now
+from overlap.comm.handle import _LOCK, FAILED, OWN_ENGINE, PENDING, Handle
 
 __all__ = ["collect_all"]
 
 
 class _Collected(Handle):
     """A Handle that stands for other handles, and is its own completion engine (through
-    :data:`_ALL_OF`), as an MpiOp is: one object per ``collect_all``. Not reported to the
-    tracer (its ops are).
+    :data:`~overlap.comm.handle.OWN_ENGINE`), as an MpiOp is: one object per
+    ``collect_all``. Not reported to the tracer (its ops are).
 
-    Made with a separate engine object (the handles, a countdown) and Handle's own
-    ``__init__`` and ``__await__``, an awaited ``collect_all`` of two handles that were
-    already done cost 5.0 us (single process, uvloop) against 0.5 for awaiting the two one
-    after the other, and an awaited 8-byte MPI sendrecv 30.8 us against 18.6 (2 ranks):
-    the time between the receive's completion and the next post is on both ranks'
-    critical path (docs/architecture.md, "The awaited op's own path")."""
+    Made with a separate engine object (the handles, a countdown), an awaited
+    ``collect_all`` of two handles that were already done cost 5.0 us (single process,
+    uvloop; 3.7-3.9 now) against 0.5 for awaiting the two one after the other, and an
+    awaited 8-byte MPI sendrecv 30.8 us against 18.6 (2 ranks): the time between the
+    receive's completion and the next post is on both ranks' critical path
+    (docs/architecture.md, "The awaited op's own path")."""
 
     __slots__ = ("_left", "_watching", "handles")
     _observed = False
 
     def __init__(self, hs: list[Handle], nbytes: int, group: str, backend: str, world: int):
-        # Handle.__init__'s stores, written out (a call frame fewer), and the engine's state
-        self.op = "collect_all"
-        self.world = world
-        self.nbytes = nbytes
-        self.group = group
-        self.backend = backend
-        self.start_ns = _now()
-        self.end_ns = None
-        self._result = None
-        self._keep = None
-        self._engine = _ALL_OF
-        self._state = PENDING
-        self._exc = None
-        self._done_lock = None
-        self._waiters = None
-        self._callbacks = None
+        Handle.__init__(self, "collect_all", None, nbytes, group, backend, None, OWN_ENGINE, world)
         self.handles = hs
         self._left = len(hs)  # handles not yet counted as done (see _watch)
         self._watching = False
@@ -141,34 +125,6 @@ class _Collected(Handle):
             _spin.end_shared(outer)
         if not self._settle():
             self._watch()
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        """:meth:`Handle.__await__` with its engine's calls made directly."""
-        if self._state is PENDING:
-            loop = asyncio.get_running_loop()
-            self._on_await(loop)
-            if self._state is PENDING:
-                yield from self._suspend(loop)
-        if self._exc is not None:
-            raise self._exc
-        return self._result
-
-
-class _AllOf:
-    """The CompletionEngine of every collect_all: each call goes to the handle's own method."""
-
-    def start(self, whole: Handle) -> None:
-        whole._start()  # type: ignore[attr-defined]
-
-    def wait(self, whole: Handle, timeout: float | None) -> bool:
-        done: bool = whole._wait(timeout)  # type: ignore[attr-defined]
-        return done
-
-    def on_await(self, whole: Handle, loop: asyncio.AbstractEventLoop) -> None:
-        whole._on_await(loop)  # type: ignore[attr-defined]
-
-
-_ALL_OF = _AllOf()
 
 
 def collect_all(handles: Iterable[Handle]) -> Handle:

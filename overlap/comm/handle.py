@@ -79,6 +79,26 @@ class _EventEngine:
 
 EVENT_ENGINE: CompletionEngine = _EventEngine()
 
+
+class _OwnEngine:
+    """The engine of a handle that is its own completion engine (an MPI op, a
+    ``collect_all``): each call goes to the handle's ``_start``, ``_wait`` and
+    ``_on_await``. One object per op where a Handle and an engine object cost an
+    allocation, a dozen stores and a deallocation more (docs/architecture.md, "Lean ops")."""
+
+    def start(self, handle: Handle) -> None:
+        handle._start()  # type: ignore[attr-defined]
+
+    def wait(self, handle: Handle, timeout: float | None) -> bool:
+        done: bool = handle._wait(timeout)  # type: ignore[attr-defined]
+        return done
+
+    def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
+        handle._on_await(loop)  # type: ignore[attr-defined]
+
+
+OWN_ENGINE: CompletionEngine = _OwnEngine()
+
 _Waiter = tuple[asyncio.AbstractEventLoop, LoopWaker, "asyncio.Future[Any]"]
 _now = time.perf_counter_ns
 # Every handle's state changes take this one lock: each is a few stores, never across a wait

@@ -546,7 +546,9 @@ class MpiBackend:
                 req = start()
             except Exception as exc:
                 raise self._error("broadcast", g, exc) from exc
-            # self._handle(...), written out (no job timeout on this path)
+            # self._handle(...), written out (no job timeout on this path). The post and the
+            # MpiOp are all_reduce's, written twice on purpose: a shared helper is one call
+            # frame more on the awaited path of both (docs/architecture.md, "Lean ops").
             return MpiOp(
                 "broadcast", tensor, tensor.nbytes, g.name, tensor, len(g.ranks), self.MPI, req,
                 None, self.global_rank,

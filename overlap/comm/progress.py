@@ -60,7 +60,7 @@ from typing import Any, ClassVar
 
 from overlap.comm import knobs as _knobs
 from overlap.comm import spin as _spin
-from overlap.comm.handle import PENDING, Handle, _now
+from overlap.comm.handle import OWN_ENGINE, PENDING, Handle, _now
 from overlap.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiOp", "ProgressEngine", "stop_reaper"]
@@ -98,7 +98,8 @@ class MpiOp(Handle):
     The Handle of an MPI op is its own completion engine's state (the request, its
     post-processing, its lock): one object per op, where a Handle and a separate engine
     object cost an allocation, a dozen stores and a deallocation more per op. The
-    CompletionEngine calls go through :data:`MPI_ENGINE` to the methods below.
+    CompletionEngine calls go through :data:`~overlap.comm.handle.OWN_ENGINE` to the methods
+    below.
     """
 
     __slots__ = ("MPI", "deadline", "lock", "post", "rank", "req", "status")
@@ -133,7 +134,7 @@ class MpiOp(Handle):
         self.end_ns = None
         self._result = result
         self._keep = keep
-        self._engine = MPI_ENGINE
+        self._engine = OWN_ENGINE
         self._state = PENDING
         self._exc = None
         self._done_lock = None
@@ -196,16 +197,12 @@ class MpiOp(Handle):
         10.8-11.2 -> 9.5-9.9 us, mpi4py's Iallreduce + Wait 3.4-3.5 (docs/architecture.md,
         "The awaited op's own path")."""
         if self._state is PENDING:
-            if _open == 1 and SPIN_S > 0:
-                if not self.spin(SPIN_S):
-                    loop = asyncio.get_running_loop()
-                    ProgressEngine.for_loop(loop).add(self)
-                    yield from self._suspend(loop)
-            else:
+            if not (_open == 1 and SPIN_S > 0):
+                return (yield from Handle.__await__(self))  # the general path
+            if not self.spin(SPIN_S):
                 loop = asyncio.get_running_loop()
-                self._on_await(loop)
-                if self._state is PENDING:
-                    yield from self._suspend(loop)
+                ProgressEngine.for_loop(loop).add(self)
+                yield from self._suspend(loop)
         if self._exc is not None:
             raise self._exc
         return self._result
@@ -265,7 +262,7 @@ class MpiOp(Handle):
                 if self._freed():
                     self._complete(self.status)
 
-    # ------------------------------------------------------ what MPI_ENGINE calls (below)
+    # ------------------------------------------------------ what OWN_ENGINE calls (below)
     def _start(self) -> None:
         self._recover()
         if self.test():
@@ -355,23 +352,6 @@ class MpiOp(Handle):
             if seconds > 0 and self.spin(seconds):
                 return
         engine.add(self)
-
-
-class _MpiEngine:
-    """The CompletionEngine of every MPI op: each call goes to the op's own method."""
-
-    def start(self, handle: Handle) -> None:
-        handle._start()  # type: ignore[attr-defined]
-
-    def wait(self, handle: Handle, timeout: float | None) -> bool:
-        done: bool = handle._wait(timeout)  # type: ignore[attr-defined]
-        return done
-
-    def on_await(self, handle: Handle, loop: asyncio.AbstractEventLoop) -> None:
-        handle._on_await(loop)  # type: ignore[attr-defined]
-
-
-MPI_ENGINE = _MpiEngine()
 
 
 def _closed() -> None:
