@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from overlap.comm.p2p import describe
 from overlap.comm.progress import MpiOp
-from overlap.errors import MessageMismatchError
+from overlap.errors import CommError, MessageMismatchError
 
 __all__ = ["MpiRecv"]
 
@@ -34,7 +34,22 @@ class MpiRecv(MpiOp):
     tag: int
 
     def _complete(self, status: Any) -> None:
-        frm = self.ranks[status.Get_source()]
+        src = -1 if status is None else status.Get_source()
+        if src < 0:
+            # MPI completed the receive, and a KeyboardInterrupt raised between that and
+            # this completion lost the Status it filled (the progress engine's Testsome
+            # fills a list of them): an empty one says MPI_ANY_SOURCE and 0 bytes, which
+            # read as a sender would name the wrong rank, and as a size a false mismatch.
+            self._fail(
+                CommError(
+                    f"irecv on rank {self.rank} (group {self.group}, tag {self.tag}) "
+                    "completed, but its sender and size were lost: a KeyboardInterrupt was "
+                    "raised between MPI's completion of the receive and overlap's. The tensor "
+                    "holds the message as MPI wrote it; receive again to know its sender"
+                )
+            )
+            return
+        frm = self.ranks[src]
         self._source = frm
         got = status.Get_count(self.MPI.BYTE)
         if 0 <= got < self.nbytes:  # (MPI_UNDEFINED, negative, past 2**31 - 1 bytes: unchecked)

@@ -229,6 +229,9 @@ class MpiOp(Handle):
         try:
             if self._state is not PENDING:
                 return True
+            if not self.req:  # freed by an interrupted Test or Wait (_freed): its Status kept
+                self._complete(self.status)
+                return True
             # A Status only where the post-processing reads it (irecv's sender).
             status = self.status = self.MPI.Status() if self.post or self.reads_status else None
             test = self.req.Test
@@ -467,9 +470,12 @@ class _Poller:
                     progressed = True
                 elif op.lock.acquire(blocking=False):
                     held.append(op)
-                    if op._state is PENDING:
+                    if op._state is not PENDING:  # completed by another thread meanwhile
+                        progressed = True
+                    elif op.req:
                         live.append(op)
-                    else:  # completed by another thread meanwhile
+                    else:  # freed by an interrupted Test or Wait (_freed): Testsome skips
+                        op._complete(op.status)  # a null request, so it would wait for ever
                         progressed = True
                 # else: a thread is waiting on it right now; it stays in the list
             if live:

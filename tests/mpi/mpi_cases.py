@@ -416,6 +416,67 @@ def lone_await_outlasting_its_spin() -> None:
         assert opened == [1, 1, 0], opened
 
 
+def freed_requests_complete_on_await() -> None:
+    """An op whose request MPI completed (and freed) while its handle stayed pending, as a
+    KeyboardInterrupt raised between MPI's completion and overlap's leaves it: awaiting it
+    completes it, through the first spin, the loop's tick spin or the engine's batch poll
+    (Testsome skips a null request, so that op waited for ever), with the Status that the
+    completing Test filled (a receive's sender and size). Where that Status was lost (the
+    batch poll fills a list), a receive fails with CommError, not with an empty Status's
+    sender (MPI_ANY_SOURCE) and a false size mismatch."""
+    from mpi4py import MPI
+
+    from overlap.comm import progress
+    from overlap.comm.handle import PENDING
+
+    g = comm.new_group([0, 1])  # every rank makes it
+    r = _pair_rank()
+    if r is None:
+        return
+    comm.barrier()  # the one the other ranks took in _pair_rank
+
+    async def awaited(h: Any) -> Any:
+        return await asyncio.wait_for(h, 20)
+
+    saved = progress.SPIN_S, progress.TICK_SPIN_S
+    try:
+        for k, (spin, tick) in enumerate(((saved[0], saved[1]), (0.0, saved[1]), (0.0, 0.0))):
+            progress.SPIN_S, progress.TICK_SPIN_S = spin, tick
+            if r == 1:
+                comm.recv(torch.zeros(1), src=0, tag=60)
+                comm.send(torch.full((3,), 5.0 + k), dst=0, tag=61)
+                comm.recv(torch.zeros(1), src=0, tag=60)
+                comm.send(torch.full((3,), 7.0), dst=0, tag=62)
+                comm.all_reduce(torch.full((2,), 1.0), group=g)
+                continue
+            buf = torch.zeros(3)
+            h = comm.irecv(buf, src=1, tag=61)
+            comm.send(torch.ones(1), dst=1, tag=60)  # now rank 1 sends
+            st = h.status = MPI.Status()  # what a spin does before its Test
+            while not h.req.Test(st):  # MPI completes and frees it; the handle stays pending
+                pass
+            assert h._state is PENDING and not h.req, h
+            got = overlap.run(awaited(h))
+            assert got.tolist() == [5.0 + k] * 3 and h.source == 1, (k, got, h.source)
+
+            lost = comm.irecv(torch.zeros(3), src=1, tag=62)
+            comm.send(torch.ones(1), dst=1, tag=60)
+            while not lost.req.Test():  # completed and freed, its Status nowhere
+                pass
+            try:
+                overlap.run(awaited(lost))
+                raise AssertionError(f"no error for a receive whose Status was lost ({k})")
+            except overlap.CommError as exc:
+                assert "sender and size were lost" in str(exc), exc
+
+            t = torch.full((2,), 1.0)
+            h3 = comm.all_reduce(t, group=g, async_op=True)
+            h3.req.Wait()  # a collective needs no Status
+            assert overlap.run(awaited(h3)) is t and t.tolist() == [2.0, 2.0], t
+    finally:
+        progress.SPIN_S, progress.TICK_SPIN_S = saved
+
+
 CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/tag_above_tag_ub_is_refused": tag_above_tag_ub_is_refused,
     "mpi/collect_all_spins_share_one_window": collect_all_spins_share_one_window,
@@ -425,6 +486,7 @@ CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/onebit_gather_pattern_matches_reference": onebit_gather_pattern_matches_reference,
     "mpi/loop_stays_responsive": loop_stays_responsive,
     "mpi/lone_await_outlasting_its_spin": lone_await_outlasting_its_spin,
+    "mpi/freed_requests_complete_on_await": freed_requests_complete_on_await,
     "mpi/backs_off_only_when_nothing_else_is_open": backs_off_only_when_nothing_else_is_open,
     "mpi/no_thread_per_request": no_thread_per_request,
     "mpi/zero_copy_cpu_buffers": zero_copy_cpu_buffers,
