@@ -424,31 +424,50 @@ class _Poller:
 
     @staticmethod
     def _test_held(held: list[MpiOp]) -> bool:
-        """One ``Testsome`` over ``held`` (their locks held): complete what finished, expire
-        what is overdue; True if any handle finished."""
+        """Test ``held`` once (their locks held): complete what finished, expire what is
+        overdue; True if any handle finished.
+
+        Ops that read their Status at completion (a receive's sender and size, a post) are
+        tested one by one, each into a Status kept on the op before the call: a
+        KeyboardInterrupt raised after MPI completed (and freed) the request and before the
+        op completed then leaves the op pending with its filled Status, which the next
+        test or wait completes it with (``_freed``). One ``Testsome`` over them filled a
+        list that such an interrupt lost (CPython checks for signals after the call returns,
+        before its result is stored), and the receive could only fail. The others (sends,
+        collectives) share one ``Testsome`` with no Statuses."""
         MPI = held[0].MPI
-        reqs = [op.req for op in held]
-        statuses = [MPI.Status() for _ in held]
         progressed = False
-        try:
-            done = MPI.Request.Testsome(reqs, statuses)
-        except Exception as exc:
-            # Testsome reports errors for the whole batch: test one by one to place them.
-            done = None
-            for op in held:
-                try:
-                    st = MPI.Status()
-                    if op.req.Test(st):
-                        op._complete(st)
-                except Exception:
-                    op._fail(exc)
-        if done:
-            progressed = True
-            # MPI_Testsome packs the completed requests' statuses first: the j-th status is
-            # the j-th completed request's, not held[j]'s (reading statuses[k] gave a
-            # receive an empty status: 0 bytes from MPI_ANY_SOURCE).
-            for j, k in enumerate(done):
-                held[k]._complete(statuses[j])
+        batch: list[MpiOp] = []
+        for op in held:
+            if op.post is None and not op.reads_status:
+                batch.append(op)
+                continue
+            st = op.status = MPI.Status()
+            try:
+                done_one = op.req.Test(st)
+            except Exception as exc:
+                op._fail(exc)
+                progressed = True
+                continue
+            if done_one:
+                op._complete(st)
+                progressed = True
+        if batch:
+            try:
+                done = MPI.Request.Testsome([op.req for op in batch])
+            except Exception as exc:
+                # Testsome reports errors for the whole batch: test one by one to place them.
+                done = None
+                for op in batch:
+                    try:
+                        if op.req.Test():
+                            op._complete(None)
+                    except Exception:
+                        op._fail(exc)
+            if done:
+                progressed = True
+                for k in done:
+                    batch[k]._complete(None)
         for op in held:
             if op._state is PENDING and op.overdue():
                 op.expire()

@@ -477,6 +477,54 @@ def freed_requests_complete_on_await() -> None:
         progress.SPIN_S, progress.TICK_SPIN_S = saved
 
 
+def interrupted_poll_keeps_the_status() -> None:
+    """A KeyboardInterrupt raised in the progress engine's poll right after MPI completed a
+    receive and before the receive's completion (injected: its first completion raises):
+    awaited again on a fresh loop, the receive completes with its sender and values, from
+    the Status the poll kept on it. A Testsome filled a list, which the interrupt lost."""
+    from overlap.comm import progress
+    from overlap.comm.handle import PENDING
+    from overlap.comm.mpi_recv import MpiRecv
+
+    r = _pair_rank()
+    if r is None:
+        return
+    comm.barrier()  # the one the other ranks took in _pair_rank
+    if r == 1:
+        comm.recv(torch.zeros(1), src=0, tag=63)
+        comm.send(torch.full((3,), 9.0), dst=0, tag=64)
+        return
+    buf = torch.zeros(3)
+    h = comm.irecv(buf, src=1, tag=64)
+    saved = progress.SPIN_S, progress.TICK_SPIN_S
+    original = MpiRecv._complete
+
+    def interrupted(self: Any, status: Any) -> None:
+        MpiRecv._complete = original  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    async def awaited() -> Any:
+        return await asyncio.wait_for(h, 20)
+
+    progress.SPIN_S, progress.TICK_SPIN_S = 0.0, 0.0  # only the batch poll tests it
+    MpiRecv._complete = interrupted  # type: ignore[method-assign]
+    loop = asyncio.new_event_loop()
+    try:
+        comm.send(torch.ones(1), dst=1, tag=63)  # now rank 1 sends
+        try:
+            loop.run_until_complete(awaited())
+            raise AssertionError("the injected interrupt was not raised")
+        except KeyboardInterrupt:
+            pass
+    finally:
+        MpiRecv._complete = original  # type: ignore[method-assign]
+        progress.SPIN_S, progress.TICK_SPIN_S = saved
+        loop.close()
+    assert h._state is PENDING and not h.req, h  # MPI completed it; the handle did not
+    got = overlap.run(awaited())
+    assert got.tolist() == [9.0] * 3 and h.source == 1, (got, h.source)
+
+
 CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/tag_above_tag_ub_is_refused": tag_above_tag_ub_is_refused,
     "mpi/collect_all_spins_share_one_window": collect_all_spins_share_one_window,
@@ -487,6 +535,7 @@ CHECKS: dict[str, Callable[[], Any]] = {
     "mpi/loop_stays_responsive": loop_stays_responsive,
     "mpi/lone_await_outlasting_its_spin": lone_await_outlasting_its_spin,
     "mpi/freed_requests_complete_on_await": freed_requests_complete_on_await,
+    "mpi/interrupted_poll_keeps_the_status": interrupted_poll_keeps_the_status,
     "mpi/backs_off_only_when_nothing_else_is_open": backs_off_only_when_nothing_else_is_open,
     "mpi/no_thread_per_request": no_thread_per_request,
     "mpi/zero_copy_cpu_buffers": zero_copy_cpu_buffers,
