@@ -3,8 +3,9 @@
 MPI has no completion callbacks and makes progress only inside MPI calls (DESIGN.md §3.5).
 So each event loop that awaits MPI handles gets one :class:`ProgressEngine`:
 
-* while anything is in flight it tests pending requests with one ``Testsome`` per loop
-  tick (a ``call_soon`` chain: other tasks and I/O run between two ticks): the oldest few
+* while anything is in flight it tests pending requests once per loop tick (a
+  ``call_soon`` chain: other tasks and I/O run between two ticks; sends and collectives
+  with one ``Testsome``, receives one by one, see ``_Poller._test_held``): the oldest few
   and a window rotating over the rest (:class:`_Poller`), so a tick costs the same with 10
   or 10,000 in flight;
 * after ``busy_s`` seconds without any completion (a receive waiting for a slow peer, not
@@ -376,8 +377,8 @@ BATCH = 8  # requests tested per tick from the front, and again from a rotating 
 
 
 class _Poller:
-    """Shared bookkeeping: pending ops in issue order, and one ``Testsome`` per
-    poll over at most 2 x BATCH of them.
+    """Shared bookkeeping: pending ops in issue order, and one test per poll of at most
+    2 x BATCH of them (``_test_held``).
 
     Testing every pending request on every tick made n requests in flight cost O(n^2):
     10,000 awaited all_reduces took 37.6 s against 6.1 s for mpi4py's Waitall (issue
