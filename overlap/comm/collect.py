@@ -145,8 +145,7 @@ def collect_all(handles: Iterable[Handle]) -> Handle:
     hs = list(handles)
     if not hs:
         done = _Collected([], 0, "world", "", 1)
-        done._result = []
-        done._finish(None)
+        done._settle()  # nothing pending: done, with []
         return done
     first = hs[0]
     group, backend, nbytes, world = first.group, first.backend, 0, 1

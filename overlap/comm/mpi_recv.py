@@ -37,9 +37,10 @@ class MpiRecv(MpiOp):
         src = -1 if status is None else status.Get_source()
         if src < 0:
             # MPI completed the receive, and a KeyboardInterrupt raised between that and
-            # this completion lost the Status it filled (the progress engine's Testsome
-            # fills a list of them): an empty one says MPI_ANY_SOURCE and 0 bytes, which
-            # read as a sender would name the wrong rank, and as a size a false mismatch.
+            # this completion left no filled Status (every test overlap makes keeps its
+            # Status on the op first; a Test made outside overlap does not): an empty one
+            # says MPI_ANY_SOURCE and 0 bytes, which read as a sender would name the wrong
+            # rank, and as a size a false mismatch.
             self._fail(
                 CommError(
                     f"irecv on rank {self.rank} (group {self.group}, tag {self.tag}) "
