@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import Any
 
 import torch
 
@@ -354,12 +355,52 @@ def check_broadcast() -> None:
     assert torch.equal(t, torch.full((3,), 5, dtype=torch.int32)), t
 
 
+def check_done_at_post() -> None:
+    """A ready op that MPI finishes by the test right after its post is returned done (on a
+    one-rank group every op is), with the right result through wait, await and
+    collect_all, and nothing left open."""
+    from overlap.comm import progress
+
+    r = comm.get_rank()
+    groups = [comm.new_group([0]), comm.new_group([1])]  # every rank makes both, in order
+    mine = groups[r]
+    x = torch.full((3,), r + 1.0)
+    comm.all_reduce(x, group=mine)  # the first call builds the ready call
+    comm.broadcast(x, r, group=mine)
+    for i in range(3):
+        before = progress._open
+        hs = [
+            comm.all_reduce(x, group=mine, async_op=True),
+            comm.broadcast(x, r, group=mine, async_op=True),
+        ]
+        assert progress._open == before, "an op the post's test finished was left open"
+        assert all(h.done() for h in hs)
+        if i == 0:
+            assert all(h.wait() is x for h in hs)
+        elif i == 1:
+
+            async def each(hs: list[Any] = hs) -> list[object]:
+                return [await h for h in hs]
+
+            assert all(y is x for y in overlap.run(each()))
+        else:
+
+            async def together(hs: list[Any] = hs) -> object:
+                return await comm.collect_all(hs)
+
+            overlap.run(together())
+    assert torch.equal(x, torch.full((3,), r + 1.0)), x
+    for g in groups:
+        comm.destroy_process_group(g)
+
+
 def main() -> None:
     overlap.init_distributed(dist_backend="mpi")
     try:
         check()
         check_p2p()
         check_broadcast()
+        check_done_at_post()
         out = "READY ok"
     except BaseException:
         out = "READY " + traceback.format_exc().replace("\n", " | ")
