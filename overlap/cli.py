@@ -262,7 +262,17 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
         _err(f"unknown op(s) {unknown}; choose from {list(OPS)}")
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.job_timeout is not None and args.backend != "mpi":
+        _err(
+            "--job-timeout is for --backend mpi: gloo ranks always run with torch's "
+            "process-group timeout"
+        )
+        return 2
     if args.algorithm != "native":
+        if args.backend != "gloo":
+            # (it ran gloo ranks whatever --backend said)
+            _err(f"--algorithm {args.algorithm} runs on gloo ranks; drop --backend {args.backend}")
+            return 2
         return _bench_algorithm(sizes, args)
     if args.concurrent is not None:
         return _bench_concurrent(args)
@@ -449,7 +459,10 @@ def _bench_ops_under_mpiexec(
         str(args.iters),
         str(args.warmup),
         args.loop,
+        "mpi",
     ]
+    if args.job_timeout is not None:
+        cmd.append(repr(args.job_timeout))
     rows, _ = _run_json(cmd, None, "the MPI benchmark", env=env)
     return rows if rows is None else list(rows)
 
@@ -1012,6 +1025,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_link(),
         default=None,
         help="run the ranks on a loopback shaped to this rate, e.g. 1gbit (root)",
+    )
+    bo.add_argument(
+        "--job-timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="--backend mpi: the ranks' init_distributed(timeout=SECONDS), to measure what a "
+        "job timeout costs each op (MPI has none unless asked; gloo always runs with "
+        "torch's process-group timeout)",
     )
     bo.add_argument("--_in-link", dest="_in_link", action="store_true", help=argparse.SUPPRESS)
     bo.set_defaults(func=cmd_bench_ops)

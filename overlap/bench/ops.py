@@ -358,7 +358,8 @@ def bench_algorithms_rank(
 
 def main_mpi(argv: list[str] | None = None) -> None:
     """Entry point under a launcher: ``python -m overlap.bench.ops OPS SIZES ITERS WARMUP LOOP
-    [BACKEND]`` (mpiexec: mpi, the default; torchrun across namespace hosts: gloo).
+    [BACKEND [JOB_TIMEOUT]]`` (mpiexec: mpi, the default; torchrun across namespace hosts:
+    gloo; JOB_TIMEOUT: seconds, ``init_distributed(timeout=)``).
 
     Rank 0 prints one line ``RESULT <json rows>``. OPS ``concurrent``: SIZES are numbers of
     ops in flight and ITERS repetitions (:func:`bench_concurrent_rank`).
@@ -372,7 +373,8 @@ def main_mpi(argv: list[str] | None = None) -> None:
     ops, sizes = args[0].split(","), [int(x) for x in args[1].split(",")]
     iters, warmup, loop = int(args[2]), int(args[3]), args[4]
     torch.set_num_threads(1)
-    overlap.init_distributed(args[5] if len(args) > 5 else "mpi")
+    timeout = float(args[6]) if len(args) > 6 else None
+    overlap.init_distributed(args[5] if len(args) > 5 else "mpi", timeout=timeout)
     if ops == ["concurrent"]:  # sizes: the numbers of ops in flight; iters: repetitions
         rows = [row for n in sizes for row in bench_concurrent_rank(n, iters, loop)]
     else:

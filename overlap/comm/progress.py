@@ -279,10 +279,15 @@ class MpiOp(Handle):
 
     def wait(self, timeout: float | datetime.timedelta | None = None) -> Any:
         """:meth:`Handle.wait`; the common case (no timeout anywhere, the op pending) goes
-        straight to ``MPI_Wait``, two calls shorter."""
-        if timeout is None and self.deadline is None and self._state is PENDING:
-            self._wait_forever()
-            return self.result()
+        straight to ``MPI_Wait``, two calls shorter. With only a job timeout, one spin of
+        up to SPIN_S first (as an await's): most ops finish inside it, and only an op still
+        pending then takes the general path, which enforces the timeout."""
+        if timeout is None and self._state is PENDING:
+            if self.deadline is None:
+                self._wait_forever()
+                return self.result()
+            if self.spin(SPIN_S):
+                return self.result()
         return Handle.wait(self, timeout)
 
     def _wait_forever(self) -> None:
@@ -331,8 +336,15 @@ class MpiOp(Handle):
         return self._wait_until(deadline)
 
     def _wait_until(self, deadline: float) -> bool:
-        """Test until done or ``deadline`` (monotonic): tight for BUSY_S, then backing off."""
+        """Test until done or ``deadline`` (monotonic): tight for BUSY_S, then backing off.
+
+        First one spin of up to SPIN_S (an await's: the lock and the Status once, ``Test``
+        in a bare loop), where a ``test()`` per iteration takes the lock and makes a Status
+        each time: with a job timeout, the blocking 8-byte all_reduce took 3.0x mpi4py's
+        Iallreduce + Wait (2 ranks; docs/architecture.md, "A job timeout on the ready path")."""
         start = time.monotonic()
+        if self.spin(min(SPIN_S, max(deadline - start, 0.0))):
+            return True
         delay = 1e-5
         while True:
             if self.test():

@@ -385,7 +385,8 @@ def lone_await_outlasting_its_spin() -> None:
     """The only MPI op open in the process, awaited (MpiOp.__await__'s written-out common
     case): a peer 30 ms late outlasts the 1 ms spin, so the loop's engine takes the op over
     and the awaiting coroutine is resumed with the reduced tensor; both ops of the pair
-    (all_reduce, broadcast) leave nothing open."""
+    (all_reduce, broadcast) leave nothing open. Under run_cases' job timeout the ops are
+    the ready calls' MpiOps with a deadline, as without one."""
     from overlap.comm import progress
 
     g = comm.new_group([0, 1])  # every rank makes it
@@ -413,7 +414,9 @@ def lone_await_outlasting_its_spin() -> None:
     for _ in range(2):  # the second time through the ready calls
         a, b, opened = overlap.run(lone(late=r == 1))
         assert a == [3.0, 3.0] and b == [6.0, 6.0, 6.0], (a, b)
-        assert opened == [1, 1, 0], opened
+        # rank 0's ops wait 30 ms for the late rank: open after the post, then awaited; the
+        # late rank's may be finished by the test right after the post (_ready_op)
+        assert opened == [1, 1, 0] if r == 0 else opened[2] == 0, opened
 
 
 def freed_requests_complete_on_await() -> None:

@@ -25,6 +25,8 @@ def main(where: str) -> None:
         if where == "bucket"
         else None
     )
+    t = torch.ones(1 << 16)
+    comm.all_reduce(t)  # seen before: the op below takes its ready call, under the timeout
     comm.barrier()
     if r == 1:
         time.sleep(0.2)
@@ -32,7 +34,9 @@ def main(where: str) -> None:
     t0 = time.monotonic()
     try:
         if where == "collective":
-            overlap.run(_await_all_reduce())
+            overlap.run(_await_all_reduce(t))
+        elif where == "blocking":
+            comm.all_reduce(t)
         elif where == "compressed":
             from overlap.compression import compressed_allreduce, padded_numel
 
@@ -51,8 +55,8 @@ def main(where: str) -> None:
     sys.stdout.flush()
 
 
-async def _await_all_reduce() -> None:
-    await comm.all_reduce(torch.ones(1 << 16), async_op=True)
+async def _await_all_reduce(t: torch.Tensor) -> None:
+    await comm.all_reduce(t, async_op=True)
 
 
 if __name__ == "__main__":

@@ -149,10 +149,11 @@ def test_peer_exiting_mid_operation_is_never_a_silent_hang(tmp_path: Path) -> No
     assert took < 60
 
 
-@pytest.mark.parametrize("where", ["collective", "compressed", "bucket"])
+@pytest.mark.parametrize("where", ["collective", "blocking", "compressed", "bucket"])
 def test_peer_death_gives_comm_error_within_the_job_timeout(where: str) -> None:
     """With Hydra's auto-cleanup off the survivor stays up: it must raise CommError within
-    the configured timeout + 5 s, then exit by itself (no MPI_Finalize hang)."""
+    the configured timeout + 5 s, then exit by itself (no MPI_Finalize hang). The
+    collective is an all_reduce seen before (its ready call: awaited, and blocking)."""
     from tests.mpi.conftest import MPIEXEC
 
     assert MPIEXEC is not None
@@ -180,11 +181,14 @@ def test_peer_death_gives_comm_error_within_the_job_timeout(where: str) -> None:
     assert took < 60, took  # both processes are gone: nothing hung at exit
 
 
-def test_ready_calls_make_exactly_the_full_paths_call() -> None:
-    """With no job timeout a repeated all_reduce takes the ready-call path (mpi_backend): it
-    must give the same sums, blocking, waited and awaited, and must not be taken by a
-    non-contiguous view at the same address, another op or dtype, or a destroyed group."""
-    out = mpiexec(2, "-m", "tests.mpi.ready_calls", timeout=120)
+@pytest.mark.parametrize("job_timeout", [None, 30])
+def test_ready_calls_make_exactly_the_full_paths_call(job_timeout: int | None) -> None:
+    """A repeated all_reduce, broadcast, isend or irecv takes the ready-call path
+    (mpi_backend), with or without a job timeout: it must give the same results, blocking,
+    waited and awaited, and must not be taken by a non-contiguous view at the same address,
+    another op or dtype, or a destroyed group."""
+    extra = [] if job_timeout is None else [str(job_timeout)]
+    out = mpiexec(2, "-m", "tests.mpi.ready_calls", *extra, timeout=120)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("READY")]
     assert lines == ["READY ok", "READY ok"], out.stdout + out.stderr
 

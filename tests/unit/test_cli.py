@@ -265,6 +265,13 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
             "--diloco-fragments: must be at least 1, got 0",
         ),
         (["bench", "train", "--threads", "0"], "--threads: must be at least 1, got 0"),
+        (["bench", "ops", "--job-timeout", "0"], "--job-timeout: must be a finite number above 0"),
+        (["bench", "ops", "--job-timeout", "5"], "--job-timeout is for --backend mpi"),
+        # before: the ring benchmark ran gloo ranks under --backend mpi, saying nothing
+        (
+            ["bench", "ops", "--algorithm", "ring", "--backend", "mpi"],
+            "--algorithm ring runs on gloo ranks; drop --backend mpi",
+        ),
     ):
         assert_cli_refuses(capsys, args, says)
 
