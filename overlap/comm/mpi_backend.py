@@ -645,6 +645,11 @@ class MpiBackend:
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
+        """A call seen before takes its ready call (:meth:`_ready_two`)."""
+        name = "all_gather_into_tensor"
+        key, ready = self._ready_two(name, output_tensor, input_tensor, None, group)
+        if ready is not None:
+            return self._run_ready(name, ready, output_tensor, input_tensor, async_op)
         out = self._t(output_tensor, "output_tensor")
         inp = self._t(input_tensor, "tensor")
         g = self._g(group)
@@ -652,16 +657,13 @@ class MpiBackend:
         hin, _ = self._host(inp)
         hout, back = self._host(out, copy_in=False)
         hin = apart(hin, hout)
-        return self._launch(
-            "all_gather_into_tensor",
-            g,
-            lambda: g.comm.Iallgather(self._buf(hin), self._buf(hout)),
-            out,
-            nbytes_of(inp),
-            async_op,
-            _chain(back),
-            keep=(hin, hout),
+        start = partial(g.comm.Iallgather, self._buf(hin), self._buf(hout))
+        res = self._launch(
+            name, g, start, out, nbytes_of(inp), async_op, _chain(back), keep=(hin, hout)
         )
+        if key is not None and hin is inp and hout is out and out.is_cpu:
+            self._keep_ready(key, g, start)  # accepted, nothing staged or copied: keep it
+        return res
 
     def reduce_scatter(
         self,
@@ -671,6 +673,11 @@ class MpiBackend:
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
+        """A call seen before, with a flat input tensor, takes its ready call
+        (:meth:`_ready_two`)."""
+        key, ready = self._ready_two("reduce_scatter", output, input, op, group)
+        if ready is not None:
+            return self._run_ready("reduce_scatter", ready, output, input, async_op)
         out = self._t(output, "output")
         rop, mop, mtype, stage = self._reduction(out, op)
         g = self._g(group)
@@ -689,19 +696,20 @@ class MpiBackend:
         wout = hout if stage is None else torch.empty(hout.shape, dtype=stage)
         avg = (lambda: wout.div_(g.size)) if rop is ReduceOp.AVG else None
         cast = (lambda: hout.copy_(wout)) if stage is not None else None
-        return self._launch(
-            "reduce_scatter",
-            g,
-            # mpi4py reads the send count as the count of one block
-            lambda: g.comm.Ireduce_scatter_block(
-                self._typed_n(win, wout.numel(), mtype), self._typed(wout, mtype), mop
-            ),
-            out,
-            nbytes_of(flat),
-            async_op,
-            _chain(avg, cast, back),
-            keep=(win, wout),
+        post = _chain(avg, cast, back)
+        # mpi4py reads the send count as the count of one block
+        start = partial(
+            g.comm.Ireduce_scatter_block,
+            self._typed_n(win, wout.numel(), mtype),
+            self._typed(wout, mtype),
+            mop,
         )
+        res = self._launch(
+            "reduce_scatter", g, start, out, nbytes_of(flat), async_op, post, keep=(win, wout)
+        )
+        if key is not None and post is None and win is input and wout is out and out.is_cpu:
+            self._keep_ready(key, g, start)  # accepted, nothing staged or copied: keep it
+        return res
 
     def all_to_all_single(
         self,
@@ -712,6 +720,14 @@ class MpiBackend:
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
+        """A call seen before, without split sizes, takes its ready call
+        (:meth:`_ready_two`)."""
+        even = input_split_sizes is None and output_split_sizes is None
+        key: tuple[Any, ...] | None = None
+        if even:
+            key, ready = self._ready_two("all_to_all_single", output, input, None, group)
+            if ready is not None:
+                return self._run_ready("all_to_all_single", ready, output, input, async_op)
         out = self._t(output, "output")
         inp = self._t(input, "tensor")
         g = self._g(group)
@@ -728,15 +744,14 @@ class MpiBackend:
             d = [sum(c[:i]) for i in range(len(c))]
             return c, d
 
-        def start() -> Any:
+        def uneven() -> Any:
             B = self.MPI.BYTE
-            if input_split_sizes is None and output_split_sizes is None:
-                return g.comm.Ialltoall(self._buf(hin), self._buf(hout))
             send = [self._mem(hin), counts(in_rows, in_row), B]
             recv = [self._mem(hout), counts(out_rows, out_row), B]
             return g.comm.Ialltoallv(send, recv)
 
-        return self._launch(
+        start = partial(g.comm.Ialltoall, self._buf(hin), self._buf(hout)) if even else uneven
+        res = self._launch(
             "all_to_all_single",
             g,
             start,
@@ -746,6 +761,9 @@ class MpiBackend:
             _chain(back),
             keep=(hin, hout),
         )
+        if key is not None and hin is inp and hout is out and out.is_cpu:
+            self._keep_ready(key, g, start)  # accepted, nothing staged or copied: keep it
+        return res
 
     def all_to_all(
         self,
@@ -952,10 +970,18 @@ class MpiBackend:
         self._ready[key] = (g, start)
 
     def _ready_op(
-        self, opname: str, g: MpiGroup, start: Callable[[], Any], tensor: torch.Tensor
+        self,
+        opname: str,
+        g: MpiGroup,
+        start: Callable[[], Any],
+        tensor: torch.Tensor,
+        nbytes: int = -1,
+        keep: Any = None,
     ) -> MpiOp:
-        """Post a ready call (all_reduce's, broadcast's, isend's) and return its MpiOp:
-        :meth:`_handle`'s, made directly, with the job timeout if one was set.
+        """Post a ready call and return its MpiOp: :meth:`_handle`'s, made directly, with
+        the job timeout if one was set. ``tensor`` is the op's result; it is also what the
+        op keeps and counts (its bytes) unless ``keep`` and ``nbytes`` say otherwise (a
+        gather keeps its input too, and counts the input's bytes).
 
         The request is tested once right after the post, before any Python runs: MPI moves
         a message only inside MPI calls, so the microsecond of making the op would hold the
@@ -974,7 +1000,8 @@ class MpiBackend:
         except Exception as exc:
             done, err = False, exc
         op = MpiOp(
-            opname, tensor, tensor.nbytes, g.name, tensor, len(g.ranks), self.MPI, req, None,
+            opname, tensor, tensor.nbytes if nbytes < 0 else nbytes, g.name,
+            tensor if keep is None else keep, len(g.ranks), self.MPI, req, None,
             self.global_rank, self.timeout,
         )  # fmt: skip
         if done:
@@ -984,7 +1011,12 @@ class MpiBackend:
         return op
 
     def _wait_ready(
-        self, opname: str, g: MpiGroup, start: Callable[[], Any], tensor: torch.Tensor
+        self,
+        opname: str,
+        g: MpiGroup,
+        start: Callable[[], Any],
+        tensor: torch.Tensor,
+        keep: Any = None,
     ) -> None:
         """A blocking ready call under a job timeout: MPI_Wait could wait for ever on a dead
         peer, so the request is tested in a bare loop for up to the first spin's window (as
@@ -1006,9 +1038,60 @@ class MpiBackend:
         except Exception as exc:
             raise self._error(opname, g, exc) from exc
         MpiOp(
-            opname, tensor, tensor.nbytes, g.name, tensor, len(g.ranks), self.MPI, req, None,
-            self.global_rank, self.timeout,
+            opname, tensor, tensor.nbytes, g.name, tensor if keep is None else keep,
+            len(g.ranks), self.MPI, req, None, self.global_rank, self.timeout,
         ).wait()  # fmt: skip
+
+    def _ready_two(
+        self, opname: str, out: Any, inp: Any, extra: Any, group: Any
+    ) -> tuple[tuple[Any, ...] | None, tuple[MpiGroup, Callable[[], Any]] | None]:
+        """(key, ready call or None) of a collective from one tensor into another
+        (all_gather_into_tensor, reduce_scatter's flat form, all_to_all_single without
+        splits), as all_reduce's ready calls: the key holds everything the call was built
+        from and checked on (op, each tensor's address, dtype and shape, ``extra``: the
+        reduce op, and the group object), and the checks that can change between calls
+        with the same key run every time (:meth:`_ready_now`, on both). The shapes are in
+        the key because the full path's checks read them (a 0-dim tensor, rows that do not
+        split across the ranks). Not a tensor, or an unhashable op: the full path.
+
+        Why: ZeRO and FSDP gather and scatter the same flat buffers every step, and the full
+        path's checks and buffer specs cost an 8-byte all_gather_into_tensor 16 us on 2
+        ranks where mpi4py's Iallgather + Wait took 4.9 (docs/architecture.md, "Ready calls
+        for the tensor collectives")."""
+        try:
+            key = (
+                opname, out.data_ptr(), out.dtype, out.shape, inp.data_ptr(), inp.dtype,
+                inp.shape, extra, group,
+            )  # fmt: skip
+            ready = self._ready.get(key)
+        except Exception:
+            return None, None
+        if ready is not None and self._ready_now(out) and self._ready_now(inp):
+            return key, ready
+        return key, None
+
+    def _run_ready(
+        self,
+        opname: str,
+        ready: tuple[MpiGroup, Callable[[], Any]],
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        async_op: bool,
+    ) -> Any:
+        """Post a two-tensor ready call (:meth:`_ready_two`) and finish it as the full path
+        would: its handle (keeping both tensors, counting the input's bytes), or its Wait
+        (under a job timeout: :meth:`_wait_ready`), then the output."""
+        g, start = ready
+        if async_op:
+            return self._ready_op(opname, g, start, out, inp.nbytes, (inp, out))
+        if self.timeout is not None:
+            self._wait_ready(opname, g, start, out, (inp, out))
+            return out
+        try:
+            start().Wait()
+        except Exception as exc:
+            raise self._error(opname, g, exc) from exc
+        return out
 
     def _last_p2p(
         self,

@@ -393,6 +393,102 @@ def check_done_at_post() -> None:
         comm.destroy_process_group(g)
 
 
+def check_tensor_collectives() -> None:
+    """all_gather_into_tensor, reduce_scatter (a flat input) and all_to_all_single (no
+    splits) seen before take their ready calls: the same results as the full path,
+    blocking, waited and awaited, and nothing changed since gets through (a reshaped view
+    at the same address, a non-contiguous one, another dtype or reduce op, an input inside
+    the output, a list input, split sizes)."""
+    r = comm.get_rank()
+    backend = state.active()
+    raised: dict[str, str] = {}
+    catch = catcher(raised)
+    inp, out = torch.zeros(2), torch.zeros(4)
+
+    def finish(h: Any, how: int) -> None:
+        if how == 1:
+            h.wait()
+        elif how == 2:
+
+            async def awaited(h: Any = h) -> None:
+                await h
+
+            overlap.run(awaited())
+
+    for i in range(4):  # the first builds, later ones hit; blocking, waited, awaited
+        inp.copy_(torch.tensor([10.0 * i + r, 10.0 * i + r + 0.5]))
+        how = i % 3
+        finish(comm.all_gather_into_tensor(out, inp, async_op=how > 0), how)
+        want = [10.0 * i, 10.0 * i + 0.5, 10.0 * i + 1, 10.0 * i + 1.5]
+        assert out.tolist() == want, (i, out)
+        big = torch.arange(4.0) + 10 * i + r
+        finish(comm.reduce_scatter(inp, big, async_op=how > 0), how)
+        assert inp.tolist() == [2 * (2 * r + x + 10 * i) + 1 for x in (0.0, 1.0)], (i, inp)
+        src = torch.arange(4.0) + 100 * r + i
+        finish(comm.all_to_all_single(out, src, async_op=how > 0), how)
+        want = [100.0 * 0 + 2 * r + i, 100.0 * 0 + 2 * r + 1 + i]
+        want += [100.0 * 1 + 2 * r + i, 100.0 * 1 + 2 * r + 1 + i]
+        assert out.tolist() == want, (i, out)
+    kinds = {k[0] for k in backend._ready if isinstance(k[0], str)}
+    assert {"all_gather_into_tensor", "reduce_scatter", "all_to_all_single"} <= kinds, kinds
+
+    # Another reduce op on the same tensors: its own call.
+    big = torch.arange(4.0) + r
+    comm.reduce_scatter(inp, big, op="max")
+    comm.reduce_scatter(inp, big, op="max")
+    assert inp.tolist() == [2.0 * r + 1, 2.0 * r + 2], inp
+
+    # A view with the same address and bytes but rows that do not split across 2 ranks,
+    # or a 0-dim one, or a non-contiguous one: the full path's errors, nothing sent.
+    rows = torch.zeros(2, 3)
+    dst = torch.zeros(2, 3)
+    comm.all_to_all_single(dst, rows)
+    comm.all_to_all_single(dst, rows)
+    catch("rows", lambda: comm.all_to_all_single(dst.view(3, 2), rows.view(3, 2)))
+    assert raised["rows"] != "no error", raised
+    one, two = torch.zeros(1), torch.zeros(2)
+    comm.all_gather_into_tensor(two, one)
+    comm.all_gather_into_tensor(two, one)
+    catch("zero_dim", lambda: comm.all_gather_into_tensor(two, one.reshape(())))
+    assert raised["zero_dim"].startswith("ValueError") and "0-dim" in raised["zero_dim"], raised
+    sq, sq2 = torch.zeros(2, 2), torch.zeros(4, 2)
+    comm.all_gather_into_tensor(sq2, sq)
+    catch("view", lambda: comm.all_gather_into_tensor(sq2, sq.t()))
+    assert raised["view"].startswith("ValueError") and "contiguous" in raised["view"], raised
+
+    # Another dtype at the same addresses: an int gather, an int sum.
+    ii, io = inp.view(torch.int32), out.view(torch.int32)
+    io.copy_(torch.arange(4, dtype=torch.int32) + r)
+    comm.reduce_scatter(ii, io)
+    assert ii.tolist() == [2 * (2 * r + x) + 1 for x in (0, 1)], ii
+    io.copy_(torch.arange(4, dtype=torch.int32) + r)
+    comm.all_gather_into_tensor(io, ii)
+    assert io.tolist() == [2 * x + 1 for x in (0, 1)] + [2 * (2 + x) + 1 for x in (0, 1)], io
+
+    # ZeRO's pattern: the input is this rank's slot of the output. The full path copies
+    # the input first, every time; nothing is kept for it, and every call is right.
+    flat = torch.zeros(4)
+    mine = flat.narrow(0, 2 * r, 2)
+    for i in range(3):
+        mine.fill_(float(i + r))
+        comm.all_gather_into_tensor(flat, mine)
+        assert flat.tolist() == [float(i)] * 2 + [float(i + 1)] * 2, (i, flat)
+    assert not any(
+        k[0] == "all_gather_into_tensor" and k[1] == flat.data_ptr()
+        for k in backend._ready
+        if isinstance(k[0], str)
+    ), "an aliased gather was kept"
+
+    # A list input and split sizes take the full path, as they always did.
+    o2 = torch.zeros(2)
+    comm.reduce_scatter(o2, [torch.full((2,), 1.0), torch.full((2,), 2.0)])
+    assert o2.tolist() == [2.0 * (r + 1)] * 2, o2
+    s4 = torch.arange(4.0) + 10 * r
+    d4 = torch.zeros(4)
+    comm.all_to_all_single(d4, s4, [2, 2], [2, 2])
+    assert d4.tolist() == [2.0 * r, 2.0 * r + 1, 10 + 2.0 * r, 11 + 2.0 * r], d4
+
+
 def main() -> None:
     timeout = float(sys.argv[1]) if len(sys.argv) > 1 else None
     overlap.init_distributed(dist_backend="mpi", timeout=timeout)
@@ -402,6 +498,7 @@ def main() -> None:
         check_p2p()
         check_broadcast()
         check_done_at_post()
+        check_tensor_collectives()
         out = "READY ok"
     except BaseException:
         out = "READY " + traceback.format_exc().replace("\n", " | ")
