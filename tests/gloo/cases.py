@@ -208,6 +208,27 @@ def case_gloo_fallbacks(mode: str) -> None:
             gloo_fallback.LACKING.clear()
 
 
+def case_torch_wrappers(mode: str) -> None:
+    """all_gather_into_tensor, reduce_scatter of a flat tensor and all_to_all_single through
+    torch's Python wrappers, as on a torch that refuses the process group's own calls
+    (overlap.comm.torch_backend._direct_first): the same results as the direct calls.
+    Elsewhere (MPI) the backend's own ops again."""
+    from overlap.comm import torch_backend
+
+    forced = comm.get_backend() == "gloo" and not torch_backend.NO_DIRECT
+    if forced:
+        torch_backend.NO_DIRECT.update(
+            ["all_gather_into_tensor", "reduce_scatter_flat", "all_to_all_single"]
+        )
+    try:
+        case_all_gather_into_tensor(mode)
+        case_reduce_scatter(mode)
+        case_all_to_all_single(mode)
+    finally:
+        if forced:
+            torch_backend.NO_DIRECT.clear()
+
+
 def case_gather(mode: str) -> None:
     r, w = rw()
     gl = [torch.empty(2) for _ in range(w)] if r == 0 else None

@@ -31,3 +31,37 @@ def test_an_op_this_torchs_backend_lacks_names_the_ways_out() -> None:
         assert "init_distributed('mpi')" in msg, msg
     other = str(issue_failed("all_reduce", 0, "world", "gloo", RuntimeError("Connection reset")))
     assert other == "all_reduce on rank 0 (group world) failed: Connection reset", other
+
+
+def test_a_refused_direct_call_goes_through_torchs_wrapper_from_then_on() -> None:
+    """overlap calls the process group directly for the tensor collectives; where a torch
+    refuses that call as missing (an older release's gloo), the op goes through torch's
+    Python wrapper, at once and on every later call; any other error is the op's."""
+    import pytest
+
+    from overlap.comm import torch_backend as tb
+
+    calls: list[str] = []
+
+    def refused() -> str:
+        calls.append("direct")
+        raise RuntimeError("ProcessGroupGloo does not support _allgather_base")
+
+    def wrapper() -> str:
+        calls.append("wrapper")
+        return "work"
+
+    def broken() -> str:
+        raise RuntimeError("Connection closed by peer")
+
+    kind = "test-kind"
+    tb.NO_DIRECT.discard(kind)
+    try:
+        assert tb._direct_first(kind, refused, wrapper) == "work"
+        assert tb._direct_first(kind, refused, wrapper) == "work"
+        assert calls == ["direct", "wrapper", "wrapper"] and kind in tb.NO_DIRECT
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            tb._direct_first("other-kind", broken, wrapper)
+        assert "other-kind" not in tb.NO_DIRECT
+    finally:
+        tb.NO_DIRECT.discard(kind)
