@@ -315,6 +315,8 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
             if args.hosts
             else ""
         )
+        if args.job_timeout is not None:
+            where += f", job timeout {args.job_timeout:g} s"
         title = (
             f"overlap bench ops: {args.backend}, {args.world_size} ranks{where}, {args.loop} "
             "(median us, rank 0)"

@@ -379,6 +379,12 @@ def main_mpi(argv: list[str] | None = None) -> None:
         rows = [row for n in sizes for row in bench_concurrent_rank(n, iters, loop)]
     else:
         rows = bench_ops_rank(ops, sizes, iters, warmup, loop)
+    if timeout is not None:  # what the ranks ran under, as the backend holds it
+        from overlap.comm import state
+
+        held = getattr(state.active(), "timeout", None)
+        for row in rows:
+            row["job_timeout_s"] = held
     if comm.get_rank() == 0:
         sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
         sys.stdout.flush()

@@ -210,3 +210,24 @@ def test_an_error_on_one_rank_stops_every_rank_on_mpi() -> None:
     assert results[0]["driver"] == ["ValueError", "RuntimeError", *stopped]
     assert results[1]["driver"] == ["ValueError", "CommError", *stopped]
     assert time.monotonic() - t0 < 90
+
+
+def test_bench_ops_on_mpi_with_a_job_timeout() -> None:
+    """``overlap bench ops --backend mpi --job-timeout S`` runs the ranks under mpiexec with
+    that job timeout (the ready calls then carry a deadline) and reports every method."""
+    out = subprocess.run(
+        [sys.executable, "-m", "overlap.cli", "bench", "ops", "--backend", "mpi", "--op",
+         "all_reduce", "--op", "all_gather", "--op", "sendrecv", "--sizes", "8", "--iters",
+         "20", "--warmup", "2", "--job-timeout", "30", "--json"],
+        capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(out.stdout)
+    assert [(r["op"], r["bytes"]) for r in rows] == [
+        ("all_reduce", 8),
+        ("all_gather", 8),
+        ("sendrecv", 8),
+    ]
+    for r in rows:
+        assert min(r["torch_us"], r["blocking_us"], r["wait_us"], r["await_us"]) > 0, r
+        assert r["job_timeout_s"] == 30.0, r  # the timeout the ranks' backend held
