@@ -167,6 +167,9 @@ class MpiBackend:
         # isend's and irecv's, the same way (see _last_p2p)
         self._last_send: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
         self._last_recv: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
+        # the two-tensor collectives', per op: (output ref, input ref, key, group, call)
+        self._last_two: dict[str, tuple[Any, Any, tuple[Any, ...], MpiGroup, Callable[[], Any]]]
+        self._last_two = {}
 
     # ------------------------------------------------------------------ process & groups
     def _g(self, group: Any) -> MpiGroup:
@@ -250,6 +253,7 @@ class MpiBackend:
                 extra.comm.Free()
         self._ready.clear()  # no ready call may outlive its communicator
         self._last = self._last_bcast = self._last_send = self._last_recv = None
+        self._last_two.clear()
         group.comm.Free()
 
     # ------------------------------------------------------------------------- helpers
@@ -1057,7 +1061,32 @@ class MpiBackend:
         Why: ZeRO and FSDP gather and scatter the same flat buffers every step, and the full
         path's checks and buffer specs cost an 8-byte all_gather_into_tensor 16 us on 2
         ranks where mpi4py's Iallgather + Wait took 4.9 (docs/architecture.md, "Ready calls
-        for the tensor collectives")."""
+        for the tensor collectives").
+
+        Before that lookup, the op's last ready call, as all_reduce's: the same two tensor
+        objects (weak references), reduce op and group objects, and the same addresses,
+        dtypes, shapes and contiguity take it with no key built or hashed (1.86 us of a
+        5 us call, single process)."""
+        m = self._last_two.get(opname)
+        if m is not None:
+            k = m[2]
+            if (
+                m[0]() is out
+                and m[1]() is inp
+                and extra is k[7]
+                and group is k[8]
+                and out.data_ptr() == k[1]
+                and inp.data_ptr() == k[4]
+                and out.dtype is k[2]
+                and inp.dtype is k[5]
+                and out.shape == k[3]
+                and inp.shape == k[6]
+                and out.is_contiguous()
+                and inp.is_contiguous()
+                and _hooks.observer is None
+                and not _debug._enabled
+            ):
+                return k, (m[3], m[4])
         try:
             key = (
                 opname, out.data_ptr(), out.dtype, out.shape, inp.data_ptr(), inp.dtype,
@@ -1067,6 +1096,7 @@ class MpiBackend:
         except Exception:
             return None, None
         if ready is not None and self._ready_now(out) and self._ready_now(inp):
+            self._last_two[opname] = (_weak(out), _weak(inp), key, *ready)
             return key, ready
         return key, None
 

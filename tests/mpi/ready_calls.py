@@ -479,6 +479,44 @@ def check_tensor_collectives() -> None:
         if isinstance(k[0], str)
     ), "an aliased gather was kept"
 
+    # The op's last ready call is taken by the tensor objects' identity (_ready_two): the
+    # same objects changed in place since must not take it.
+    src6, dst6 = torch.arange(6.0) + 10 * r, torch.zeros(6)
+    src6.resize_(2, 3)
+    dst6.resize_(2, 3)
+    for _ in range(3):
+        comm.all_to_all_single(dst6, src6)
+    assert backend._last_two["all_to_all_single"][0]() is dst6, "no last ready call"
+    assert dst6.flatten().tolist() == [0.0, 1, 2, 10, 11, 12] if r == 0 else [3.0, 4, 5, 13, 14, 15]
+    src6.resize_(3, 2)  # the same objects, address and bytes; rows that do not split
+    dst6.resize_(3, 2)
+    catch("same_rows", lambda: comm.all_to_all_single(dst6, src6))
+    assert raised["same_rows"] != "no error", raised
+    src6.resize_(2, 3)
+    dst6.resize_(2, 3)
+    src6.t_()  # the same object, not contiguous
+    catch("same_t_", lambda: comm.all_to_all_single(dst6, src6))
+    assert "contiguous" in raised["same_t_"], raised
+    src6.t_()
+    comm.all_to_all_single(dst6, src6)
+    src6.data = src6.view(torch.int32)  # the same objects, another dtype: int values
+    dst6.data = dst6.view(torch.int32)
+    src6.fill_(r + 1)
+    comm.all_to_all_single(dst6, src6)
+    assert dst6.dtype == torch.int32 and dst6.flatten().tolist() == [1] * 3 + [2] * 3, dst6
+    g4 = comm.new_group([0, 1])
+    comm.all_to_all_single(dst6, src6, group=g4)  # another group object: its own call
+    comm.all_to_all_single(dst6, src6, group=g4)
+    comm.destroy_process_group(g4)
+    assert not backend._last_two, "a destroyed group's call stayed a last ready call"
+    b2, s2 = torch.arange(4.0) + r, torch.zeros(2)
+    sums = [2 * (2 * r + x) + 1 for x in (0.0, 1.0)]
+    maxes = [2.0 * r + 1, 2.0 * r + 2]
+    for op, want in (("sum", sums), ("max", maxes), ("sum", sums)):
+        comm.reduce_scatter(s2, b2, op=op)  # the same objects, another reduce op
+        comm.reduce_scatter(s2, b2, op=op)
+        assert s2.tolist() == want, (op, s2)
+
     # A list input and split sizes take the full path, as they always did.
     o2 = torch.zeros(2)
     comm.reduce_scatter(o2, [torch.full((2,), 1.0), torch.full((2,), 2.0)])
