@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
+from typing import Any
 
 from overlap.comm import spin as _spin
 from overlap.comm.handle import _LOCK, FAILED, OWN_ENGINE, PENDING, Handle
+from overlap.comm.progress import spin_together
 
 __all__ = ["collect_all"]
 
@@ -55,6 +57,21 @@ class _Collected(Handle):
         self.handles = hs
         self._left = len(hs)  # handles not yet counted as done (see _watch)
         self._watching = False
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """:meth:`Handle.__await__`, with MPI's common case first: ops that are all the MPI
+        ops open in the process are tested in a tight loop before any loop is looked up
+        (:func:`overlap.comm.progress.spin_together`)."""
+        if self._state is PENDING:
+            spun = spin_together(self.handles)
+            if spun:
+                self._settle()
+            else:
+                loop = asyncio.get_running_loop()
+                self._on_await(loop, spun is False)  # False: the window is spent
+                if self._state is PENDING:
+                    yield from self._suspend(loop)
+        return self.result()
 
     def _settle(self) -> bool:
         """Finish if a handle failed or none is pending; True once it is over."""
@@ -113,10 +130,13 @@ class _Collected(Handle):
         self._settle()
         return True
 
-    def _on_await(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _on_await(self, loop: asyncio.AbstractEventLoop, spent: bool = False) -> None:
         # The handles' spins share one window (overlap.comm.spin): a collect_all of many
-        # small ops must not hold the loop for all of them in this one callback.
+        # small ops must not hold the loop for all of them in this one callback. ``spent``:
+        # the await has used the window already (spin_together), so none spins again.
         outer = _spin.shared()
+        if spent:
+            _spin.expire()
         try:
             for h in self.handles:
                 if h._state is PENDING:

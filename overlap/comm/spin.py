@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["end_shared", "shared", "window"]
+__all__ = ["end_shared", "expire", "shared", "window"]
 
 
 class _Window(threading.local):
@@ -51,6 +51,12 @@ def shared() -> float | None:
     if outer is None:
         _local.until = _OPEN
     return outer  # nested: the outer window goes on
+
+
+def expire() -> None:
+    """Inside :func:`shared`: end the window now, so the ops observed after this do not spin
+    (their await has spun through its window already)."""
+    _local.until = 0.0
 
 
 def end_shared(outer: float | None) -> None:

@@ -287,7 +287,8 @@ def collect_all_waits_for_a_late_sender_and_fails_fast() -> None:
     """``await comm.collect_all(...)``: a receive whose sender is 0.8 s late completes through
     the progress engine's ticks and back-off while the loop keeps running other tasks; a
     receive that fails (a message larger than its tensor) fails the whole at once, while the
-    other receive stays pending and completes later on its own."""
+    other receive stays pending and completes later on its own: listed after the pending
+    receive, and before it."""
     r = _pair_rank()
     if r is None:
         return
@@ -302,24 +303,33 @@ def collect_all_waits_for_a_late_sender_and_fails_fast() -> None:
                 out = await asyncio.wait_for(comm.collect_all(hs), 20)
             assert out[0] is late and out[1] is sent and late.tolist() == [4.0, 4.0]
             assert time.monotonic() - t0 > 0.7 and ticks.count > 10, ticks.count
-            small, other = torch.zeros(3), torch.zeros(2)
-            bad, pending = comm.irecv(small, src=1, tag=43), comm.irecv(other, src=1, tag=44)
-            try:
-                await asyncio.wait_for(comm.collect_all([pending, bad]), 20)
-                raise AssertionError("no error for a message larger than its receive")
-            except overlap.CommError as exc:
-                assert bad.exception() is exc and not pending.done(), (exc, pending)
-            finally:
-                comm.send(torch.ones(1), dst=1, tag=45)  # rank 1 goes on either way
-            assert (await asyncio.wait_for(pending, 20)).tolist() == [6.0, 6.0]
+            # the failing receive after the pending one (found by the engine), then before
+            # it (found by collect_all's own tight loop, progress.spin_together)
+            for first in (False, True):
+                small, other = torch.zeros(3), torch.zeros(2)
+                bad, pending = comm.irecv(small, src=1, tag=43), comm.irecv(other, src=1, tag=44)
+                if first:
+                    comm.recv(torch.zeros(1), src=1, tag=46)  # the bad message is sent
+                try:
+                    both = [bad, pending] if first else [pending, bad]
+                    await asyncio.wait_for(comm.collect_all(both), 20)
+                    raise AssertionError("no error for a message larger than its receive")
+                except overlap.CommError as exc:
+                    assert bad.exception() is exc and not pending.done(), (exc, pending)
+                finally:
+                    comm.send(torch.ones(1), dst=1, tag=45)  # rank 1 goes on either way
+                assert (await asyncio.wait_for(pending, 20)).tolist() == [6.0, 6.0]
         else:
             comm.barrier()
             time.sleep(0.8)
             comm.recv(torch.zeros(3), src=0, tag=42)
             comm.send(torch.full((2,), 4.0), dst=0, tag=41)
-            comm.send(torch.ones(4), dst=0, tag=43)
-            comm.recv(torch.zeros(1), src=0, tag=45)
-            comm.send(torch.full((2,), 6.0), dst=0, tag=44)
+            for first in (False, True):
+                comm.send(torch.ones(4), dst=0, tag=43)
+                if first:
+                    comm.send(torch.ones(1), dst=0, tag=46)
+                comm.recv(torch.zeros(1), src=0, tag=45)
+                comm.send(torch.full((2,), 6.0), dst=0, tag=44)
 
     overlap.run(main())
 
