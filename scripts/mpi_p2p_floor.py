@@ -1,7 +1,8 @@
 """What an 8-byte MPI sendrecv costs through the thinnest Python handles, against overlap's.
 
-Run on 2 ranks: ``.venv/bin/mpiexec -n 2 .venv/bin/python scripts/mpi_p2p_floor.py``.
-Rank 0 prints the median microseconds of one ``irecv`` + ``isend`` pair, both waited, for:
+Run on 2 ranks: ``.venv/bin/mpiexec -n 2 .venv/bin/python scripts/mpi_p2p_floor.py
+[BYTES]`` (default 8). Rank 0 prints the median microseconds of one ``irecv`` + ``isend``
+pair of BYTES each, both waited, for:
 
 * ``mpi4py``: ``Irecv``, ``Isend``, ``Waitall`` on buffers made once (the reference of
   ``overlap bench ops --backend mpi --op sendrecv``);
@@ -19,6 +20,7 @@ them alike (docs/architecture.md, "The floor of a Python handle").
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +32,7 @@ from mpi4py import MPI
 import overlap
 from overlap import comm
 
-ROUNDS, SKIP = 6000, 1000
+ROUNDS, SKIP = 6000, 1000  # fewer above 64 KiB (see main)
 
 
 class Bare:
@@ -71,7 +73,8 @@ def main() -> None:
         raise SystemExit("run on 2 ranks: mpiexec -n 2 python scripts/mpi_p2p_floor.py")
     peer = 1 - comm.get_rank()
     world = MPI.COMM_WORLD
-    send, recv = torch.ones(2), torch.empty(2)
+    n = max(int(sys.argv[1]) // 4 if len(sys.argv) > 1 else 2, 1)
+    send, recv = torch.ones(n), torch.empty(n)
     rbuf = [recv.view(torch.uint8).numpy(), MPI.BYTE]
     sbuf = [send.view(torch.uint8).numpy(), MPI.BYTE]
     posts: dict[tuple[str, int, int], Callable[[], Any]] = {}
@@ -108,16 +111,17 @@ def main() -> None:
     ways = {"mpi4py": raw, "bare": bare, "minimal": minimal, "overlap": ours}
     times: dict[str, list[float]] = {k: [] for k in ways}
     clock = time.perf_counter
-    for _ in range(ROUNDS):
+    rounds, skip = (ROUNDS, SKIP) if n * 4 <= 1 << 16 else (ROUNDS // 4, SKIP // 4)
+    for _ in range(rounds):
         for name, fn in ways.items():
             world.Barrier()
             t0 = clock()
             fn()
             times[name].append(clock() - t0)
     if comm.get_rank() == 0:
-        ref = statistics.median(times["mpi4py"][SKIP:])
+        ref = statistics.median(times["mpi4py"][skip:])
         for name, ts in times.items():
-            med = statistics.median(ts[SKIP:])
+            med = statistics.median(ts[skip:])
             print(f"{name:8s} {med * 1e6:6.2f} us  {med / ref:4.2f}x mpi4py")
     comm.destroy_process_group()
 
