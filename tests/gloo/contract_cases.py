@@ -337,3 +337,110 @@ def collect_all_spins_share_one_window() -> float:
     # held the loop two windows (0.100 s with a 0.05 s window: MPI, measured)
     assert held < 0.17, f"one collect_all held the loop {held:.3f} s; its window is 0.1 s"
     return held
+
+
+def p2p_last_call() -> str:
+    """gloo's isend/irecv seen before post again with no check repeated but those that can
+    change (TorchBackend._last_p2p): the same values, senders and errors as the full path,
+    and nothing changed since gets through. Two ranks; returns "ok"."""
+    from overlap.comm import state
+    from tests.gloo.catching import catcher
+
+    r = comm.get_rank()
+    peer = 1 - r
+    backend = state.active()
+    raised: dict[str, str] = {}
+    catch = catcher(raised)
+    o, s = torch.zeros(4), torch.zeros(4)
+
+    def swap(value: float, tag: int = 0, src: int | None = peer, group: object = None) -> int:
+        s.fill_(value + r)
+        first = r == 0  # a pair whose orders differ, as a pipeline's stages send
+        h = comm.irecv(o, src=src, tag=tag, group=group) if first else None
+        comm.isend(s, dst=peer, tag=tag, group=group).wait(30)
+        if h is None:
+            h = comm.irecv(o, src=src, tag=tag, group=group)
+        h.wait(30)
+        assert h.source == peer, h.source
+        return len(o)
+
+    for i in range(3):
+        swap(float(i))
+        assert torch.equal(o, torch.full((4,), float(i + peer))), (i, o)
+    assert backend._last_send is not None and backend._last_send[0]() is s, "no last send"
+    assert backend._last_recv is not None and backend._last_recv[0]() is o, "no last receive"
+    # the last receive's object with another tag, while a receive of its tag waits: each
+    # message lands where its tag says
+    p = torch.zeros(4)
+    h9, h0 = comm.irecv(o, src=peer, tag=9), comm.irecv(p, src=peer, tag=0)
+    comm.isend(torch.full((4,), 1.0), dst=peer, tag=0).wait(30)
+    comm.isend(torch.full((4,), 9.0), dst=peer, tag=9).wait(30)
+    h9.wait(30)
+    h0.wait(30)
+    assert o.tolist() == [9.0] * 4 and p.tolist() == [1.0] * 4, (o, p)
+    swap(20.0, tag=7)  # another tag: lands on the tag the call names
+    swap(21.0, tag=7)
+    assert torch.equal(o, torch.full((4,), 21.0 + peer)), o
+    swap(30.0, src=None)  # any source (never kept), then the peer again
+    swap(31.0)
+    assert torch.equal(o, torch.full((4,), 31.0 + peer)), o
+    g3 = comm.new_group([0, 1])
+    swap(40.0, group=g3)  # another group object: its own calls
+    swap(41.0, group=g3)
+    assert torch.equal(o, torch.full((4,), 41.0 + peer)), o
+    comm.destroy_process_group(g3)
+    assert backend._last_send is None and backend._last_recv is None, "a destroyed group's"
+    swap(50.0)
+    swap(51.0)
+    # the last calls' objects with a destroyed group, or this rank as the peer: the full
+    # path's errors, nothing posted
+    catch("destroyed", lambda: comm.isend(s, dst=peer, group=g3))
+    catch("to_self", lambda: comm.isend(s, dst=r))
+    catch("from_self", lambda: comm.irecv(o, src=r))
+    for name in ("destroyed", "to_self", "from_self"):
+        assert raised[name].startswith("ValueError"), raised
+    # another tensor object, of the last call's dtype and contiguous but not on the CPU:
+    # the full path's check names it (the memo's object stands for what one object cannot
+    # change: its device and layout)
+    catch("meta", lambda: comm.isend(torch.zeros(4, device="meta"), dst=peer))
+    assert raised["meta"].startswith("ValueError") and "meta" in raised["meta"], raised
+    for name, x, call in (
+        ("last_recv_t_", o, lambda: comm.irecv(o, src=peer)),
+        ("last_send_t_", s, lambda: comm.isend(s, dst=peer)),
+    ):
+        x.resize_(2, 2)
+        x.t_()  # the same object, address and bytes, not contiguous: refused, nothing posted
+        catch(name, call)
+        assert raised[name].startswith("ValueError") and "contiguous" in raised[name], raised
+        x.t_()
+        x.resize_(4)
+    swap(52.0)
+    assert torch.equal(o, torch.full((4,), 52.0 + peer)), o
+    s.resize_(2)  # the same objects, fewer bytes: 2 elements each way
+    o.resize_(2)
+    assert swap(60.0) == 2 and torch.equal(o, torch.full((2,), 60.0 + peer)), o
+    swap(61.0)
+    o.set_(torch.zeros(2).untyped_storage())  # the same object at another address
+    before = o.data_ptr()
+    swap(70.0)
+    assert o.data_ptr() == before and torch.equal(o, torch.full((2,), 70.0 + peer)), o
+    o.requires_grad_(True)  # the full path detaches it; the values still land
+    swap(80.0)
+    o.requires_grad_(False)
+    assert torch.equal(o, torch.full((2,), 80.0 + peer)), o
+    swap(81.0)
+    saved = s.data
+    s.data = torch.zeros(1, dtype=torch.int32)  # the same object, another dtype, 4 bytes
+    o.data = torch.zeros(1, dtype=torch.int32)
+    s.fill_(90 + r)
+    h = comm.irecv(o, src=peer) if r == 0 else None
+    comm.isend(s, dst=peer).wait(30)
+    (h or comm.irecv(o, src=peer)).wait(30)
+    assert o.dtype == torch.int32 and o.tolist() == [90 + peer], o
+    swap_int = s.data
+    s.data = swap_int.view(torch.uint16)  # same address and bytes, a dtype gloo cannot send
+    catch("uint16", lambda: comm.isend(s, dst=peer))
+    assert raised["uint16"].startswith("TypeError") and "uint16" in raised["uint16"], raised
+    s.data = saved
+    comm.barrier()
+    return "ok"

@@ -72,3 +72,7 @@ def test_awaited_ops_spin_on_an_idle_loop(pools: Callable[[int], RankPool]) -> N
 def test_collect_all_spins_share_one_window(pools: Callable[[int], RankPool]) -> None:
     held = pools(2).run(cc.collect_all_spins_share_one_window, timeout=60)
     assert 0.0 < held[0] < 0.2
+
+
+def test_p2p_calls_seen_before_check_what_can_change(pools: Callable[[int], RankPool]) -> None:
+    assert pools(2).run(cc.p2p_last_call, timeout=90) == ["ok", "ok"]
