@@ -826,14 +826,7 @@ class TorchBackend:
         if self._last_p2p(m, tensor, src, group):
             assert m is not None
             return self._post_p2p("irecv", tensor, m, tag)
-        h = self._checked_irecv(tensor, src, group, tag, None)
-        if src is not None:  # a receive from any rank is not kept
-            info = resolve_group(group)
-            p = self._p2p_check(src, "src", info)
-            # the tensor as _t checked it, but for a grad it would detach: posted as it is,
-            # the same values land (tests/gloo/contract_cases.py, p2p_last_call)
-            self._last_recv = self._memo(tensor, tensor, src, group, info, p)
-        return h
+        return self._checked_irecv(tensor, src, group, tag, None)
 
     def _checked_irecv(
         self, tensor: torch.Tensor, src: int | None, group: Any, tag: int, sender: list[int] | None
@@ -858,7 +851,10 @@ class TorchBackend:
             )
             h._source = lambda: got[0] if got else None
             return h
-        return self._irecv(t, tensor, peer, info, tag)
+        h = self._irecv(t, tensor, peer, info, tag)
+        if sender is None and peer is not None:  # irecv's, from a given rank: kept
+            self._last_recv = self._memo(t, tensor, src, group, info, peer)
+        return h
 
     def _irecv(
         self, t: torch.Tensor, result: Any, peer: int | None, info: GroupInfo, tag: int
