@@ -164,7 +164,7 @@ class MpiBackend:
         # (tensor ref, key, group, call). See all_reduce.
         self._last: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
         self._last_bcast: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
-        # isend's and irecv's, the same way (see isend)
+        # isend's and irecv's, the same way (see _last_p2p)
         self._last_send: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
         self._last_recv: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None = None
         # the two-tensor collectives', per op: (output ref, input ref, key, group, call)
@@ -176,6 +176,12 @@ class MpiBackend:
         if group is None:
             return self.world
         if isinstance(group, MpiGroup):
+            if not group.comm:  # MPI_COMM_NULL: freed by destroy_process_group(group)
+                raise ValueError(
+                    f"group {group.name} was destroyed (destroy_process_group(group) freed its "
+                    "communicator): make it again with overlap.comm.new_group(ranks), on every "
+                    "rank"
+                )
             return group
         if isinstance(group, NonMemberGroup):
             raise ValueError(
@@ -516,9 +522,8 @@ class MpiBackend:
         dtype, src, group), and the last one by the tensor object, as all_reduce's (there
         the dtype is not checked: a broadcast moves bytes, the same for any dtype)."""
         m = self._last_bcast
-        # isend's last-call check (see there), with the root as the peer and tag 0, written
-        # out: a call frame made the blocking 8-byte broadcast 1.49-1.55x -> 1.57-1.58x
-        # mpi4py's (2 ranks, three rounds)
+        # _last_p2p(m, tensor, src, group, 0), written out: the call frame made the blocking
+        # 8-byte broadcast 1.49-1.55x -> 1.57-1.58x mpi4py's (2 ranks, three rounds)
         if (
             m is not None
             and m[0]() is tensor
@@ -1127,21 +1132,26 @@ class MpiBackend:
             raise self._error(opname, g, exc) from exc
         return result
 
-    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
-        m = self._last_send
-        # The last ready send again? The same tensor object (a weak reference), peer, tag and
-        # group objects, and the same address, bytes and contiguity, as all_reduce's last
-        # ready call (the dtype is not checked: these move bytes). ``dst is`` and ``tag is``
-        # hold for the small ints every rank and tag of a run is; another int object of the
-        # same value misses, and takes the key's lookup, which compares by value. irecv's
-        # check is this one, broadcast's too (the root as the peer, tag 0), each written
-        # out: a shared method's call frame cost the blocking 8-byte broadcast 1.49-1.55 ->
-        # 1.57-1.58x mpi4py's, and irecv's with its post's frame the blocking 8-byte
-        # sendrecv 7.17-7.32 -> 7.55-7.76 us (2 ranks)
-        if (
+    def _last_p2p(
+        self,
+        m: tuple[Any, tuple[Any, ...], MpiGroup, Callable[[], Any]] | None,
+        tensor: Any,
+        peer: Any,
+        group: Any,
+        tag: Any,
+    ) -> bool:
+        """Whether a send or receive is ``m``, the last ready call of its kind, again: the
+        same tensor object (a weak reference), peer, tag and group objects, and the same
+        address, bytes and contiguity, as all_reduce's last ready call (the dtype is not
+        checked: these move bytes). ``peer is`` and ``tag is`` hold for the small ints every
+        rank and tag of a run is; another int object of the same value misses, and takes the
+        key's lookup, which compares by value. broadcast's check is this one (the root as
+        the peer, tag 0), written out there: the call frame cost its blocking 8-byte form
+        1.49-1.55 -> 1.57-1.58x mpi4py's (2 ranks)."""
+        return (
             m is not None
             and m[0]() is tensor
-            and dst is m[1][4]
+            and peer is m[1][4]
             and tag is m[1][6]
             and group is m[1][5]
             and tensor.data_ptr() == m[1][1]
@@ -1149,7 +1159,12 @@ class MpiBackend:
             and tensor.is_contiguous()
             and _hooks.observer is None
             and not _debug._enabled
-        ):
+        )
+
+    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Handle:
+        m = self._last_send
+        if self._last_p2p(m, tensor, dst, group, tag):
+            assert m is not None
             g, start = m[2], m[3]
         else:
             key, ready = self._ready_p2p("isend", tensor, dst, group, tag)
@@ -1251,22 +1266,9 @@ class MpiBackend:
         self, tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
     ) -> Handle:
         m = self._last_recv
-        # isend's check (see there) and _recv's post, written out: with those call frames
-        # the blocking 8-byte sendrecv took 7.55-7.76 us against 7.17-7.32 (2 ranks,
-        # scripts/mpi_p2p_floor.py, alternated)
-        if (
-            m is not None
-            and m[0]() is tensor
-            and src is m[1][4]
-            and tag is m[1][6]
-            and group is m[1][5]
-            and tensor.data_ptr() == m[1][1]
-            and tensor.nbytes == m[1][2]
-            and tensor.is_contiguous()
-            and _hooks.observer is None
-            and not _debug._enabled
-        ):
-            g = m[2]
+        if self._last_p2p(m, tensor, src, group, tag):
+            assert m is not None
+            g = m[2]  # _recv's post, written out: a call frame fewer on every receive
             try:
                 req = m[3]()
             except (ValueError, TypeError):
