@@ -56,6 +56,17 @@ if [ -x "$SITE/bin/mpiexec" ]; then
     PYTHONPATH="$SITE:$PWD" OVERLAP_MPIEXEC="$SITE/bin/mpiexec" MPI4PY_LIBMPI="$LIBMPI" \
         PATH="$SITE/bin:$PATH" bench ops-mpi 90 ops --backend mpi --op all_reduce \
         --op sendrecv --sizes 8,1MiB --iters 1500
+    # the thinnest Python handles against overlap's, 8 B and 1 MiB (docs/architecture.md,
+    # "The floor of a Python handle"): where a core is free for each rank's Python
+    for size in 8 1048576; do
+        if [ "$DEADLINE" -gt 0 ] && [ $(( $(date +%s) + 60 )) -gt "$DEADLINE" ]; then
+            break
+        fi
+        echo "== p2p-floor $size ($(date -u +%H:%M:%S))"
+        PYTHONPATH="$SITE:$PWD" MPI4PY_LIBMPI="$LIBMPI" PATH="$SITE/bin:$PATH" timeout 60 \
+            "$SITE/bin/mpiexec" -n 2 "$PY" scripts/mpi_p2p_floor.py "$size" \
+            | tee "$OUTDIR/p2p-floor-$size.txt"
+    done
 fi
 bench ops 100 ops --op all_reduce --op broadcast --op sendrecv --sizes 4,16MiB --iters 1500
 bench hosts-1gbit-3 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
