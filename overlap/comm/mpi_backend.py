@@ -535,6 +535,12 @@ class MpiBackend:
             and _hooks.observer is None
             and not _debug._enabled
         ):
+            if not async_op and self.timeout is None:  # the blocking call, written out
+                try:
+                    m[3]().Wait()
+                except Exception as exc:
+                    raise self._error("broadcast", m[2], exc) from exc
+                return tensor
             ready = m[2], m[3]
             key: tuple[Any, ...] | None = None
         else:
