@@ -535,30 +535,34 @@ class MpiBackend:
             and _hooks.observer is None
             and not _debug._enabled
         ):
-            if not async_op and self.timeout is None:  # the blocking call, written out
-                try:
-                    m[3]().Wait()
-                except Exception as exc:
-                    raise self._error("broadcast", m[2], exc) from exc
-                return tensor
-            ready = m[2], m[3]
-            key: tuple[Any, ...] | None = None
+            g, start = m[2], m[3]
         else:
             key, ready = self._ready_p2p("broadcast", tensor, src, group, 0)
-            if ready is not None and key is not None:
-                self._last_bcast = (_weak(tensor), key, *ready)
-        if ready is not None:
+            if ready is None:
+                return self._broadcast(tensor, src, group, async_op, key)
+            assert key is not None
             g, start = ready
-            if async_op:
-                return self._ready_op("broadcast", g, start, tensor)
-            if self.timeout is not None:
-                self._wait_ready("broadcast", g, start, tensor)
-                return tensor
-            try:
-                start().Wait()
-            except Exception as exc:
-                raise self._error("broadcast", g, exc) from exc
+            self._last_bcast = (_weak(tensor), key, g, start)
+        if async_op:
+            return self._ready_op("broadcast", g, start, tensor)
+        if self.timeout is not None:
+            self._wait_ready("broadcast", g, start, tensor)
             return tensor
+        try:
+            start().Wait()
+        except Exception as exc:
+            raise self._error("broadcast", g, exc) from exc
+        return tensor
+
+    def _broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        group: Any,
+        async_op: bool,
+        key: tuple[Any, ...] | None,
+    ) -> Any:
+        """broadcast's full path: every check, then the post; an accepted call is kept."""
         t = self._t(tensor, "tensor")
         g = self._g(group)
         check_peer(src, "src", g.ranks, g.name)
@@ -1274,19 +1278,7 @@ class MpiBackend:
         m = self._last_recv
         if self._last_p2p(m, tensor, src, group, tag):
             assert m is not None
-            g = m[2]  # _recv's post, written out: a call frame fewer on every receive
-            try:
-                req = m[3]()
-            except (ValueError, TypeError):
-                raise
-            except Exception as exc:
-                raise self._error("irecv", g, exc) from exc
-            h = MpiRecv(
-                "irecv", tensor, m[1][2], g.name, tensor, len(g.ranks), self.MPI, req, None,
-                self.global_rank, self.timeout,
-            )  # fmt: skip
-            h.ranks, h.tag = g.ranks, tag
-            return h
+            return self._recv(m[2], m[3], tensor, tag, tensor)
         key, ready = self._ready_p2p("irecv", tensor, src, group, tag)
         if ready is None:
             return self._irecv(self._t(tensor, "tensor"), src, self._g(group), tag, key)

@@ -284,19 +284,16 @@ class MpiOp(Handle):
         pending then takes the general path, which enforces the timeout. An op that is
         over already (a send the test at its post finished) returns its result at once,
         written out here: ``result()``'s call frame, and ``Handle.wait``'s for an op that is
-        over, are on every blocking MPI call's path (together with isend's and irecv's
-        written-out checks, the 8-byte blocking sendrecv 7.47-7.78 -> 7.01-7.27 us on 2
-        ranks, scripts/mpi_p2p_floor.py)."""
+        over, are on every blocking MPI call's path (docs/architecture.md, "The awaited
+        pair's own path")."""
         if timeout is None:
             if self._state is PENDING:
                 if self.deadline is None:
                     self._wait_forever()
                 elif not self.spin(SPIN_S):
                     return Handle.wait(self, timeout)
-            if self._state is not PENDING:
-                if self._exc is None:
-                    return self._result
-                raise self._exc
+            if self._exc is None and self._state is not PENDING:
+                return self._result
             return self.result()
         return Handle.wait(self, timeout)
 

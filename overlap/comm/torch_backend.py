@@ -77,7 +77,6 @@ _DRAIN_S = 0.005  # destroy_group's pause for gloo's workers (see there)
 _Tensor = torch.Tensor
 _strided = torch.strided
 _weak = weakref.ref
-_EVENT = EVENT_ENGINE
 # A send's or receive's memo (TorchBackend._last_p2p): (tensor ref, peer, group object, group
 # info, dtype, group rank of the peer, its global rank)
 _P2PMemo = tuple[Any, Any, Any, GroupInfo, torch.dtype, int, int]
@@ -310,15 +309,8 @@ class TorchBackend:
             if obs is not None:
                 obs(opname, t0, _now(), nbytes, info.name, self.name, info.size)
             return result
-        handle = Handle(
-            opname,
-            result=result,
-            nbytes=nbytes,
-            group=info.name,
-            backend=self.name,
-            keep=keep,
-            world=info.size,
-        )
+        # positional, the engine given: every async op and every p2p post passes here
+        handle = Handle(opname, result, nbytes, info.name, self.name, keep, EVENT_ENGINE, info.size)
         try:
             work = issue()
         except (ValueError, TypeError):
@@ -330,7 +322,8 @@ class TorchBackend:
                 post()
             handle._finish(None)
             return handle
-        handle._engine = TorchOp(work, post, info.global_rank, self._issue_stream(), future)
+        stream = None if self._cpu else torch.cuda.current_stream()  # _issue_stream's
+        handle._engine = TorchOp(work, post, info.global_rank, stream, future)
         return handle
 
     def _issue_stream(self) -> Any:
@@ -768,23 +761,12 @@ class TorchBackend:
         return (_weak(t), peer, group, info, t.dtype, p, int(info.ranks[p]))
 
     def _post_p2p(self, opname: str, tensor: torch.Tensor, m: _P2PMemo, tag: int) -> Handle:
-        """Post a send or receive of ``m`` again (``tensor`` passed :meth:`_last_p2p`): the
-        full path's Handle and TorchOp, made directly."""
+        """Post a send or receive of ``m`` again (``tensor`` passed :meth:`_last_p2p`),
+        through :meth:`_launch` as the full path does."""
         info: GroupInfo = m[3]
-        h = Handle(opname, tensor, tensor.nbytes, info.name, self.name, None, _EVENT, info.size)
-        try:
-            if opname == "isend":
-                work = info.pg.send([tensor], m[5], tag)
-            else:
-                work = info.pg.recv([tensor], m[5], tag)
-        except (ValueError, TypeError):
-            raise
-        except Exception as exc:
-            raise issue_failed(opname, info.global_rank, info.name, self.name, exc) from exc
-        if work is None:  # torch skipped the op (an empty tensor on some versions): _launch's
-            h._finish(None)
-            return h
-        h._engine = TorchOp(work, None, info.global_rank, None, False)
+        post = info.pg.send if opname == "isend" else info.pg.recv
+        issue = partial(post, [tensor], m[5], tag)
+        h: Handle = self._launch(opname, info, issue, tensor, tensor.nbytes, True, future=False)
         if opname == "irecv":
             h._source = m[6]
         return h
