@@ -576,6 +576,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         ALL_VARIANTS,
         CUDA_VARIANTS,
         DILOCO_FRAGMENTS_ENV,
+        DILOCO_H_ENV,
         DILOCO_PASS_THREAD_ENV,
         PIN_HEAP_ENV,
         THREADS_ENV,
@@ -633,6 +634,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             )
             return 2
         os.environ[DILOCO_FRAGMENTS_ENV] = str(args.diloco_fragments)
+    if args.diloco_sync_every is not None:
+        os.environ[DILOCO_H_ENV] = str(args.diloco_sync_every)
     os.environ[THREADS_ENV] = str(args.threads)  # every rank process inherits it
     os.environ[DILOCO_PASS_THREAD_ENV] = args.diloco_pass_thread
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
@@ -1127,6 +1130,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fragments of diloco-streaming (default 8; at most one per parameter tensor): "
         "more fragments spread the same sync work over more steps",
+    )
+    bt.add_argument(
+        "--diloco-sync-every",
+        type=_at_least(1),
+        default=None,
+        help="H of the diloco variants: inner steps between a parameter's syncs (default 8, "
+        "the H of the convergence figures); streaming lands each fragment H // 2 steps after "
+        "it is issued",
     )
     bt.add_argument(
         "--threads",

@@ -48,8 +48,7 @@ HOST_VARIANTS = ["overlap-onebit-flat"]
 ADAM_VARIANTS = ["ddp-adamw", "overlap-onebitadam", "onebitadam-serial"]
 # DiLoCo (run only when named): SGD inner steps, an outer sync every DILOCO_H steps: plain
 # (the whole model, fp32, waited for at the sync step) and streaming (8 fragments in turn,
-# Int8, each landing DILOCO_DELAY steps after it was issued: half of H, time for a slow
-# link).
+# Int8, each landing H // 2 steps after it was issued: time for a slow link).
 DILOCO_VARIANTS = ["diloco", "diloco-streaming"]
 # --pin-heap: glibc's malloc settings for the rank processes (read from the environment
 # they start with): freed memory stays in the heap instead of going back to the OS, and the
@@ -64,7 +63,13 @@ PIN_HEAP_ENV = {
     "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
 }
 DILOCO_H = 8
-DILOCO_DELAY = 4
+# --diloco-sync-every: H of both DiLoCo variants, passed to the rank processes in their
+# environment; streaming's delay is H // 2. H = 8 is the H of the convergence figures
+# (docs/diloco.md); a user's H is set by the bytes a step may send over the link
+# (``steady_bytes_per_step``), and the sync's CPU a step falls as 1 / H: on this 2-core
+# machine, where a rank has no idle core, that CPU is what streaming's steps pay over
+# compute-only (docs/diloco.md, "Speed": 1.09-1.14x at H = 8, 1.02-1.05x at H = 32).
+DILOCO_H_ENV = "OVERLAP_BENCH_DILOCO_H"
 # --diloco-fragments: streaming DiLoCo's fragment count, passed to the rank processes in
 # their environment. 8 (one per step of H): the model's 12 tensors (six 4.2M-float weights)
 # then cut into fragments of at most one weight; 4 cut them 8.4M/4.2M/8.4M/4.2M, and the
@@ -131,6 +136,11 @@ def diloco_fragments() -> int:
     return int(os.environ.get(DILOCO_FRAGMENTS_ENV, DILOCO_FRAGMENTS))
 
 
+def diloco_sync_every() -> int:
+    """Both DiLoCo variants' ``sync_every`` for this run (``--diloco-sync-every``)."""
+    return int(os.environ.get(DILOCO_H_ENV, DILOCO_H))
+
+
 def diloco_pass_thread() -> bool | None:
     """The DiLoCo variants' ``pass_thread`` for this run (``--diloco-pass-thread``)."""
     return {"on": True, "off": False}.get(os.environ.get(DILOCO_PASS_THREAD_ENV, "auto"))
@@ -154,9 +164,9 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
         v["diloco"] = DiLoCo(
             model,
             v["opt"],
-            sync_every=DILOCO_H,
+            sync_every=diloco_sync_every(),
             fragments=min(diloco_fragments(), len(list(model.parameters()))) if stream else 1,
-            delay=DILOCO_DELAY if stream else 0,
+            delay=diloco_sync_every() // 2 if stream else 0,
             compression=Int8() if stream else None,
             pass_thread=diloco_pass_thread(),
         )
@@ -392,6 +402,7 @@ def bench_train_rank(
             row["first_compressed_ms"] = r["all"][COMPRESS_FROM] * 1e3
         if v["diloco"] is not None:
             row["fragments"] = v["diloco"].fragments
+            row["sync_every"], row["delay"] = v["diloco"].sync_every, v["diloco"].delay
             # what DiLoCo.step() took of a step (median, slowest), and of that the wait for
             # reductions at landings: the rest of a step's excess over compute-only is
             # interference (the driver's and gloo's threads, memory bandwidth)

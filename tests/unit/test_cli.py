@@ -182,13 +182,14 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     CPU, the whole rank's CPU (a superset of the training thread's, step by step), the
     scheduler worker's CPU per step and the last step's bucket timeline. --pin-heap reaches
     the ranks (they read glibc's thresholds from the environment they start with), and so
-    do --diloco-fragments, --threads and --diloco-pass-thread (0 of them is refused:
+    do --diloco-fragments, --diloco-sync-every, --threads and --diloco-pass-thread (0 of
+    them is refused:
     test_bad_counts_and_sizes_...)."""
     out = run(
         "bench", "train", "--variant", "compute", "--variant", "overlap-onebit", "--variant",
         "diloco-streaming", "--model-size", "0.05", "--steps", "2", "--warmup", "1",
         "--pin-heap", "--diloco-fragments", "1", "--threads", "2", "--diloco-pass-thread", "on",
-        "--json",
+        "--diloco-sync-every", "3", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     compute, onebit, diloco = json.loads(out.stdout)
@@ -206,6 +207,7 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     for index, ready, start, end in onebit["buckets_ms"]:
         assert isinstance(index, int) and 0 <= ready <= start <= end, onebit["buckets_ms"]
     assert diloco["fragments"] == 1, diloco  # the default, 8, gives 2 here (one per tensor)
+    assert (diloco["sync_every"], diloco["delay"]) == (3, 1), diloco  # delay: H // 2
     # DiLoCo.step()'s share of a step, and of that the wait for landings
     assert 0 <= diloco["diloco_wait_ms"] <= diloco["diloco_step_ms"] <= diloco["step_ms"]
     assert 0 <= diloco["diloco_wait_max_ms"] <= diloco["diloco_step_max_ms"], diloco
@@ -265,6 +267,7 @@ def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
             "--diloco-fragments: must be at least 1, got 0",
         ),
         (["bench", "train", "--threads", "0"], "--threads: must be at least 1, got 0"),
+        (["bench", "train", "--diloco-sync-every", "0"], "--diloco-sync-every: must be at least 1"),
         (["bench", "ops", "--job-timeout", "0"], "--job-timeout: must be a finite number above 0"),
         (["bench", "ops", "--job-timeout", "5"], "--job-timeout is for --backend mpi"),
         # before: the ring benchmark ran gloo ranks under --backend mpi, saying nothing
