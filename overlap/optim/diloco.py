@@ -50,6 +50,7 @@ from overlap.compression.codec_numba import kernel_module
 from overlap.compression.quantize import BlockCodes
 from overlap.errors import NonFiniteError
 from overlap.initial_sync import broadcast_state, module_state
+from overlap.optim.late import LateLandings
 from overlap.optim.sync_trace import SyncTrace
 from overlap.ownership import claim, holder_of, release
 from overlap.params import select, unfrozen_message
@@ -272,6 +273,8 @@ class DiLoCo:
         # seconds the training loop waited for reductions at their landings (this process
         # only; not in state_dict(): a wall-clock figure, counted anew after a resume)
         self.wait_s = 0.0
+        # streaming: says once, in the log, when the landings keep waiting (overlap.optim.late)
+        self._late = LateLandings(fragments) if delay > 0 else None
         self._removed = False
         self.tracer = tracer
         self._trace = None if tracer is None else SyncTrace(tracer)
@@ -357,9 +360,13 @@ class DiLoCo:
         self._check_frozen()
         self._settle()
         self._t += 1
+        if self._late is not None:
+            self._late.step(time.perf_counter())
         land, issue = self._due_now()
         for i in land:
+            w0 = self.wait_s
             self._land(i, self._wait(i))
+            self._landed(self.wait_s - w0)
         for i in issue:
             self._issue(i)
             if self.delay == 0:
@@ -457,9 +464,13 @@ class DiLoCo:
         """One astep()'s landings and issues."""
         self._settle()
         self._t += 1
+        if self._late is not None:
+            self._late.step(time.perf_counter())
         land, issue = self._due_now()
         for i in land:
+            w0 = self.wait_s
             self._land(i, await self._await(i))
+            self._landed(self.wait_s - w0)
         for i in issue:
             self._issue(i)
             if self.delay == 0:
@@ -713,6 +724,28 @@ class DiLoCo:
         if self._trace is not None:
             self._trace.waited(i, t0, handle)
 
+    def _landed(self, waited_s: float) -> None:
+        """A streaming landing of step()/astep() is over, after waiting ``waited_s`` for its
+        reduction: the first window of landings that waited more than a tenth of its time
+        gets one warning that names the cause and the fix."""
+        late = None if self._late is None else self._late.landed(waited_s, time.perf_counter())
+        if late is None:
+            return
+        log.warning(
+            "DiLoCo: fragment reductions arrive late: the inner steps waited %.0f ms for them "
+            "at their landings over the last %d steps (%.0f%% of their %.0f ms). Each rank "
+            "sends %.2f MiB a step on average (statistics()['steady_bytes_per_step']) and a "
+            "reduction has delay=%d steps to arrive: raise sync_every (fewer bytes a step) "
+            "or delay (more steps for each reduction), or look for a rank that is behind "
+            "the others",
+            late.waited_s * 1e3,
+            late.steps,
+            100 * late.waited_s / late.wall_s,
+            late.wall_s * 1e3,
+            self.steady_bytes_per_step() / 2**20,
+            self.delay,
+        )
+
     def _land(self, i: int, res: torch.Tensor | BlockCodes, alpha: float | None = None) -> None:
         """Outer step on fragment ``i`` with the averaged pseudo-gradient, then the merge
         (weight ``alpha`` on the local weights; default the DiLoCo's own)."""
@@ -930,7 +963,9 @@ class DiLoCo:
 
     def statistics(self) -> dict[str, Any]:
         """Inner steps, syncs issued, bytes this rank sent for them, seconds the training
-        loop waited for reductions at their landings (``wait_s``), fragments in flight."""
+        loop waited for reductions at their landings (``wait_s``), fragments in flight.
+        (A streaming DiLoCo also logs one warning the first time a cycle of landings waits
+        for more than a tenth of its time: :mod:`overlap.optim.late`.)"""
         return {
             "inner_steps": self._t,
             "syncs": self.syncs,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import math
 import time
 from typing import Any
@@ -826,3 +827,32 @@ def cancelled_astep_keeps_the_globals_agreed(frags: int, delay: int) -> list[Any
     out.append(all(torch.equal(x, every[0]) for x in every))
     d.remove()
     return out
+
+
+def late_landings_said(slow_rank: int, mode: str) -> list[str]:
+    """Streaming DiLoCo (sync_every=8, 2 fragments, delay 2) for 24 inner steps of 20 ms on
+    every rank, and 60 ms more a step on ``slow_rank`` (-1: none), so the others' landings
+    wait for its issues. Returns the "arrive late" warnings this rank logged (``mode``:
+    step() or astep())."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("overlap.optim.diloco")
+    logger.addHandler(handler)
+    model, inner, d = _build(8, 2, 2)
+    try:
+
+        async def steps() -> None:
+            for t in range(1, 25):
+                _inner_step(model, inner, t)
+                time.sleep(0.02 + (0.06 if comm.get_rank() == slow_rank else 0))
+                if mode == "async":
+                    await d.astep()
+                else:
+                    d.step()
+
+        overlap.run(steps())
+    finally:
+        d.remove()
+        logger.removeHandler(handler)
+    return [m for m in said if "arrive late" in m]

@@ -138,6 +138,22 @@ def test_astep_returns_while_the_reduction_is_in_flight(pools: Callable[[int], R
     assert seen == [[[], [0], [], [1], [], [0], [], [1]]] * 2
 
 
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_landings_that_keep_waiting_are_said_once_with_the_fix(
+    pools: Callable[[int], RankPool], mode: str
+) -> None:
+    """A rank 60 ms behind every step makes the other's landings wait for its issues: that
+    rank logs one warning naming the cause and the fix (three windows were late); the slow
+    rank, whose reductions are there when it lands, and a run with no slow rank say
+    nothing."""
+    slow = pools(2).run(dc.late_landings_said, 1, mode, timeout=120)
+    assert len(slow[0]) == 1 and slow[1] == [], slow
+    msg = slow[0][0]
+    assert "fragment reductions arrive late" in msg and "raise sync_every" in msg, msg
+    assert "delay=2 steps" in msg and "behind the others" in msg, msg
+    assert pools(2).run(dc.late_landings_said, -1, mode, timeout=120) == [[], []]
+
+
 def test_global_weights_swap_in_and_back(pools: Callable[[int], RankPool]) -> None:
     """The agreed model is evaluable mid-run, with a fragment in flight; nothing is lost."""
     out = pools(2).run(dc.global_weights_swap, timeout=120)
