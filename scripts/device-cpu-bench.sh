@@ -51,7 +51,7 @@ bench hosts-1gbit-2 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBI
 # took half of step() off the training thread without a faster step (docs/diloco.md)
 bench diloco-1gbit-2 80 train --link 1gbit --pin-heap --variant compute \
     --variant diloco-streaming --steps 32 --warmup 8 --diloco-pass-thread off
-# H = 32: a sync's CPU on one step in four (on 2 cores the median step met 1.05x in 9 of 13
+# H = 32: a sync's CPU on one step in four (on 2 cores the median step met 1.05x in 9 of 14
 # runs, docs/diloco.md "H for the link and the cores"), with the 16 cores' spare ones
 bench diloco-1gbit-h32 120 train --link 1gbit --pin-heap --variant compute \
     --variant diloco-streaming --steps 64 --warmup 8 --diloco-sync-every 32
