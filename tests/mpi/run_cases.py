@@ -72,12 +72,21 @@ def checks() -> dict[str, Callable[[], Any]]:
         dl.finish_ends_on_one_model(4, 2, 1, 10, 0.0, mode="async") == [[1], True, True, 0]
     )
     out["int8_reduce"] = lambda: _int8_bounded(dl.quantized_reduce("int8", 1000, 64))
+    if comm.get_world_size() == 2:
+        out["diloco/late_landings"] = _late_landings
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
     return out
 
 
 def _true(ok: bool) -> None:
     assert ok
+
+
+def _late_landings() -> None:
+    """Rank 1 60 ms behind every step: rank 0's landings wait, and it says so once."""
+    said = dl.late_landings_said(1, "blocking")
+    assert len(said) == (1 if comm.get_rank() == 0 else 0), said
+    assert not said or "fragment reductions arrive late" in said[0], said
 
 
 def _int8_bounded(res: list[float]) -> None:
