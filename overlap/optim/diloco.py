@@ -727,14 +727,14 @@ class DiLoCo:
     def _landed(self, waited_s: float) -> None:
         """A streaming landing of step()/astep() is over, after waiting ``waited_s`` for its
         reduction: the first window of landings that waited more than a tenth of its time
-        gets one warning that names the cause and the fix."""
+        (and a tenth of a second) gets one warning that names the cause and the fix."""
         late = None if self._late is None else self._late.landed(waited_s, time.perf_counter())
         if late is None:
             return
         log.warning(
             "DiLoCo: fragment reductions arrive late: the inner steps waited %.0f ms for them "
             "at their landings over the last %d steps (%.0f%% of their %.0f ms). Each rank "
-            "sends %.2f MiB a step on average (statistics()['steady_bytes_per_step']) and a "
+            "sends %.1f KiB a step on average (statistics()['steady_bytes_per_step']) and a "
             "reduction has delay=%d steps to arrive: raise sync_every (fewer bytes a step) "
             "or delay (more steps for each reduction), or look for a rank that is behind "
             "the others",
@@ -742,7 +742,7 @@ class DiLoCo:
             late.steps,
             100 * late.waited_s / late.wall_s,
             late.wall_s * 1e3,
-            self.steady_bytes_per_step() / 2**20,
+            self.steady_bytes_per_step() / 2**10,
             self.delay,
         )
 

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 # goal is a step at most 1.05x compute-only's at the median, and a tenth of the time waiting
 # is past any noise a reduction's own completion has (its callback, the waiter's hand-off).
 LATE_SHARE = 0.1
+# ...and the least wait in seconds that does: a model of a few thousand weights whose steps
+# take 2 ms waits half of its time for reductions that take 1 ms on loopback (measured:
+# examples/diloco.py, 9 ms of waiting in a 17 ms cycle), which no H or delay changes and no
+# run notices; a cycle that loses a tenth of a second does.
+LATE_FLOOR_S = 0.1
 
 
 @dataclass
@@ -35,15 +40,19 @@ class Late:
 
 class LateLandings:
     """Counts the waits at landings against the wall time of the inner steps around them,
-    window by window; says so once, the first time a window is late.
+    window by window; says so once, the first time a window is late: it waited more than
+    ``share`` of its wall time, and at least ``floor_s`` seconds.
 
     The caller calls :meth:`step` at every inner step (``DiLoCo.step()``/``astep()``) and
     :meth:`landed` after each landing of those calls (not ``flush()``'s or ``finish()``'s:
     waiting there is what they are for)."""
 
-    def __init__(self, per_window: int, share: float = LATE_SHARE) -> None:
+    def __init__(
+        self, per_window: int, share: float = LATE_SHARE, floor_s: float = LATE_FLOOR_S
+    ) -> None:
         self.per_window = per_window
         self.share = share
+        self.floor_s = floor_s
         self.said = False
         self._start: float | None = None
         self._steps = 0
@@ -67,7 +76,12 @@ class LateLandings:
             return None
         late = Late(self._waited, now - self._start, self._steps)
         self._start, self._steps, self._landings, self._waited = now, 0, 0, 0.0
-        if self.said or late.wall_s <= 0 or late.waited_s <= self.share * late.wall_s:
+        if (
+            self.said
+            or late.wall_s <= 0
+            or late.waited_s < self.floor_s
+            or late.waited_s <= self.share * late.wall_s
+        ):
             return None
         self.said = True
         return late

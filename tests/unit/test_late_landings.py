@@ -1,4 +1,5 @@
-"""overlap.optim.late: windows of landings, late when their waits pass a share of them."""
+"""overlap.optim.late: windows of landings, late when their waits pass a share of them and
+a floor."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def test_landings_before_any_step_and_exactly_at_the_share_are_not_late() -> Non
     assert late.landed(1.0, 1.0) is None  # no step counted yet: nothing to weigh it by
     late.step(0.0)
     assert late.landed(0.1, 1.0) is None  # 10% of 1 s: at the share, not past it
+
+
+def test_a_short_wait_is_not_late_however_large_its_share() -> None:
+    """A tiny model's 2 ms steps wait half their time for 1 ms reductions: not a schedule
+    that H or delay would fix, and nothing a run notices (examples/diloco.py said it)."""
+    late = LateLandings(per_window=1, share=0.1, floor_s=0.1)
+    late.step(0.0)
+    assert late.landed(0.009, 0.017) is None
+    late.step(0.017)
+    assert late.landed(0.1, 0.2) is not None  # a tenth of a second, 55% of the window
