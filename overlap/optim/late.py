@@ -9,8 +9,9 @@ reduction: streaming quietly becomes plain DiLoCo's stall, spread over the steps
 the log once, with the fix (measured: at 100 Mbit/s and 40 ms steps, H = 8 needs 184 Mbit/s,
 and the bench's slowest step was 7x compute-only's; docs/diloco.md, "Speed").
 
-It looks at windows of one landing per fragment (a whole cycle of H steps), so a single
-slow reduction, or the first steps before anything lands, does not set it off.
+It looks at windows of one landing per fragment (a whole cycle of H steps): one landing's
+wait is weighed against the time of the whole cycle it falls in, and the steps before the
+first landing count in the first window.
 """
 
 from __future__ import annotations
