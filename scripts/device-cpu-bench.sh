@@ -8,7 +8,7 @@
 # Output: a JSON file (and its stderr) per benchmark in $OUT (./device-cpu-out without it).
 # DEADLINE (epoch seconds, optional): a benchmark whose time limit would run past it is
 # skipped, so a lease-bound run ends with the results it had time for. The benchmarks run
-# in the order of what is least settled; about 13 minutes with no deadline.
+# in the order of what is least settled; about 14 minutes with no deadline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-$PWD/device-cpu-out}"
@@ -42,19 +42,20 @@ bench hosts-1gbit 200 train --hosts 2 --procs-per-host 2 --link 1gbit --variant 
 bench hosts-1gbit-threads 150 train --hosts 2 --procs-per-host 2 --link 1gbit --threads 3 \
     --variant compute --variant ddp --variant overlap-onebit-flat --variant overlap-onebit \
     --steps 8 --warmup 3
-bench diloco-1gbit 110 train --link 1gbit --pin-heap --variant compute --variant diloco \
-    --variant diloco-streaming --steps 32 --warmup 8
+bench diloco-1gbit 140 train --link 1gbit --pin-heap --variant compute --variant diloco \
+    --variant diloco-streaming --steps 64 --warmup 8
 bench hosts-1gbit-2 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
     --steps 8 --warmup 3
 # the same with the pseudo-gradient pass inside step(): the run above takes it on a thread
 # of its own (pass_thread=None picks that with a core to spare per rank), which on 2 cores
 # took half of step() off the training thread without a faster step (docs/diloco.md)
-bench diloco-1gbit-2 80 train --link 1gbit --pin-heap --variant compute \
-    --variant diloco-streaming --steps 32 --warmup 8 --diloco-pass-thread off
-# H = 32: a sync's CPU on one step in four (on 2 cores the median step met 1.05x in 9 of 14
-# runs, docs/diloco.md "H for the link and the cores"), with the 16 cores' spare ones
-bench diloco-1gbit-h32 120 train --link 1gbit --pin-heap --variant compute \
-    --variant diloco-streaming --steps 64 --warmup 8 --diloco-sync-every 32
+bench diloco-1gbit-2 120 train --link 1gbit --pin-heap --variant compute \
+    --variant diloco-streaming --steps 64 --warmup 8 --diloco-pass-thread off
+# H = 8, the bench's default until the thirty-fifth session (32 since: on 2 cores the median
+# step met 1.05x in 9 of 14 runs at 32, in none at 8; docs/diloco.md "H for the link and the
+# cores"), with the 16 cores' spare ones
+bench diloco-1gbit-h8 120 train --link 1gbit --pin-heap --variant compute \
+    --variant diloco-streaming --steps 64 --warmup 8 --diloco-sync-every 8
 if [ -x "$SITE/bin/mpiexec" ]; then
     LIBMPI="$(find "$SITE/mpich" -name 'libmpi.so.12' 2>/dev/null | head -1)"
     PYTHONPATH="$SITE:$PWD" OVERLAP_MPIEXEC="$SITE/bin/mpiexec" MPI4PY_LIBMPI="$LIBMPI" \

@@ -62,19 +62,24 @@ PIN_HEAP_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
 }
-DILOCO_H = 8
-# --diloco-sync-every: H of both DiLoCo variants, passed to the rank processes in their
-# environment; streaming's delay is H // 2. H = 8 is the H of the convergence figures
-# (docs/diloco.md); a user's H is set by the bytes a step may send over the link
-# (``steady_bytes_per_step``), and the sync's CPU a step falls as 1 / H: on this 2-core
-# machine, where a rank has no idle core, that CPU is what streaming's steps pay over
-# compute-only (docs/diloco.md, "Speed": 1.09-1.14x at H = 8, 1.02-1.05x at H = 32).
+# H of both DiLoCo variants (--diloco-sync-every, passed to the rank processes in their
+# environment); streaming's delay is H // 2. 32 since the thirty-fifth session, 8 before:
+# a schedule has to fit the link, and at the issue's 100 Mbit/s H = 8 does not at this
+# model's steps (streaming's Int8 sends 1 MiB a rank a step at 8.4M parameters, 184 Mbit/s
+# at 46 ms steps: its landings waited, DiLoCo said so, and the slowest step was 7-10x
+# compute-only's); at 32 both links fit. The sync's CPU a step falls as 1 / H, which is
+# what streaming's steps pay over compute-only on a machine whose ranks have no idle core
+# (this 2-core one: median 1.09-1.14x at H = 8, within 1.05x in 9 of 14 runs at H = 32;
+# docs/diloco.md, "H for the link and the cores"). H = 8 is the H of the convergence
+# figures (``overlap bench lm``); ``--diloco-sync-every 8`` gives it here.
+DILOCO_H = 32
 DILOCO_H_ENV = "OVERLAP_BENCH_DILOCO_H"
 # --diloco-fragments: streaming DiLoCo's fragment count, passed to the rank processes in
-# their environment. 8 (one per step of H): the model's 12 tensors (six 4.2M-float weights)
-# then cut into fragments of at most one weight; 4 cut them 8.4M/4.2M/8.4M/4.2M, and the
-# steps that issued and landed an 8.4M fragment were the slowest (docs/diloco.md, tenth
-# session: slowest step 1.21-1.39x compute-only with 8, 1.32-1.71x with 4).
+# their environment. 8 (one issued every H / 8 steps): the model's 12 tensors (six
+# 4.2M-float weights) then cut into fragments of at most one weight; 4 cut them
+# 8.4M/4.2M/8.4M/4.2M, and the steps that issued and landed an 8.4M fragment were the
+# slowest (docs/diloco.md, tenth session, at H = 8: slowest step 1.21-1.39x compute-only
+# with 8, 1.32-1.71x with 4).
 DILOCO_FRAGMENTS_ENV = "OVERLAP_BENCH_DILOCO_FRAGMENTS"
 DILOCO_FRAGMENTS = 8
 # --threads: torch's intra-op threads per rank, passed in the ranks' environment. 1 by
