@@ -419,6 +419,7 @@ def bench_train_rank(
             # optimizer's wait for them (mean per step, the whole run)
             row["diloco_pass_thread"] = v["diloco"].pass_thread
             stats = v["diloco"].statistics()
+            row["diloco_late"] = stats["late"]  # its landings kept waiting: H does not fit
             row["diloco_pass_wait_ms"] = stats["pass_wait_s"] * 1e3 / max(1, stats["inner_steps"])
         if v["sched"] is not None:
             row["hierarchical"] = v["sched"].hierarchical

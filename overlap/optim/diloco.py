@@ -964,8 +964,8 @@ class DiLoCo:
     def statistics(self) -> dict[str, Any]:
         """Inner steps, syncs issued, bytes this rank sent for them, seconds the training
         loop waited for reductions at their landings (``wait_s``), fragments in flight.
-        (A streaming DiLoCo also logs one warning the first time a cycle of landings waits
-        for more than a tenth of its time: :mod:`overlap.optim.late`.)"""
+        ``late``: a cycle of a streaming DiLoCo's landings waited for more than a tenth of
+        its time (and 0.1 s), which it also logged once (:mod:`overlap.optim.late`)."""
         return {
             "inner_steps": self._t,
             "syncs": self.syncs,
@@ -976,6 +976,9 @@ class DiLoCo:
             # the training thread waiting for a pseudo-gradient pass at the inner step
             "pass_wait_s": self.pass_wait_s,
             "steady_bytes_per_step": self.steady_bytes_per_step(),
+            # a cycle of landings waited over a tenth of its time and 0.1 s: the schedule
+            # does not fit the link (logged once; overlap.optim.late)
+            "late": self._late is not None and self._late.said,
             "in_flight": sorted(self._inflight),
         }
 

@@ -833,7 +833,7 @@ def late_landings_said(slow_rank: int, mode: str) -> list[str]:
     """Streaming DiLoCo (sync_every=8, 2 fragments, delay 2) for 24 inner steps of 20 ms on
     every rank, and 60 ms more a step on ``slow_rank`` (-1: none), so the others' landings
     wait for its issues. Returns the "arrive late" warnings this rank logged (``mode``:
-    step() or astep())."""
+    step() or astep()); raises if ``statistics()["late"]`` does not agree with them."""
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
@@ -852,7 +852,11 @@ def late_landings_said(slow_rank: int, mode: str) -> list[str]:
                     d.step()
 
         overlap.run(steps())
+        late = d.statistics()["late"]
     finally:
         d.remove()
         logger.removeHandler(handler)
-    return [m for m in said if "arrive late" in m]
+    said = [m for m in said if "arrive late" in m]
+    if late is not bool(said):
+        raise AssertionError(f"statistics()['late'] is {late}, the log says {said}")
+    return said
