@@ -17,10 +17,13 @@ SITE="${TMPDIR:-/tmp}/overlap-gpu-site"
 export PATH="$PWD/.whl/netbin:$PATH" LD_LIBRARY_PATH="$PWD/.whl/netbin/lib" PYTHONPATH="$PWD"
 PY="${PYTHON:-python3}"
 DEADLINE="${DEADLINE:-0}"
+past_deadline() {  # seconds: would a run of that long end past DEADLINE?
+    [ "$DEADLINE" -gt 0 ] && [ $(( $(date +%s) + $1 )) -gt "$DEADLINE" ]
+}
 bench() {  # name, seconds, arguments
     local name=$1 secs=$2
     shift 2
-    if [ "$DEADLINE" -gt 0 ] && [ $(( $(date +%s) + secs )) -gt "$DEADLINE" ]; then
+    if past_deadline "$secs"; then
         echo "== $name: skipped (its $secs s would pass the deadline)"
         return
     fi
@@ -64,7 +67,7 @@ if [ -x "$SITE/bin/mpiexec" ]; then
     # the thinnest Python handles against overlap's, 8 B and 1 MiB (docs/architecture.md,
     # "The floor of a Python handle"): where a core is free for each rank's Python
     for size in 8 1048576; do
-        if [ "$DEADLINE" -gt 0 ] && [ $(( $(date +%s) + 60 )) -gt "$DEADLINE" ]; then
+        if past_deadline 60; then
             break
         fi
         echo "== p2p-floor $size ($(date -u +%H:%M:%S))"

@@ -166,12 +166,13 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
         v["forward"] = model
         v["opt"] = torch.optim.SGD(model.parameters(), lr=1e-4)
         stream = name == "diloco-streaming"
+        h = diloco_sync_every()
         v["diloco"] = DiLoCo(
             model,
             v["opt"],
-            sync_every=diloco_sync_every(),
+            sync_every=h,
             fragments=min(diloco_fragments(), len(list(model.parameters()))) if stream else 1,
-            delay=diloco_sync_every() // 2 if stream else 0,
+            delay=h // 2 if stream else 0,
             compression=Int8() if stream else None,
             pass_thread=diloco_pass_thread(),
         )

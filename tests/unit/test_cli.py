@@ -183,8 +183,7 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     scheduler worker's CPU per step and the last step's bucket timeline. --pin-heap reaches
     the ranks (they read glibc's thresholds from the environment they start with), and so
     do --diloco-fragments, --diloco-sync-every, --threads and --diloco-pass-thread (0 of
-    them is refused:
-    test_bad_counts_and_sizes_...)."""
+    them is refused: test_bad_counts_and_sizes_...)."""
     out = run(
         "bench", "train", "--variant", "compute", "--variant", "overlap-onebit", "--variant",
         "diloco-streaming", "--model-size", "0.05", "--steps", "2", "--warmup", "1",
