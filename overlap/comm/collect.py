@@ -33,6 +33,7 @@ from typing import Any
 from overlap.comm import spin as _spin
 from overlap.comm.handle import _LOCK, FAILED, OWN_ENGINE, PENDING, Handle
 from overlap.comm.progress import spin_together
+from overlap.comm.waiters import start_together
 
 __all__ = ["collect_all"]
 
@@ -138,6 +139,8 @@ class _Collected(Handle):
         if spent:
             _spin.expire()
         try:
+            if not spent:
+                start_together(self.handles)
             for h in self.handles:
                 if h._state is PENDING:
                     h._engine.on_await(h, loop)

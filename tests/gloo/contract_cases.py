@@ -339,6 +339,44 @@ def collect_all_spins_share_one_window() -> float:
     return held
 
 
+def collect_all_hands_off_together() -> list[float]:
+    """An awaited ``collect_all`` of gloo ops with no future (a receive and a send) hands
+    every op to a waiter thread before the loop spins on any (waiters.start_together):
+    rank 1 posts its receive at once and sends 0.5 s later, rank 0 awaits its receive and
+    its send together with a 0.3 s window. The send completes at once; before, the loop
+    spun on the receive for the whole window before the send was handed off, and the send
+    completed 0.3 s late. Returns rank 0's (send done, receive done) in seconds after the
+    posts."""
+    r = comm.get_rank()
+    saved = waiters.SPIN_S
+    out: list[float] = []
+
+    async def main() -> None:
+        comm.barrier()
+        if r == 0:
+            t0 = time.perf_counter_ns()
+            got, send = torch.zeros(2), torch.full((2,), 5.0)
+            hs = [comm.irecv(got, src=1), comm.isend(send, dst=1)]
+            await asyncio.wait_for(comm.collect_all(hs), 30)
+            out.append((hs[1].end_ns - t0) / 1e9)
+            out.append((hs[0].end_ns - t0) / 1e9)
+            assert got.tolist() == [7.0, 7.0]
+        else:
+            got = torch.zeros(2)
+            h = comm.irecv(got, src=0)
+            time.sleep(0.5)
+            comm.isend(torch.full((2,), 7.0), dst=0).wait(30)
+            h.wait(30)
+            assert got.tolist() == [5.0, 5.0]
+
+    waiters.SPIN_S = 0.3
+    try:
+        overlap.run(main())
+    finally:
+        waiters.SPIN_S = saved
+    return out
+
+
 def p2p_last_call() -> str:
     """isend/irecv seen before post again with no check repeated but those that can change
     (gloo: TorchBackend._last_p2p; MPI: the last ready call, tests/mpi/ready_calls.py): the

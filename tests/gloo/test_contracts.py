@@ -74,5 +74,11 @@ def test_collect_all_spins_share_one_window(pools: Callable[[int], RankPool]) ->
     assert 0.0 < held[0] < 0.2
 
 
+def test_collect_all_hands_off_its_p2p_ops_together(pools: Callable[[int], RankPool]) -> None:
+    send_done, recv_done = pools(2).run(cc.collect_all_hands_off_together, timeout=60)[0]
+    assert send_done < 0.15, f"the send completed {send_done:.3f} s after its post"
+    assert recv_done > 0.4
+
+
 def test_p2p_calls_seen_before_check_what_can_change(pools: Callable[[int], RankPool]) -> None:
     assert pools(2).run(cc.p2p_last_call, timeout=90) == ["ok", "ok"]
