@@ -252,16 +252,21 @@ def bench_train_rank(
                 "proc",
                 "sync",
                 "sync_wait",
+                "rewarm",
             )
         }
         for v in vs
     }
     worker: dict[str, list[float]] = {v["name"]: [] for v in vs}  # worker CPU s after each step
-    bar = Progress((warmup + steps) * len(vs), enabled=comm.get_rank() == 0)
+    # compute-only's re-warm before its second half, when DiLoCo variants run (below)
+    rewarms = warmup if any(v["diloco"] is not None for v in vs) else 0
+    bar = Progress((warmup + steps) * len(vs) + rewarms, enabled=comm.get_rank() == 0)
     xs = [torch.randn(batch, WIDTH, generator=gen).to(device) for _ in range(warmup + steps)]
 
-    def one_step(v: dict[str, Any], i: int) -> None:
-        bar.advance(f"{v['name']} step {i + 1}/{warmup + steps}")
+    def one_step(v: dict[str, Any], i: int, rewarm: bool = False) -> None:
+        """Step ``i`` of variant ``v``, recorded unless ``i < warmup``; ``rewarm``: a
+        warm-up step that is not even kept in ``steps_ms`` (see the solo phase below)."""
+        bar.advance(f"{v['name']} {'re-warm' if rewarm else 'step'} {i + 1}/{warmup + steps}")
         p0 = time.process_time()  # every thread of this rank, the step's barrier included
         comm.barrier()
         if cuda:
@@ -289,6 +294,9 @@ def bench_train_rank(
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         r = rec[v["name"]]
+        if rewarm:
+            r["rewarm"].append(t1 - t0)
+            return
         r["all"].append(t1 - t0)
         if i < warmup:
             return
@@ -347,7 +355,14 @@ def bench_train_rank(
             for i in range(n_steps):
                 one_step(v, i)
             v["diloco"].flush()
+    # Compute-only's second half starts with the warm-up steps again, unrecorded, as each
+    # DiLoCo variant's run does: its model and data went cold while they ran, and its first
+    # recorded steps after them were its slowest (1.35-1.65x its median in two runs where
+    # the DiLoCo variants, syncing never, had their slowest at 0.98-1.07x), which made
+    # compute-only's own slowest step read as this machine's noise (thirty-sixth session).
     for v in plain:
+        for i in range(min(warmup, halves[1].start)):
+            one_step(v, i, rewarm=True)
         for i in halves[1]:
             one_step(v, i)
     bar.close()
@@ -383,6 +398,8 @@ def bench_train_rank(
             "bytes_per_rank": sent.get(n),
             "steps_ms": [round(t * 1e3, 1) for t in r["all"]],
             "max_step_ms": max(r["step"]) * 1e3,
+            # compute-only's unrecorded warm-up steps before its second half (solo phase)
+            "rewarm_steps": len(r["rewarm"]),
             # forward + backward, and the training thread's CPU over the whole step
             "backward_ms": median(r["backward"]) * 1e3,
             "train_cpu_ms": median(r["cpu"]) * 1e3,

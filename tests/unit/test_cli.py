@@ -214,6 +214,8 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     # --diloco-pass-thread reaches the ranks; the inner steps' wait for the passes
     assert diloco["diloco_pass_thread"] is True and diloco["diloco_pass_wait_ms"] >= 0, diloco
     assert diloco["diloco_late"] is False, diloco  # 3 steps: no cycle of landings waited
+    # compute-only warms up again before its second half, as DiLoCo's run did at its start
+    assert (compute["rewarm_steps"], diloco["rewarm_steps"], onebit["rewarm_steps"]) == (1, 0, 0)
 
 
 def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
