@@ -667,6 +667,10 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     def ms(v: Any) -> str:
         return "" if v in (None, "") else f"{v:.1f}"
 
+    # DiLoCo rows: the step against their own model stepped without DiLoCo (like tensors:
+    # separate model instances ran up to 10% apart on the 2-core machine)
+    own = any("own_compute_ms" in r for r in rows)
+
     t = Table(
         [
             "variant",
@@ -674,6 +678,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             "slowest ms",
             "vs DDP",
             "x compute",
+            *(["x own compute"] if own else []),
             "bytes/rank/step",
             "comm ms",
             "exposed ms",
@@ -700,6 +705,15 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 "slowest ms": ms(r.get("max_step_ms")),
                 "vs DDP": vs_ddp(r),
                 "x compute": f"{r['step_ms'] / floor:.2f}" if floor else "",
+                **(
+                    {
+                        "x own compute": f"{r['step_ms'] / r['own_compute_ms']:.3f}"
+                        if "own_compute_ms" in r
+                        else ""
+                    }
+                    if own
+                    else {}
+                ),
                 "bytes/rank/step": ""
                 if r["bytes_per_rank"] is None
                 else human_bytes(r["bytes_per_rank"]),

@@ -253,19 +253,26 @@ def bench_train_rank(
                 "sync",
                 "sync_wait",
                 "rewarm",
+                "own",
             )
         }
         for v in vs
     }
     worker: dict[str, list[float]] = {v["name"]: [] for v in vs}  # worker CPU s after each step
     # compute-only's re-warm before its second half, when DiLoCo variants run (below)
-    rewarms = warmup if any(v["diloco"] is not None for v in vs) else 0
-    bar = Progress((warmup + steps) * len(vs) + rewarms, enabled=comm.get_rank() == 0)
+    n_diloco = sum(v["diloco"] is not None for v in vs)
+    # compute-only's re-warm before its second half, and each DiLoCo variant's own
+    # compute-only sandwich with its re-warm, when DiLoCo variants run (the solo phase)
+    has_compute = any(v["name"] == "compute" for v in vs)
+    extra = (warmup * has_compute + (2 * warmup + steps) * n_diloco) if n_diloco else 0
+    bar = Progress((warmup + steps) * len(vs) + extra, enabled=comm.get_rank() == 0)
     xs = [torch.randn(batch, WIDTH, generator=gen).to(device) for _ in range(warmup + steps)]
 
-    def one_step(v: dict[str, Any], i: int, rewarm: bool = False) -> None:
+    def one_step(v: dict[str, Any], i: int, rewarm: bool = False, bare: bool = False) -> None:
         """Step ``i`` of variant ``v``, recorded unless ``i < warmup``; ``rewarm``: a
-        warm-up step that is not even kept in ``steps_ms`` (see the solo phase below)."""
+        warm-up step that is not even kept in ``steps_ms``; ``bare``: a DiLoCo variant's
+        model and optimizer stepped without ``DiLoCo.step()``, recorded as its own
+        compute-only (see the solo phase below)."""
         bar.advance(f"{v['name']} {'re-warm' if rewarm else 'step'} {i + 1}/{warmup + steps}")
         p0 = time.process_time()  # every thread of this rank, the step's barrier included
         comm.barrier()
@@ -285,7 +292,7 @@ def bench_train_rank(
         v["opt"].step()
         t_sync_in = time.perf_counter()
         waited = 0.0
-        if v["diloco"] is not None:
+        if v["diloco"] is not None and not bare:
             w0 = v["diloco"].wait_s
             v["diloco"].step()
             waited = v["diloco"].wait_s - w0
@@ -296,6 +303,10 @@ def bench_train_rank(
         r = rec[v["name"]]
         if rewarm:
             r["rewarm"].append(t1 - t0)
+            return
+        if bare:
+            if i >= warmup:
+                r["own"].append(t1 - t0)
             return
         r["all"].append(t1 - t0)
         if i < warmup:
@@ -350,11 +361,24 @@ def bench_train_rank(
     for v in plain:
         for i in halves[0]:
             one_step(v, i)
+    # Each DiLoCo variant is sandwiched the same way between compute-only steps of its own
+    # model and optimizer (DiLoCo.step() not called; the re-warm unrecorded): identical
+    # models built in one process ran up to 10% apart, whichever instance it was (three
+    # models interleaved in blocks, two runs: 1.009x and 1.106x, 0.959x and 1.003x the
+    # first's), and DiLoCo variants that never synced read 1.106-1.109x the compute
+    # variant in a run of the full set (thirty-sixth session). ``own_compute_ms`` is the
+    # reference free of that: the same tensors, with and without DiLoCo.
     for v in vs:
         if v["diloco"] is not None:
+            for i in halves[0]:
+                one_step(v, i, bare=True)
             for i in range(n_steps):
                 one_step(v, i)
             v["diloco"].flush()
+            for i in range(min(warmup, halves[1].start)):
+                one_step(v, i, bare=True)  # i < warmup: unrecorded
+            for i in halves[1]:
+                one_step(v, i, bare=True)
     # Compute-only's second half starts with the warm-up steps again, unrecorded, as each
     # DiLoCo variant's run does: its model and data went cold while they ran, and its first
     # recorded steps after them were its slowest (1.35-1.65x its median in two runs where
@@ -429,6 +453,10 @@ def bench_train_rank(
             # what DiLoCo.step() took of a step (median, slowest), and of that the wait for
             # reductions at landings: the rest of a step's excess over compute-only is
             # interference (the driver's and gloo's threads, memory bandwidth)
+            # its own model and optimizer stepped without DiLoCo (the solo phase): the
+            # compute-only reference with no difference of tensors (median, slowest)
+            row["own_compute_ms"] = median(r["own"]) * 1e3
+            row["own_compute_max_ms"] = max(r["own"]) * 1e3
             row["diloco_step_ms"] = median(r["sync"]) * 1e3
             row["diloco_step_max_ms"] = max(r["sync"]) * 1e3
             row["diloco_wait_ms"] = median(r["sync_wait"]) * 1e3

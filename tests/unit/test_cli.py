@@ -216,6 +216,9 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     assert diloco["diloco_late"] is False, diloco  # 3 steps: no cycle of landings waited
     # compute-only warms up again before its second half, as DiLoCo's run did at its start
     assert (compute["rewarm_steps"], diloco["rewarm_steps"], onebit["rewarm_steps"]) == (1, 0, 0)
+    # DiLoCo's own model stepped without it, around its run: the reference of like tensors
+    assert 0 < diloco["own_compute_ms"] <= diloco["own_compute_max_ms"], diloco
+    assert "own_compute_ms" not in compute and "own_compute_ms" not in onebit
 
 
 def test_bad_counts_and_sizes_get_a_usage_error_not_a_traceback(
