@@ -259,7 +259,6 @@ def bench_train_rank(
         for v in vs
     }
     worker: dict[str, list[float]] = {v["name"]: [] for v in vs}  # worker CPU s after each step
-    # compute-only's re-warm before its second half, when DiLoCo variants run (below)
     n_diloco = sum(v["diloco"] is not None for v in vs)
     # compute-only's re-warm before its second half, and each DiLoCo variant's own
     # compute-only sandwich with its re-warm, when DiLoCo variants run (the solo phase)
@@ -375,7 +374,7 @@ def bench_train_rank(
             for i in range(n_steps):
                 one_step(v, i)
             v["diloco"].flush()
-            for i in range(min(warmup, halves[1].start)):
+            for i in range(warmup):
                 one_step(v, i, bare=True)  # i < warmup: unrecorded
             for i in halves[1]:
                 one_step(v, i, bare=True)
@@ -385,7 +384,7 @@ def bench_train_rank(
     # the DiLoCo variants, syncing never, had their slowest at 0.98-1.07x), which made
     # compute-only's own slowest step read as this machine's noise (thirty-sixth session).
     for v in plain:
-        for i in range(min(warmup, halves[1].start)):
+        for i in range(warmup):
             one_step(v, i, rewarm=True)
         for i in halves[1]:
             one_step(v, i)
@@ -450,13 +449,13 @@ def bench_train_rank(
         if v["diloco"] is not None:
             row["fragments"] = v["diloco"].fragments
             row["sync_every"], row["delay"] = v["diloco"].sync_every, v["diloco"].delay
-            # what DiLoCo.step() took of a step (median, slowest), and of that the wait for
-            # reductions at landings: the rest of a step's excess over compute-only is
-            # interference (the driver's and gloo's threads, memory bandwidth)
             # its own model and optimizer stepped without DiLoCo (the solo phase): the
             # compute-only reference with no difference of tensors (median, slowest)
             row["own_compute_ms"] = median(r["own"]) * 1e3
             row["own_compute_max_ms"] = max(r["own"]) * 1e3
+            # what DiLoCo.step() took of a step (median, slowest), and of that the wait for
+            # reductions at landings: the rest of a step's excess over compute-only is
+            # interference (the driver's and gloo's threads, memory bandwidth)
             row["diloco_step_ms"] = median(r["sync"]) * 1e3
             row["diloco_step_max_ms"] = max(r["sync"]) * 1e3
             row["diloco_wait_ms"] = median(r["sync_wait"]) * 1e3

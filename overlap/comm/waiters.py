@@ -282,7 +282,7 @@ def start_together(handles: list[Handle]) -> None:
     was spun on alone before the next one was handed off, so the pair of an awaited
     sendrecv paid two thread hand-offs in series (the send's began when the receive had
     completed). Handed off together, the waiter threads wake while the loop spins: awaited
-    gloo sendrecv 1.79-1.95x torch's ``irecv`` + ``isend`` + waits -> 1.45-1.62x at 4
+    gloo sendrecv 1.79-1.98x torch's ``irecv`` + ``isend`` + waits -> 1.45-1.64x at 4
     bytes, 1.28-1.38x -> 1.13-1.20x at 1 MiB (docs/architecture.md, "An awaited pair's
     hand-offs together"). A mixed batch (an op with a future among them) keeps the
     one-by-one path, whose first op spins with no thread at all."""
