@@ -346,6 +346,15 @@ class DiLoCo:
         """Inner steps counted so far."""
         return self._t
 
+    def _next_step(self) -> tuple[list[int], list[int]]:
+        """step()'s and astep()'s common start: settle, count one inner step (its start
+        for the late-landing watch too), and say which fragments land and issue now."""
+        self._settle()
+        self._t += 1
+        if self._late is not None:
+            self._late.step(time.perf_counter())
+        return self._due_now()
+
     def _due_now(self) -> tuple[list[int], list[int]]:
         t = self._t
         land = sorted(i for i, (at, _) in self._inflight.items() if at == t and self.delay > 0)
@@ -358,11 +367,7 @@ class DiLoCo:
         self._check_no_astep()
         self._check_job()
         self._check_frozen()
-        self._settle()
-        self._t += 1
-        if self._late is not None:
-            self._late.step(time.perf_counter())
-        land, issue = self._due_now()
+        land, issue = self._next_step()
         for i in land:
             w0 = self.wait_s
             self._land(i, self._wait(i))
@@ -462,11 +467,7 @@ class DiLoCo:
 
     async def _astep_work(self) -> None:
         """One astep()'s landings and issues."""
-        self._settle()
-        self._t += 1
-        if self._late is not None:
-            self._late.step(time.perf_counter())
-        land, issue = self._due_now()
+        land, issue = self._next_step()
         for i in land:
             w0 = self.wait_s
             self._land(i, await self._await(i))
