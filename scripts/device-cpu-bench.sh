@@ -36,29 +36,17 @@ bench() {  # name, seconds, arguments
 "$PY" -m overlap.cli env | tee "$OUTDIR/env.txt"  # which CPU codec ran (numba or torch ops)
 nproc >> "$OUTDIR/env.txt"
 ONEBIT=(--variant compute --variant overlap-onebit-flat --variant overlap-onebit)
-bench hosts-1gbit 200 train --hosts 2 --procs-per-host 2 --link 1gbit --variant compute \
-    --variant ddp --variant ddp-fp16 --variant overlap-onebit-flat --variant overlap-onebit \
-    --steps 8 --warmup 3
+# streaming DiLoCo against its own model (`own_compute_ms`, 36th session) and the awaited
+# pair handed off together (36th session) first: changed since the last run here
+bench diloco-1gbit 140 train --link 1gbit --pin-heap --variant compute --variant diloco \
+    --variant diloco-streaming --steps 64 --warmup 8
+bench ops 100 ops --op all_reduce --op broadcast --op sendrecv --sizes 4,16MiB --iters 1500
 # the same with 3 torch threads a rank (12 of 16 cores): with one thread a rank, compute
 # and the codec's CPU fill the step at 1 Gbit/s and node's halving of the bytes between
 # hosts has little to show; faster compute may change that (docs/cluster.md, 30th session)
 bench hosts-1gbit-threads 150 train --hosts 2 --procs-per-host 2 --link 1gbit --threads 3 \
     --variant compute --variant ddp --variant overlap-onebit-flat --variant overlap-onebit \
     --steps 8 --warmup 3
-bench diloco-1gbit 140 train --link 1gbit --pin-heap --variant compute --variant diloco \
-    --variant diloco-streaming --steps 64 --warmup 8
-bench hosts-1gbit-2 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
-    --steps 8 --warmup 3
-# the same with the pseudo-gradient pass inside step(): the run above takes it on a thread
-# of its own (pass_thread=None picks that with a core to spare per rank), which on 2 cores
-# took half of step() off the training thread without a faster step (docs/diloco.md)
-bench diloco-1gbit-2 120 train --link 1gbit --pin-heap --variant compute \
-    --variant diloco-streaming --steps 64 --warmup 8 --diloco-pass-thread off
-# H = 8, the bench's default until the thirty-fifth session (32 since: on 2 cores the median
-# step met 1.05x in 9 of 14 runs at 32, in none at 8; docs/diloco.md "H for the link and the
-# cores"), with the 16 cores' spare ones
-bench diloco-1gbit-h8 120 train --link 1gbit --pin-heap --variant compute \
-    --variant diloco-streaming --steps 64 --warmup 8 --diloco-sync-every 8
 if [ -x "$SITE/bin/mpiexec" ]; then
     LIBMPI="$(find "$SITE/mpich" -name 'libmpi.so.12' 2>/dev/null | head -1)"
     PYTHONPATH="$SITE:$PWD" OVERLAP_MPIEXEC="$SITE/bin/mpiexec" MPI4PY_LIBMPI="$LIBMPI" \
@@ -76,7 +64,21 @@ if [ -x "$SITE/bin/mpiexec" ]; then
             | tee "$OUTDIR/p2p-floor-$size.txt"
     done
 fi
-bench ops 100 ops --op all_reduce --op broadcast --op sendrecv --sizes 4,16MiB --iters 1500
+bench hosts-1gbit 200 train --hosts 2 --procs-per-host 2 --link 1gbit --variant compute \
+    --variant ddp --variant ddp-fp16 --variant overlap-onebit-flat --variant overlap-onebit \
+    --steps 8 --warmup 3
+bench hosts-1gbit-2 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
+    --steps 8 --warmup 3
+# diloco-1gbit with the pseudo-gradient pass inside step(): diloco-1gbit takes it on a thread
+# of its own (pass_thread=None picks that with a core to spare per rank), which on 2 cores
+# took half of step() off the training thread without a faster step (docs/diloco.md)
+bench diloco-1gbit-2 120 train --link 1gbit --pin-heap --variant compute \
+    --variant diloco-streaming --steps 64 --warmup 8 --diloco-pass-thread off
+# H = 8, the bench's default until the thirty-fifth session (32 since: on 2 cores the median
+# step met 1.05x in 9 of 14 runs at 32, in none at 8; docs/diloco.md "H for the link and the
+# cores"), with the 16 cores' spare ones
+bench diloco-1gbit-h8 120 train --link 1gbit --pin-heap --variant compute \
+    --variant diloco-streaming --steps 64 --warmup 8 --diloco-sync-every 8
 bench hosts-1gbit-3 110 train --hosts 2 --procs-per-host 2 --link 1gbit "${ONEBIT[@]}" \
     --steps 8 --warmup 3
 echo "namespaces left: $(ip netns list | wc -l)"

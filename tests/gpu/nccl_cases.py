@@ -29,16 +29,16 @@ from tests.loop_ticks import LoopTicks
 SLEEP_CYCLES = 130_000_000
 
 
-def _model(seed: int = 0) -> nn.Module:
+def _model(seed: int = 0, device: str = "cuda") -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 16)
-    ).cuda()
+    ).to(device)
 
 
-def _batches(n: int) -> list[torch.Tensor]:
+def _batches(n: int, device: str = "cuda") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
-    return [torch.randn(32, 64, generator=g).cuda() for _ in range(n)]
+    return [torch.randn(32, 64, generator=g).to(device) for _ in range(n)]
 
 
 def _compressor(name: str) -> Compressor:
@@ -463,3 +463,69 @@ def hierarchical_on_nccl() -> dict[str, Any]:
         out[mode] = steps
         sched.remove()
     return out
+
+
+def diloco_on_nccl(compression: str, mode: str, device: str = "cuda") -> dict[str, Any]:
+    """Streaming DiLoCo (2 fragments, delay 1, H=4) on a CUDA model over NCCL (its fragment
+    reductions, the driver's phases and finish()'s vote as NCCL collectives) against the
+    same run of a CPU model over a gloo group of the one rank: 10 inner steps, each with
+    step() ("blocking") or astep() in a uvloop loop ("uvloop"), then finish(). With one rank
+    the average is the rank's own pseudo-gradient, so what may differ is CUDA's arithmetic,
+    not the schedule; a path that never ran on NCCL raises instead. Returns the worst
+    difference relative to the largest parameter, how far the CUDA model's local weights are
+    from its global ones after finish() (0: every rank holds the global weights), and the
+    syncs counted. ``device`` "cpu" runs both models on the CPU (the case checked without a
+    GPU)."""
+    import overlap
+
+    comp = {"none": lambda: None, "int8": lambda: overlap.Int8(block=64)}[compression]
+    gloo = comm.new_group([0], backend="gloo")
+    models = {"dev": _model(device=device), "cpu": _model(device="cpu")}
+    xs = _batches(10, "cpu")
+    runs = {}
+    for k, m in models.items():
+        inner = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        group = None if k == "dev" else gloo
+        dl = overlap.DiLoCo(
+            m, inner, sync_every=4, fragments=2, delay=1, compression=comp(), group=group
+        )
+        runs[k] = (inner, dl)
+
+    def inner_step(k: str, x: torch.Tensor) -> None:
+        inner = runs[k][0]
+        models[k](x.to(next(models[k].parameters()).device)).pow(2).mean().backward()
+        inner.step()
+        inner.zero_grad()
+
+    async def steps_async() -> None:
+        for x in xs:
+            for k, (_, dl) in runs.items():
+                inner_step(k, x)
+                await dl.astep()
+        for _, dl in runs.values():
+            await dl.afinish()
+
+    try:
+        if mode == "uvloop":
+            run(steps_async(), loop="uvloop")
+        else:
+            for x in xs:
+                for k, (_, dl) in runs.items():
+                    inner_step(k, x)
+                    dl.step()
+            for _, dl in runs.values():
+                dl.finish()
+        worst = 0.0
+        for p, q in zip(models["dev"].parameters(), models["cpu"].parameters(), strict=True):
+            scale = q.detach().abs().max().item() or 1.0
+            worst = max(worst, (p.detach().cpu() - q.detach()).abs().max().item() / scale)
+        dl = runs["dev"][1]
+        apart = max(
+            float((p.detach() - g.detach().to(p.device)).abs().max())
+            for p, g in zip(models["dev"].parameters(), dl.globals, strict=True)
+        )
+        syncs = dl.statistics()
+    finally:
+        for _, dl in runs.values():
+            dl.remove()
+    return {"vs_cpu": worst, "apart": apart, "stats": syncs}
