@@ -245,8 +245,22 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
 
     Members get a process group; other ranks get a :class:`NonMemberGroup` whose use raises
     a ValueError naming the members.
+
+    Every group runs on the job's backend: ``backend=`` naming another (a gloo group for CPU
+    tensors in an NCCL job, say) is refused here, on every rank and before any group is
+    made. Why: a backend's ops complete in their own way (NCCL's on CUDA streams, gloo's
+    p2p on waiter threads), and the tensors' device is checked against the job's backend,
+    so such a group's first op failed with a misleading device error (seen on an H100).
     """
     backend = state.active()
+    other = kwargs.get("backend")
+    if other is not None and str(other).lower() != backend.name:
+        raise ValueError(
+            f"new_group: backend={other!r} differs from this job's backend {backend.name!r}; "
+            "overlap runs every group of a job on the job's backend. Leave backend= out, and "
+            "for CPU tensors in an NCCL job move them to CUDA (t.cuda()) or run the job on "
+            "gloo (init_distributed('gloo'))"
+        )
     if ranks is not None:
         # read once (a generator was used up by the backend, and the twin then got no
         # ranks); global ranks are ints: int("01"[i]) or int(0.0) made a group of a typo

@@ -78,9 +78,13 @@ def bad_calls() -> dict[str, tuple[str, str]]:
         "send_to_self": _catch(lambda: comm.isend(t, dst=r)),
         "p2p_bad_kind": _catch(lambda: comm.batch_isend_irecv([comm.P2POp("put", t, 0)])),
         "new_group_bad_rank": _catch(lambda: comm.new_group([0, w + 5])),
+        "new_group_other_backend": _catch(lambda: comm.new_group([0, 1], backend="nccl")),
         "group_rank_outside": _catch(lambda: comm.get_global_rank(None, w)),
     }
     t2 = torch.ones(4)
     comm.all_reduce(t2)  # nothing above sent anything: the group is still in step
     assert t2.tolist() == [float(w)] * 4
+    same = comm.new_group(list(range(w)), backend="gloo")  # the job's own backend: taken
+    comm.all_reduce(t2, group=same)
+    assert t2.tolist() == [float(w * w)] * 4
     return out
