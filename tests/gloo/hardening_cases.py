@@ -11,6 +11,7 @@ import torch
 import overlap
 from overlap import CommError, comm
 from overlap.comm import waiters
+from overlap.runtime import run
 from tests.gloo.catching import catcher
 
 
@@ -749,4 +750,38 @@ def objects_of_an_ended_job(port: int) -> dict[str, Any]:
     fresh.synchronize()
     out["fresh_grad"] = m.weight.grad.flatten().tolist()
     fresh.remove()
+    return out
+
+
+def adopts_a_torch_group(spec: str, port: int) -> dict[str, Any]:
+    """torch.distributed initialised by the caller with ``spec`` (a plain name or a device
+    map), then ``init_distributed()`` adopts it: the backend overlap names, an all_reduce, an
+    awaited send/recv pair, and gloo's dtype refusal, which names the fix."""
+    import torch.distributed as dist
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    comm.destroy_process_group()  # the pool's own job
+    dist.init_process_group(
+        spec, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    comm.init_distributed()
+    out: dict[str, Any] = {"backend": comm.get_backend()}
+    t = torch.full((3,), float(rank + 1))
+    comm.all_reduce(t)
+    out["sum"] = t.tolist()
+    peer = 1 - rank
+    got = torch.zeros(2)
+
+    async def pair() -> None:
+        await comm.collect_all(
+            [comm.irecv(got, src=peer), comm.isend(torch.full((2,), float(rank)), dst=peer)]
+        )
+
+    run(pair())
+    out["received"] = got.tolist()
+    try:
+        comm.all_reduce(torch.ones(2, dtype=torch.int16))
+        out["int16"] = "no error"
+    except Exception as exc:
+        out["int16"] = f"{type(exc).__name__}: {exc}"
     return out

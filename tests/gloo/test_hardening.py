@@ -256,3 +256,16 @@ def test_objects_of_an_ended_job_refuse_with_the_fix() -> None:
         ), out
         assert out["destroy_group"] == out["remove"] == out["diloco_remove"] == "no error", out
         assert out["fresh_grad"] == [1.5] * 8, (r, out)
+
+
+@pytest.mark.parametrize("spec", ["gloo", "cpu:gloo", "cpu:gloo,cuda:gloo"])
+def test_adopts_a_torch_group_by_its_backend(spec: str) -> None:
+    """A device map was adopted under its raw name: "cpu:gloo" ran as a job of no known
+    backend, without gloo's dtype refusal (an int16 all_reduce failed inside torch)."""
+    from overlap.testing import _free_port
+
+    for r, out in enumerate(spawn_ranks(hc.adopts_a_torch_group, 2, spec, _free_port())):
+        assert out["backend"] == "gloo", out
+        assert out["sum"] == [3.0] * 3, out
+        assert out["received"] == [float(1 - r)] * 2, out
+        assert out["int16"].startswith("TypeError: tensor is torch.int16, which gloo"), out

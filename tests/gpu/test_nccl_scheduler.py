@@ -83,7 +83,6 @@ def test_hierarchical_reduction_runs_on_nccl(nccl: RankPool) -> None:
     assert r["skip"] == ["ok finite=True", "skipped", "ok finite=True"], r
 
 
-
 @pytest.mark.parametrize("mode", ["blocking", "uvloop"])
 @pytest.mark.parametrize("compression", ["none", "int8"])
 def test_streaming_diloco_on_nccl_equals_gloo(
