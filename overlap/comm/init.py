@@ -128,6 +128,36 @@ def _timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta |
     return datetime.timedelta(seconds=positive_seconds(timeout))
 
 
+def _adopted_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """The op timeout of an adopted job, which the groups overlap makes in it get.
+
+    A timeout passed to init_distributed is also set on the adopted world group (torch's
+    ``_set_pg_timeout``), since the docs promise that it bounds every op on every group: it
+    was ignored, and a late peer hung the caller for the adopted group's 30 minutes instead
+    of failing within the asked seconds. The default (or None) keeps the world group's own
+    timeout, read from it, so new groups get that rather than torch's 30-minute default."""
+    world = dist.group.WORLD
+    if timeout is not None and timeout is not default_pg_timeout:
+        td = _timeout(timeout)
+        setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if setter is None:  # torch before 2.3
+            log.warning(
+                "init_distributed: torch %s cannot change the adopted group's timeout; only "
+                "the groups overlap makes get timeout=%s",
+                torch.__version__,
+                timeout,
+            )
+        else:
+            setter(td, world)
+        return td
+    try:
+        dev = torch.device("cuda" if adopted_backend(str(dist.get_backend())) == "nccl" else "cpu")
+        own: datetime.timedelta = world._get_backend(dev).options._timeout  # type: ignore[union-attr]
+        return own
+    except Exception:  # a torch without these (private) attributes: torch's default then
+        return None
+
+
 def adopted_backend(spec: str) -> str:
     """overlap's backend for a torch.distributed group initialised by the caller: "gloo" or
     "nccl", from what ``dist.get_backend()`` says (``spec``).
@@ -233,9 +263,16 @@ def init_distributed(
     if dist.is_initialized():
         spec = str(dist.get_backend())
         name = adopted_backend(spec)
+        if dist_backend is not None and str(dist_backend).lower() != name:
+            raise ValueError(
+                f"init_distributed({dist_backend!r}): torch.distributed is already initialised "
+                f"with {spec!r}; leave dist_backend out to adopt that job, or call "
+                "torch.distributed.destroy_process_group() first"
+            )
+        td = _adopted_timeout(timeout)
         info("init_distributed: adopting the existing torch.distributed group (%s)", spec)
         state.set_active(
-            TorchBackend(name), int(os.environ.get("LOCAL_RANK", 0)), *_env_placement()
+            TorchBackend(name, td), int(os.environ.get("LOCAL_RANK", 0)), *_env_placement()
         )
         return
 

@@ -785,3 +785,46 @@ def adopts_a_torch_group(spec: str, port: int) -> dict[str, Any]:
     except Exception as exc:
         out["int16"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def adopted_job_timeout(mode: str, port: int) -> tuple[str, float, str]:
+    """An adopted torch job's timeout. "explicit": torch's job has 60 s and
+    ``init_distributed(timeout=3)`` asks for 3, which was ignored; "inherited": torch's job
+    has 3 s, and a group overlap makes inherits it (it got torch's 30-minute default). Rank
+    1 comes 8 s late to an all_reduce: rank 0's fails within about 3 s. Also: asking for
+    another backend than the adopted job's is refused."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    comm.destroy_process_group()  # the pool's own job
+    secs = 60 if mode == "explicit" else 3
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=secs),
+    )
+    try:
+        comm.init_distributed("mpi")
+        other = "no error"
+    except ValueError as exc:
+        other = str(exc)
+    if mode == "explicit":
+        comm.init_distributed(timeout=3)
+        g = None
+    else:
+        comm.init_distributed()
+        g = comm.new_group([0, 1])
+    comm.barrier(group=g)
+    t0 = time.monotonic()
+    if rank == 1:
+        time.sleep(8)
+    try:
+        comm.all_reduce(torch.ones(1), group=g)
+        kind = "ok"
+    except CommError:
+        kind = "CommError"
+    return kind, time.monotonic() - t0, other

@@ -269,3 +269,16 @@ def test_adopts_a_torch_group_by_its_backend(spec: str) -> None:
         assert out["sum"] == [3.0] * 3, out
         assert out["received"] == [float(1 - r)] * 2, out
         assert out["int16"].startswith("TypeError: tensor is torch.int16, which gloo"), out
+
+
+@pytest.mark.parametrize("mode", ["explicit", "inherited"])
+def test_an_adopted_job_keeps_its_timeout(mode: str) -> None:
+    """The timeout passed when adopting was ignored, and overlap's groups in an adopted job
+    got torch's 30-minute default: a late peer hung rank 0 instead of failing in 3 s."""
+    from overlap.testing import _free_port
+
+    res = spawn_ranks(hc.adopted_job_timeout, 2, mode, _free_port(), timeout=60)
+    kind, seconds, other = res[0]
+    assert kind == "CommError", res
+    assert seconds < 7.5, res
+    assert "init_distributed('mpi'): torch.distributed is already initialised" in other, res
