@@ -9,32 +9,139 @@ train it on its own gradient and the ranks' weights would drift apart with no er
 DDP does. :class:`Selection` keeps the frozen ones, so the reducer can check them at each
 step (one read of ``requires_grad`` each) and refuse, naming them and the fix.
 
+The same holds for a parameter assigned after the reducer was built: a new one
+(``model.head.extra = nn.Parameter(...)``), one put in place of another (``model[2].weight =
+nn.Parameter(...)``, ``load_state_dict(..., assign=True)``), or a submodule put in
+(``model[2] = nn.Linear(...)``). The reducer holds the parameter objects it was built over,
+so the new ones went unaveraged and the ranks drifted apart, silently (found by trying it).
+A Selection built over a module watches it through torch's global registration hooks (a
+dictionary lookup per registration anywhere in the process, nothing per step) and records
+such changes in :attr:`Selection.changed`; the reducers refuse them where they refuse an
+unfrozen parameter.
+
 A lazy module's parameter (``nn.LazyLinear`` before its first forward) has no shape yet:
 it is refused here with the fix, instead of torch's error from deep inside the set-up.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.nn.parameter import UninitializedParameter
 
 __all__ = ["Selection", "select", "unfrozen_message"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Selection:
     """``params``: the trainable parameters, each once, in the order given. ``frozen``: the
-    frozen ones as (name, parameter)."""
+    frozen ones as (name, parameter). ``changed``: what was assigned into the watched module
+    since (see the module docstring), in words, for the refusal."""
 
     params: list[torch.nn.Parameter] = field(default_factory=list)
     frozen: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
 
     def unfrozen(self) -> list[str]:
         """The names of the parameters that were frozen at selection and now require grad."""
         return [name for name, p in self.frozen if p.requires_grad]
+
+    def _known(self, p: torch.Tensor) -> bool:
+        return any(p is q for q in self.params) or any(p is q for _, q in self.frozen)
+
+    def _note(self, name: str, p: torch.Tensor, what: str) -> None:
+        """A parameter assigned at ``name``: nothing if it is one of ours (re-tying);
+        frozen, kept an eye on as the frozen ones; trainable, recorded as a change."""
+        if self._known(p):
+            return
+        if p.requires_grad:
+            self.changed.append(f"{name!r} was assigned {what}")
+        else:
+            self.frozen.append((name, p))  # type: ignore[arg-type]
+
+    def unwatch(self) -> None:
+        """Stop watching the module (the reducer was removed)."""
+        with _LOCK:
+            for _, entries in _WATCHED.values():
+                entries[:] = [e for e in entries if (s := e[0]()) is not None and s is not self]
+
+
+# id(module) -> (the module, weakly; [(selection, weakly; the module's name prefix in the
+# selection's model)]). Keyed by id, not by the module: a module class may define __eq__
+# without __hash__, and a lookup must never raise inside the user's own assignment.
+_Entry = tuple["weakref.ref[Selection]", str]
+_WATCHED: dict[int, tuple[weakref.ref[torch.nn.Module], list[_Entry]]] = {}
+_LOCK = threading.RLock()  # a module's weakref callback may run in a GC under it
+_HOOKED = False
+
+
+def _watchers(module: torch.nn.Module) -> list[tuple[Selection, str]]:
+    slot = _WATCHED.get(id(module))
+    if slot is None or slot[0]() is not module:
+        return []
+    live = [(e[0](), e[1]) for e in slot[1]]
+    return [(sel, prefix) for sel, prefix in live if sel is not None]
+
+
+def _forget(key: int) -> Any:
+    def drop(_: Any) -> None:
+        with _LOCK:
+            _WATCHED.pop(key, None)
+
+    return drop
+
+
+def _on_parameter(module: torch.nn.Module, name: str, param: Any) -> None:
+    """torch's hook for every parameter registered on any module of the process."""
+    if param is None:
+        return None
+    try:
+        for sel, prefix in _watchers(module):
+            sel._note(prefix + name, param, "a new Parameter")
+    except Exception:  # never break the user's own assignment
+        log.exception("overlap could not check the parameter assigned at %r", name)
+    return None
+
+
+def _on_module(module: torch.nn.Module, name: str, sub: Any) -> None:
+    """torch's hook for every submodule registered on any module of the process."""
+    if not isinstance(sub, torch.nn.Module):
+        return None
+    try:
+        for sel, prefix in _watchers(module):
+            for pname, p in sub.named_parameters():
+                what = f"a parameter of the new submodule {name!r}"
+                sel._note(f"{prefix}{name}.{pname}", p, what)
+            _watch(sub, sel, f"{prefix}{name}.")
+    except Exception:  # never break the user's own assignment
+        log.exception("overlap could not check the submodule assigned at %r", name)
+    return None
+
+
+def _watch(model: torch.nn.Module, sel: Selection, prefix: str = "") -> None:
+    global _HOOKED
+    mod = torch.nn.modules.module
+    if not hasattr(mod, "register_module_parameter_registration_hook"):
+        return  # a torch without the global hooks: unfreezing is still checked
+    with _LOCK:
+        if not _HOOKED:
+            mod.register_module_parameter_registration_hook(_on_parameter)
+            mod.register_module_module_registration_hook(_on_module)
+            _HOOKED = True
+        ref = weakref.ref(sel)
+        for name, m in model.named_modules():
+            slot = _WATCHED.get(id(m))
+            if slot is None or slot[0]() is not m:
+                slot = _WATCHED[id(m)] = (weakref.ref(m, _forget(id(m))), [])
+            slot[1].append((ref, prefix + (f"{name}." if name else "")))
 
 
 def select(model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter], what: str) -> Selection:
@@ -63,24 +170,34 @@ def select(model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter], what
             out.params.append(p)
         else:
             out.frozen.append((name, p))
+    if isinstance(model_or_params, torch.nn.Module):
+        _watch(model_or_params, out)
     return out
 
 
-def unfrozen_message(names: list[str], what: str, ranks: list[int] | None = None) -> str:
-    """The error for parameters unfrozen after ``what`` was built (``names`` on this rank;
-    ``ranks``: the ranks where some were, when this one has none)."""
+def unfrozen_message(
+    names: list[str], what: str, ranks: list[int] | None = None, changed: list[str] | None = None
+) -> str:
+    """The error for parameters unfrozen after ``what`` was built (``names`` on this rank),
+    or assigned into the model since (``changed``); ``ranks``: the ranks where some were,
+    when this one has none."""
+    parts = []
     if names:
         shown = ", ".join(repr(n) for n in names[:5])
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        which = f"{shown}{more} did not require grad when this {what} was built and now do"
-    else:
-        which = (
+        parts.append(f"{shown}{more} did not require grad when this {what} was built and now do")
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        parts.append(f"{'; '.join(changed[:3])}{more} after this {what} was built")
+    if not parts:
+        parts.append(
             f"rank{'s' if ranks and len(ranks) > 1 else ''} "
             f"{', '.join(map(str, ranks or []))} unfroze parameters that did not require grad "
-            f"when the {what} was built"
+            f"when the {what} was built, or assigned new ones into the model"
         )
     return (
-        f"{which}: the {what} was built without them and does not average them, so each "
-        "rank would train them on its own gradient and the ranks' weights would drift apart. "
-        f"After changing requires_grad, call remove() and build a new {what} over the model"
+        f"{'; '.join(parts)}: the {what} was built without them and does not average them, "
+        "so each rank would train them on its own gradient and the ranks' weights would "
+        f"drift apart. After changing requires_grad or the model's parameters, call remove() "
+        f"and build a new {what} over the model"
     )

@@ -427,9 +427,9 @@ class DiLoCo:
         requires grad: no fragment holds it, so the ranks would train it apart. The ranks
         that unfroze it raise; if some did not, they wait for this rank's next reduction
         and get a CommError at the timeout."""
-        unfrozen = self._selection.unfrozen()
-        if unfrozen:
-            raise ValueError(unfrozen_message(unfrozen, "DiLoCo"))
+        unfrozen, changed = self._selection.unfrozen(), self._selection.changed
+        if unfrozen or changed:
+            raise ValueError(unfrozen_message(unfrozen, "DiLoCo", changed=changed))
 
     def _astep_running(self) -> bool:
         task = self._astepping
@@ -1007,6 +1007,7 @@ class DiLoCo:
         self._inflight.clear()
         self._pseudo.clear()  # the kept buffers go back with the DiLoCo
         self._spare.clear()
+        self._selection.unwatch()
         release([*self.params, self.compression], self)
         self._removed = True
 

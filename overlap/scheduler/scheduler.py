@@ -807,8 +807,8 @@ class BucketScheduler:
             votes[i] = 1
         if self._open:
             votes[n + me] = 1
-        unfrozen = self._selection.unfrozen()
-        if unfrozen:
+        unfrozen, changed = self._selection.unfrozen(), self._selection.changed
+        if unfrozen or changed:  # the model holds a trainable parameter the buckets lack
             votes[n + w + me] = 1
         if self._joined:  # join(): this rank has no more batches
             votes[n + 2 * w + me] = 1
@@ -844,7 +844,7 @@ class BucketScheduler:
         if not any(used):
             self._new_step()
             if woken:
-                raise ValueError(unfrozen_message(unfrozen, "BucketScheduler", woken))
+                raise ValueError(unfrozen_message(unfrozen, "BucketScheduler", woken, changed))
             if all_joined:  # every rank has left its loop: join() ends, nothing to reduce
                 self._all_joined = True
                 return None
@@ -910,7 +910,7 @@ class BucketScheduler:
             self._close_inline()
             yield from self._abandon(handles)
             raise ValueError(
-                unfrozen_message(unfrozen, "BucketScheduler", woken)
+                unfrozen_message(unfrozen, "BucketScheduler", woken, changed)
                 + " (this step's gradients are dropped on every rank)"
             )
         self._close_inline()
@@ -1245,6 +1245,7 @@ class BucketScheduler:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._selection.unwatch()
         self._launcher.close()
         release([*self.params, *self._compressors()], self)
         if self.hierarchical and comm.is_initialized():

@@ -860,3 +860,28 @@ def late_landings_said(slow_rank: int, mode: str) -> list[str]:
     if late is not bool(said):
         raise AssertionError(f"statistics()['late'] is {late}, the log says {said}")
     return said
+
+
+def assigned_after_build() -> list[str]:
+    """A Parameter put in place of a weight after the DiLoCo was built: before, no fragment
+    held it and each rank trained it on its own, silently. Now step() refuses, naming it;
+    a DiLoCo built after the change syncs it."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    dl = DiLoCo(m, inner, sync_every=2)
+    m[2].weight = nn.Parameter(m[2].weight.detach().clone())
+    try:
+        dl.step()
+        got = ["no error"]
+    except ValueError as exc:
+        got = [str(exc)]
+    dl.remove()
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    outer = torch.optim.SGD(m.parameters(), lr=1.0)  # outer step = plain averaging
+    dl = DiLoCo(m, inner, outer_optimizer=outer, sync_every=1)
+    m[2].weight.data.fill_(float(comm.get_rank()))
+    dl.step()  # a sync: the average of the ranks' weights
+    got.append(str(m[2].weight.flatten()[0].item()))
+    dl.remove()
+    return got

@@ -396,6 +396,60 @@ def unfrozen_after_build() -> dict[str, Any]:
     return out
 
 
+def assigned_after_build() -> dict[str, Any]:
+    """Parameters assigned into the model after the scheduler was built: before, the new
+    ones were not averaged and the ranks' weights drifted apart, with no error. Rank 1 alone
+    puts a new Parameter in place of a weight: every rank refuses the step. Re-assigning a
+    parameter the scheduler holds is no change; a new frozen one is watched like the frozen
+    ones (refused once unfrozen); a new submodule is refused on every rank; a scheduler
+    built after the changes averages them all."""
+    r = comm.get_rank()
+    out: dict[str, Any] = {}
+    catch = catcher(out)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    sched = BucketScheduler(m)
+    gen = torch.Generator().manual_seed(10 + r)
+
+    def step() -> bool:
+        """One step; whether every .grad is the mean of the ranks' own gradients."""
+        m.zero_grad(set_to_none=True)
+        x = torch.randn(3, 4, generator=gen)
+        trainable = [p for p in m.parameters() if p.requires_grad]
+        want = []
+        for g in torch.autograd.grad(m(x).sum(), trainable):
+            comm.all_reduce(g)
+            want.append(g / comm.get_world_size())
+        m(x).sum().backward()
+        sched.synchronize()
+        return all(
+            p.grad is not None and torch.allclose(p.grad, w, atol=1e-6)
+            for p, w in zip(trainable, want, strict=True)
+        )
+
+    weight = m[2].weight
+    if r == 1:
+        m[2].weight = nn.Parameter(weight.detach().clone())
+    catch("one_rank", step)
+    m[2].weight = weight  # the scheduler's own parameter back: no change
+    sched.remove()
+    sched = BucketScheduler(m)
+    m[0].weight = m[0].weight  # re-assigning a held parameter is no change
+    bias = nn.Parameter(m[0].bias.detach().clone(), requires_grad=False)
+    m[0].bias = bias  # new and frozen (the held bias goes unused on every rank)
+    out["same_and_frozen_averaged"] = step()
+    bias.requires_grad_(True)
+    catch("new_unfrozen", step)
+    bias.requires_grad_(False)
+    m[2] = nn.Linear(4, 2)  # a submodule put in: its parameters are new
+    catch("new_module", step)
+    sched.remove()
+    sched = BucketScheduler(m)
+    out["rebuilt_averaged"] = step()
+    sched.remove()
+    return out
+
+
 def saved_states() -> dict[str, Any]:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4))

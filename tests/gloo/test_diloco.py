@@ -340,3 +340,14 @@ def test_a_cancelled_astep_keeps_the_global_weights_agreed(
     out = pools(2).run(dc.cancelled_astep_keeps_the_globals_agreed, frags, delay, timeout=120)
     assert out[0][-1] is True and out[1][-1] is True, out
     assert any("timeout" in str(x) for x in out[0]), out  # it did cancel
+
+
+def test_a_parameter_assigned_after_building_is_refused(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for out in pools(2).run(dc.assigned_after_build, timeout=60):
+        assert out[0].startswith(
+            "'2.weight' was assigned a new Parameter after this DiLoCo was built: the DiLoCo "
+            "was built without them and does not average them"
+        ), out
+        assert out[1] == "0.5", out  # rebuilt: the new weight is synced

@@ -129,6 +129,29 @@ def test_a_layer_unfrozen_after_building_is_refused_not_left_unaveraged(
         assert out["rebuilt_averaged"] is True, (r, out)
 
 
+def test_parameters_assigned_after_building_are_refused_not_left_unaveraged(
+    pools: Callable[[int], RankPool],
+) -> None:
+    res = pools(2).run(sc.assigned_after_build, timeout=120)
+    assert res[1]["one_rank"].startswith(
+        "ValueError: '2.weight' was assigned a new Parameter after this BucketScheduler was built"
+    ), res[1]
+    assert res[0]["one_rank"].startswith("ValueError: rank 1 unfroze parameters"), res[0]
+    assert "or assigned new ones into the model" in res[0]["one_rank"], res[0]
+    for r, out in enumerate(res):
+        assert "dropped on every rank" in out["one_rank"], (r, out)
+        assert out["same_and_frozen_averaged"] is True, (r, out)
+        assert out["new_unfrozen"].startswith(
+            "ValueError: '0.bias' did not require grad when this BucketScheduler was built"
+        ), (r, out)
+        assert out["new_module"].startswith(
+            "ValueError: '2.weight' was assigned a parameter of the new submodule '2'; "
+            "'2.bias' was assigned a parameter of the new submodule '2' after this "
+            "BucketScheduler was built"
+        ), (r, out)
+        assert out["rebuilt_averaged"] is True, (r, out)
+
+
 def test_restore_into_another_world_size_or_model_is_refused(
     pools: Callable[[int], RankPool],
 ) -> None:

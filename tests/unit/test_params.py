@@ -52,3 +52,27 @@ def test_the_unfrozen_message_names_the_parameters_or_the_ranks() -> None:
         theirs
     )
     assert unfrozen_message([], "X", [2]).startswith("rank 2 unfroze")
+
+
+def test_a_selection_records_parameters_assigned_into_its_module() -> None:
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    sel = select(m, "BucketScheduler")
+    other = select(nn.Linear(2, 2), "BucketScheduler")
+    m[0].weight = m[0].weight  # one of its own: no change
+    m[1].weight = m[0].weight  # tied after the fact: still its own
+    assert sel.changed == []
+    m[0].bias = nn.Parameter(torch.zeros(2), requires_grad=False)  # watched as frozen
+    assert sel.changed == [] and [n for n, _ in sel.frozen] == ["0.bias"]
+    m[0].bias.requires_grad_(True)
+    assert sel.unfrozen() == ["0.bias"]
+    m.append(nn.Linear(2, 1))
+    assert sel.changed == [
+        "'2.weight' was assigned a parameter of the new submodule '2'",
+        "'2.bias' was assigned a parameter of the new submodule '2'",
+    ]
+    m[2].extra = nn.Parameter(torch.ones(1))  # the new submodule is watched too
+    assert sel.changed[-1] == "'2.extra' was assigned a new Parameter"
+    assert other.changed == []  # another model's selection saw nothing
+    sel.unwatch()
+    m[1].bias = nn.Parameter(torch.zeros(2))
+    assert len(sel.changed) == 3  # no longer watched
