@@ -509,6 +509,19 @@ class BucketScheduler:
                 "BucketScheduler got a sparse gradient (e.g. nn.Embedding(sparse=True)); "
                 "it reduces dense gradients only: use sparse=False or exclude the parameter"
             )
+        if grad is not None and grad.requires_grad:
+            # backward(create_graph=True): before, a deep "mul(): functions with out=...
+            # arguments don't support automatic differentiation" from the copy into the
+            # bucket (or, unscaled, a bucket pulled into the graph)
+            raise ValueError(
+                f"parameter {i}'s gradient is part of the autograd graph (loss.backward("
+                "create_graph=True)); the BucketScheduler averages gradients as plain data, so "
+                ".grad would lose that graph and a derivative taken through it would be "
+                "wrong. For a gradient penalty take the inner gradient with "
+                "torch.autograd.grad(..., create_graph=True) and call a plain loss.backward(); "
+                "for derivatives through .grad, average the gradients yourself "
+                "(overlap.comm.all_reduce) instead of with a BucketScheduler"
+            )
         with self._lock:
             task = _graph_task_id()
             b, pos = self._where[id(p)]
@@ -534,7 +547,6 @@ class BucketScheduler:
                 elif (
                     self._solo
                     and pos in b.solo
-                    and not grad.requires_grad  # create_graph: keep autograd's graph intact
                     and _direct_ok(grad, b.flat)
                 ):
                     if self._prescale is not None:

@@ -1469,3 +1469,36 @@ def join_equals_ddp_join(mode: str, counts: list[int], compression: str = "none"
     sched.synchronize()  # a step together after join(): nothing left out of step
     sched.remove()
     return [diff, j.steps_shadowed, agreed]
+
+
+def create_graph_backward() -> dict[str, Any]:
+    """``loss.backward(create_graph=True)``: refused in the hook with the fix, the scheduler
+    ready afterwards; a gradient penalty (autograd.grad with create_graph, then a plain
+    backward) is averaged exactly."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    out: dict[str, Any] = {}
+    catch = catcher(out)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    sched = BucketScheduler(m)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(r)).requires_grad_(True)
+    catch("create_graph", lambda: m(x).sum().backward(create_graph=True))
+    catch("after", sched.synchronize)
+    m.zero_grad(set_to_none=True)
+
+    def penalised() -> torch.Tensor:
+        y = m(x).sum()
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)
+        return y + gx.pow(2).sum()
+
+    want = list(torch.autograd.grad(penalised(), list(m.parameters())))
+    for g in want:
+        comm.all_reduce(g)
+        g /= w
+    penalised().backward()
+    sched.synchronize()
+    out["penalty_exact"] = all(
+        torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(m.parameters(), want, strict=True)
+    )
+    sched.remove()
+    return out

@@ -442,3 +442,17 @@ def test_join_trains_uneven_inputs_as_ddp_join_does(
 def test_join_with_onebit_ends_with_the_same_weights(pools: Callable[[int], RankPool]) -> None:
     out = pools(2).run(sc.join_equals_ddp_join, "blocking", [4, 1], "onebit", timeout=120)
     assert [o[1:] for o in out] == [[0, True], [3, True]], out
+
+
+def test_backward_with_create_graph_is_refused_with_the_fix(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for out in pools(2).run(sc.create_graph_backward, timeout=60):
+        assert out["create_graph"].startswith(
+            "ValueError: parameter 2's gradient is part of the autograd graph"
+        ), out
+        assert "torch.autograd.grad(..., create_graph=True)" in out["create_graph"], out
+        # the last bias's gradient (a constant) went in first: the backward stopped halfway,
+        # which the next synchronize() reports as such on every rank, readying the scheduler
+        assert out["after"].startswith("IncompleteBackwardError: the backward of ranks 0, 1"), out
+        assert out["penalty_exact"] is True, out
