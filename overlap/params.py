@@ -141,6 +141,7 @@ def _watch(model: torch.nn.Module, sel: Selection, prefix: str = "") -> None:
             slot = _WATCHED.get(id(m))
             if slot is None or slot[0]() is not m:
                 slot = _WATCHED[id(m)] = (weakref.ref(m, _forget(id(m))), [])
+            slot[1][:] = [e for e in slot[1] if e[0]() is not None]  # reducers gone
             slot[1].append((ref, prefix + (f"{name}." if name else "")))
 
 
