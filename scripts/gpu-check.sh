@@ -61,6 +61,11 @@ echo "== overlap bench train --device cuda"
 timeout 300 "$PY" -m overlap.cli bench train --device cuda --steps 20 --warmup 5 --json \
     > "$OUTDIR/bench-train.json" 2>"$OUTDIR/bench-train.err"
 
+# where the one-rank 1-bit step's host time goes (20 ms of worker CPU a step on an H100 in
+# the thirty-seventh session, against about 1 ms of codec GPU time): blocking CUDA calls and
+# the top operators of every thread, with Chrome traces
+echo "== scripts/gpu_onebit_profile.py"
+OUT="$OUTDIR" timeout 150 "$PY" scripts/gpu_onebit_profile.py > "$OUTDIR/onebit-profile.txt" 2>&1
 "$PY" scripts/gpu_report.py "$OUTDIR" "$tests_rc" "$(( $(date +%s) - t_start ))"
 cat "$OUTDIR/gpu-report.md"
 exit "$tests_rc"
