@@ -3,8 +3,9 @@
 #
 # Runs on the lent GPU machine (no network): it uses that machine's torch, installs overlap
 # without dependencies, and installs the wheels in .whl/ (made by scripts/gpu-wheels.sh on a
-# machine with PyPI). Output: gpu-report.md and gpu-report.json (and the raw pieces) in
-# $OUT, or ./gpu-check-out without it. Exits non-zero if any GPU test failed.
+# machine with PyPI). Output: gpu-report.md, gpu-report.json, onebit-profile.txt and raw.tgz
+# (the raw pieces) in $OUT, or ./gpu-check-out without it. Exits non-zero if any GPU test
+# failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -68,4 +69,9 @@ echo "== scripts/gpu_onebit_profile.py"
 OUT="$OUTDIR" timeout 150 "$PY" scripts/gpu_onebit_profile.py > "$OUTDIR/onebit-profile.txt" 2>&1
 "$PY" scripts/gpu_report.py "$OUTDIR" "$tests_rc" "$(( $(date +%s) - t_start ))"
 cat "$OUTDIR/gpu-report.md"
+# The device tool brings back at most 8 files from $OUT: the report, the profile's text and
+# one archive of the raw pieces (pytest log, junit, bench JSON, Chrome traces, env)
+(cd "$OUTDIR" && find . -maxdepth 1 -type f ! -name gpu-report.md ! -name gpu-report.json \
+    ! -name onebit-profile.txt ! -name raw.tgz -printf '%P\n' | tar czf raw.tgz -T - \
+    --remove-files)
 exit "$tests_rc"
