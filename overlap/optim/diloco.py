@@ -367,6 +367,7 @@ class DiLoCo:
         self._check_no_astep()
         self._check_job()
         self._check_frozen()
+        self._check_kinds()
         land, issue = self._next_step()
         for i in land:
             w0 = self.wait_s
@@ -393,6 +394,7 @@ class DiLoCo:
         self._check_live()
         self._check_job()
         self._check_frozen()
+        self._check_kinds()
         await self._in_order(self._astep_work)
 
     async def _in_order(self, work: Callable[[], Awaitable[None]]) -> None:
@@ -430,6 +432,26 @@ class DiLoCo:
         unfrozen, changed = self._selection.unfrozen(), self._selection.changed
         if unfrozen or changed:
             raise ValueError(unfrozen_message(unfrozen, "DiLoCo", changed=changed))
+
+    def _check_kinds(self) -> None:
+        """Refuse, before the step is counted, a sync due now of a fragment whose parameters
+        were cast or moved since this DiLoCo was built (``model.double()``, ``.to(...)``):
+        its global weights and buffers keep the old dtype and device, so the sync ran in the
+        old precision with no error (found by trying it). As the BucketScheduler's check;
+        only at the steps that sync, only their fragments' parameters."""
+        t = self._t + 1
+        for i in range(self.fragments):
+            if t % self.sync_every != self.offsets[i]:
+                continue
+            for j in self.frags[i]:
+                p, g = self.params[j], self.globals[j]
+                if p.dtype != g.dtype or p.device != g.device:
+                    raise RuntimeError(
+                        f"parameter {j} is now {p.dtype} on {p.device}, but it was {g.dtype} "
+                        f"on {g.device} when this DiLoCo was built, and its global weights "
+                        "are kept so: cast or move the model first, then build the DiLoCo "
+                        "(remove() and a new DiLoCo)"
+                    )
 
     def _astep_running(self) -> bool:
         task = self._astepping

@@ -544,11 +544,7 @@ class BucketScheduler:
             if grad is not None and not (self.grad_as_view and grad.data_ptr() == view.data_ptr()):
                 if self._reads and _direct_ok(grad, b.flat):
                     b.sourced.add(pos)
-                elif (
-                    self._solo
-                    and pos in b.solo
-                    and _direct_ok(grad, b.flat)
-                ):
+                elif self._solo and pos in b.solo and _direct_ok(grad, b.flat):
                     if self._prescale is not None:
                         grad.mul_(self._prescale)
                     b.direct.add(pos)  # reduced where it is: no copy in, no copy back

@@ -885,3 +885,24 @@ def assigned_after_build() -> list[str]:
     got.append(str(m[2].weight.flatten()[0].item()))
     dl.remove()
     return got
+
+
+def cast_after_build() -> list[str]:
+    """``model.double()`` after the DiLoCo was built: before, its syncs ran on with float32
+    global weights, silently. Now the step that would sync refuses, before it is counted;
+    the steps between syncs go on."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    dl = DiLoCo(m, inner, sync_every=3)
+    got = []
+    m.double()
+    for _ in range(3):
+        try:
+            dl.step()
+            got.append("ok")
+        except RuntimeError as exc:
+            got.append(str(exc))
+    got.append(str(dl.inner_steps))
+    dl.remove()
+    return got

@@ -351,3 +351,15 @@ def test_a_parameter_assigned_after_building_is_refused(
             "was built without them and does not average them"
         ), out
         assert out[1] == "0.5", out  # rebuilt: the new weight is synced
+
+
+def test_a_model_cast_after_building_is_refused_at_its_sync(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for out in pools(2).run(dc.cast_after_build, timeout=60):
+        assert out[:2] == ["ok", "ok"], out  # no sync due: nothing to refuse yet
+        assert out[2].startswith(
+            "parameter 0 is now torch.float64 on cpu, but it was torch.float32 on cpu when "
+            "this DiLoCo was built"
+        ), out
+        assert out[3] == "2", out  # the refused step was not counted
