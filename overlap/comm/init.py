@@ -128,14 +128,17 @@ def _timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta |
     return datetime.timedelta(seconds=positive_seconds(timeout))
 
 
-def _adopted_timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+def _adopted_timeout(
+    timeout: float | datetime.timedelta | None, name: str
+) -> datetime.timedelta | None:
     """The op timeout of an adopted job, which the groups overlap makes in it get.
 
     A timeout passed to init_distributed is also set on the adopted world group (torch's
     ``_set_pg_timeout``), since the docs promise that it bounds every op on every group: it
     was ignored, and a late peer hung the caller for the adopted group's 30 minutes instead
     of failing within the asked seconds. The default (or None) keeps the world group's own
-    timeout, read from it, so new groups get that rather than torch's 30-minute default."""
+    timeout, read from it, so new groups get that rather than torch's 30-minute default.
+    ``name``: the adopted backend (:func:`adopted_backend`)."""
     world = dist.group.WORLD
     if timeout is not None and timeout is not default_pg_timeout:
         td = _timeout(timeout)
@@ -151,7 +154,7 @@ def _adopted_timeout(timeout: float | datetime.timedelta | None) -> datetime.tim
             setter(td, world)
         return td
     try:
-        dev = torch.device("cuda" if adopted_backend(str(dist.get_backend())) == "nccl" else "cpu")
+        dev = torch.device("cuda" if name == "nccl" else "cpu")
         own: datetime.timedelta = world._get_backend(dev).options._timeout  # type: ignore[union-attr]
         return own
     except Exception:  # a torch without these (private) attributes: torch's default then
@@ -269,7 +272,7 @@ def init_distributed(
                 f"with {spec!r}; leave dist_backend out to adopt that job, or call "
                 "torch.distributed.destroy_process_group() first"
             )
-        td = _adopted_timeout(timeout)
+        td = _adopted_timeout(timeout, name)
         info("init_distributed: adopting the existing torch.distributed group (%s)", spec)
         state.set_active(
             TorchBackend(name, td), int(os.environ.get("LOCAL_RANK", 0)), *_env_placement()

@@ -166,7 +166,8 @@ class BucketScheduler:
         model_or_params: a module or an iterable of parameters. Frozen parameters
             (``requires_grad=False``) are skipped; tied parameters are reduced once. One
             unfrozen later is refused at the end of the step (its gradient would not be
-            averaged): rebuild the scheduler after changing ``requires_grad``.
+            averaged): rebuild the scheduler after changing ``requires_grad``. So is a
+            parameter assigned into the module later (a new one, or one in place of another).
         bucket_cap_mb: bucket size cap; ``first_bucket_mb``: cap of the first bucket, small so
             the first collective starts early.
         compression: a Compressor (default NoCompression: a plain averaging allreduce), or
