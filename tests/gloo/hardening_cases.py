@@ -86,13 +86,18 @@ def new_group_inherits_timeout() -> tuple[str, float]:
     comm.destroy_process_group()
     os.environ["MASTER_PORT"] = str(int(port.item()))
     overlap.init_distributed("gloo", timeout=3)
-    g = comm.new_group([0, 1])
-    comm.barrier(group=g)
+    return _late_peer_all_reduce(comm.new_group([0, 1]))
+
+
+def _late_peer_all_reduce(group: Any) -> tuple[str, float]:
+    """An all_reduce on ``group`` to which rank 1 comes 8 s late: how it ended on this rank
+    ("ok" or "CommError") and after how many seconds."""
+    comm.barrier(group=group)
     t0 = time.monotonic()
     if comm.get_rank() == 1:
         time.sleep(8)
     try:
-        comm.all_reduce(torch.ones(1), group=g)
+        comm.all_reduce(torch.ones(1), group=group)
         kind = "ok"
     except CommError:
         kind = "CommError"
@@ -818,13 +823,5 @@ def adopted_job_timeout(mode: str, port: int) -> tuple[str, float, str]:
     else:
         comm.init_distributed()
         g = comm.new_group([0, 1])
-    comm.barrier(group=g)
-    t0 = time.monotonic()
-    if rank == 1:
-        time.sleep(8)
-    try:
-        comm.all_reduce(torch.ones(1), group=g)
-        kind = "ok"
-    except CommError:
-        kind = "CommError"
-    return kind, time.monotonic() - t0, other
+    kind, seconds = _late_peer_all_reduce(g)
+    return kind, seconds, other
