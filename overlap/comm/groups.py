@@ -12,6 +12,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from overlap.comm import state
+from overlap.comm.backend_names import adopted_backend
+
 __all__ = ["GroupInfo", "NonMemberGroup", "forget_group", "is_live", "resolve_group"]
 
 
@@ -68,10 +71,35 @@ def resolve_group(group: Any) -> GroupInfo:
                 "after init_distributed()"
             )
         name = "world" if pg is dist.group.WORLD else "ranks" + ",".join(map(str, ranks))
+        _check_backend(pg, name)
         index = {g: i for i, g in enumerate(ranks)}
         info = GroupInfo(pg, ranks, name, len(ranks), dist.get_rank(pg), dist.get_rank(), index)
         _cache[pg] = info
     return info
+
+
+def _check_backend(pg: Any, name: str) -> None:
+    """Refuse a group made with torch's own ``dist.new_group(backend=...)`` on another
+    backend than the job's (a gloo group in an NCCL job): overlap runs every op the job's
+    way, so its first op failed with a misleading device error, or worse. Once per group
+    (its info is cached); ``overlap.comm.new_group`` refuses such a group before making it."""
+    if not state.is_active():
+        return
+    try:
+        spec = str(dist.get_backend(pg))
+    except (RuntimeError, ValueError):  # a torch that cannot say: nothing to compare
+        return
+    job = state.active().name
+    try:
+        theirs = adopted_backend(spec)
+    except ValueError:
+        theirs = spec
+    if theirs != job:
+        raise ValueError(
+            f"group {name} runs on torch's {spec!r} backend but this job's backend is "
+            f"{job!r}; overlap runs every group of a job on the job's backend. Make the "
+            "group with overlap.comm.new_group(ranks), without backend="
+        )
 
 
 def _live_ranks(pg: Any) -> tuple[int, ...] | None:

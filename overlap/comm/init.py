@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from overlap.comm import debug as _debug
 from overlap.comm import driver, state
+from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from overlap.comm.netif import advertised_address, set_socket_ifname
 from overlap.comm.seconds import positive_seconds
@@ -159,34 +160,6 @@ def _adopted_timeout(
         return own
     except Exception:  # a torch without these (private) attributes: torch's default then
         return None
-
-
-def adopted_backend(spec: str) -> str:
-    """overlap's backend for a torch.distributed group initialised by the caller: "gloo" or
-    "nccl", from what ``dist.get_backend()`` says (``spec``).
-
-    torch also takes device maps ("cpu:gloo", "cpu:gloo,cuda:nccl"); overlap runs a job on
-    one backend, whose name picks the tensors' device, the completion path (CUDA events for
-    NCCL, waiter threads for gloo's futureless ops) and gloo's dtype checks and fallbacks.
-    A map was adopted under its raw name, which matched neither: "cpu:gloo" ran as a gloo
-    job without gloo's dtype checks (an int16 all_reduce failed deep in torch), and
-    "cpu:gloo,cuda:nccl" as a CPU job that refused CUDA tensors. So a map whose every entry
-    is gloo is "gloo"; one that sends CUDA to NCCL (CPU to gloo or NCCL) is "nccl", whose
-    ops take CUDA tensors; any other backend (ucc, a custom one) is refused, with the way
-    out, since overlap knows no completion path for it."""
-    s = spec.lower().replace(" ", "")
-    per = dict(p.partition(":")[::2] for p in s.split(",")) if ":" in s else {"": s}
-    kinds = set(per.values())
-    if kinds == {"gloo"}:
-        return "gloo"
-    if kinds == {"nccl"} or (per.get("cuda") == "nccl" and kinds <= {"gloo", "nccl"}):
-        return "nccl"
-    raise ValueError(
-        f"torch.distributed was initialised with backend {spec!r}, which overlap cannot "
-        "adopt: its torch backends are gloo and nccl (a device map such as "
-        "'cpu:gloo,cuda:nccl' is taken as nccl, for CUDA tensors). Initialise torch with one "
-        "of those, or let overlap.comm.init_distributed('gloo' | 'nccl' | 'mpi') do it"
-    )
 
 
 def _pick_backend(dist_backend: str | None) -> str:

@@ -825,3 +825,29 @@ def adopted_job_timeout(mode: str, port: int) -> tuple[str, float, str]:
         g = comm.new_group([0, 1])
     kind, seconds = _late_peer_all_reduce(g)
     return kind, seconds, other
+
+
+def torch_group_of_another_backend() -> dict[str, Any]:
+    """A group made with torch's own ``dist.new_group(backend=...)`` on another backend than
+    the job's, passed to an overlap op. torch's test backend "fake" stands in for the usual
+    case (a gloo group in an NCCL job), which needs a GPU: its ops do nothing, so before,
+    an all_reduce over it returned the rank's own values as if averaged. A group of the
+    job's own backend made the torch way is taken."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    r = comm.get_rank()
+    out: dict[str, Any] = {}
+    fake = dist.new_group([0, 1], backend="fake")
+    t = torch.full((2,), float(r + 1))
+    try:
+        comm.all_reduce(t, group=fake)
+        out["fake"] = f"no error: {t.tolist()}"
+    except ValueError as exc:
+        out["fake"] = str(exc)
+    own = dist.new_group([0, 1])  # the job's backend, made the torch way
+    comm.all_reduce(t, group=own)
+    out["own"] = t.tolist()
+    dist.destroy_process_group(fake)  # the pool's ranks go on with other tests
+    comm.destroy_process_group(own)
+    return out

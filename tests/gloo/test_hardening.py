@@ -282,3 +282,11 @@ def test_an_adopted_job_keeps_its_timeout(mode: str) -> None:
     assert kind == "CommError", res
     assert seconds < 7.5, res
     assert "init_distributed('mpi'): torch.distributed is already initialised" in other, res
+
+
+def test_a_torch_group_of_another_backend_is_refused(pools: Callable[[int], RankPool]) -> None:
+    for out in pools(2).run(hc.torch_group_of_another_backend, timeout=60):
+        assert out["fake"].startswith(
+            "group ranks0,1 runs on torch's 'fake' backend but this job's backend is 'gloo'"
+        ), out
+        assert out["own"] == [3.0, 3.0], out

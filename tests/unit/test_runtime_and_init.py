@@ -145,14 +145,14 @@ def test_pid_alive_counts_a_zombie_as_ended() -> None:
     ],
 )
 def test_an_adopted_torch_backend_is_named_by_what_runs_it(spec: str, name: str) -> None:
-    from overlap.comm.init import adopted_backend
+    from overlap.comm.backend_names import adopted_backend
 
     assert adopted_backend(spec) == name
 
 
 @pytest.mark.parametrize("spec", ["ucc", "mpi", "cpu:gloo,cuda:ucc", "cpu:mpi", "undefined"])
 def test_a_torch_backend_overlap_cannot_run_is_refused(spec: str) -> None:
-    from overlap.comm.init import adopted_backend
+    from overlap.comm.backend_names import adopted_backend
 
     with pytest.raises(ValueError, match=rf"initialised with backend '{spec}', which overlap"):
         adopted_backend(spec)
