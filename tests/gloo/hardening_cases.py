@@ -834,7 +834,7 @@ def torch_group_of_another_backend() -> dict[str, Any]:
     an all_reduce over it returned the rank's own values as if averaged. A group of the
     job's own backend made the torch way is taken."""
     import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    import torch.testing._internal.distributed.fake_pg  # registers the "fake" backend
 
     r = comm.get_rank()
     out: dict[str, Any] = {}
