@@ -358,8 +358,11 @@ class DiLoCo:
     def _due_now(self) -> tuple[list[int], list[int]]:
         t = self._t
         land = sorted(i for i, (at, _) in self._inflight.items() if at == t and self.delay > 0)
-        issue = [i for i in range(self.fragments) if t % self.sync_every == self.offsets[i]]
-        return land, issue
+        return land, self._issuing_at(t)
+
+    def _issuing_at(self, t: int) -> list[int]:
+        """The fragments whose sync is issued at inner step ``t``."""
+        return [i for i in range(self.fragments) if t % self.sync_every == self.offsets[i]]
 
     def step(self) -> None:
         """Count one inner step; land and issue what is due (blocking for what lands)."""
@@ -439,10 +442,7 @@ class DiLoCo:
         its global weights and buffers keep the old dtype and device, so the sync ran in the
         old precision with no error (found by trying it). As the BucketScheduler's check;
         only at the steps that sync, only their fragments' parameters."""
-        t = self._t + 1
-        for i in range(self.fragments):
-            if t % self.sync_every != self.offsets[i]:
-                continue
+        for i in self._issuing_at(self._t + 1):
             for j in self.frags[i]:
                 p, g = self.params[j], self.globals[j]
                 if p.dtype != g.dtype or p.device != g.device:

@@ -758,17 +758,25 @@ def objects_of_an_ended_job(port: int) -> dict[str, Any]:
     return out
 
 
-def adopts_a_torch_group(spec: str, port: int) -> dict[str, Any]:
-    """torch.distributed initialised by the caller with ``spec`` (a plain name or a device
-    map), then ``init_distributed()`` adopts it: the backend overlap names, an all_reduce, an
-    awaited send/recv pair, and gloo's dtype refusal, which names the fix."""
+def _own_torch_job(spec: str, port: int, **kwargs: Any) -> int:
+    """Leave the pool's job and start torch.distributed on ``spec`` by hand, on ``port``, as
+    a user who initialises torch before overlap does (``kwargs``: init_process_group's);
+    this rank's rank."""
     import torch.distributed as dist
 
     rank, world = comm.get_rank(), comm.get_world_size()
     comm.destroy_process_group()  # the pool's own job
     dist.init_process_group(
-        spec, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        spec, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kwargs
     )
+    return rank
+
+
+def adopts_a_torch_group(spec: str, port: int) -> dict[str, Any]:
+    """torch.distributed initialised by the caller with ``spec`` (a plain name or a device
+    map), then ``init_distributed()`` adopts it: the backend overlap names, an all_reduce, an
+    awaited send/recv pair, and gloo's dtype refusal, which names the fix."""
+    rank = _own_torch_job(spec, port)
     comm.init_distributed()
     out: dict[str, Any] = {"backend": comm.get_backend()}
     t = torch.full((3,), float(rank + 1))
@@ -800,18 +808,8 @@ def adopted_job_timeout(mode: str, port: int) -> tuple[str, float, str]:
     another backend than the adopted job's is refused."""
     import datetime
 
-    import torch.distributed as dist
-
-    rank, world = comm.get_rank(), comm.get_world_size()
-    comm.destroy_process_group()  # the pool's own job
     secs = 60 if mode == "explicit" else 3
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=secs),
-    )
+    _own_torch_job("gloo", port, timeout=datetime.timedelta(seconds=secs))
     try:
         comm.init_distributed("mpi")
         other = "no error"
