@@ -48,7 +48,13 @@ class Selection:
 
     params: list[torch.nn.Parameter] = field(default_factory=list)
     frozen: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
-    changed: list[str] = field(default_factory=list)
+    # name -> the change in words; a name given back one of ours is dropped (see _note)
+    _changes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> list[str]:
+        """What was assigned into the watched module since, and is still there, in words."""
+        return list(self._changes.values())
 
     def unfrozen(self) -> list[str]:
         """The names of the parameters that were frozen at selection and now require grad."""
@@ -58,13 +64,17 @@ class Selection:
         return any(p is q for q in self.params) or any(p is q for _, q in self.frozen)
 
     def _note(self, name: str, p: torch.Tensor, what: str) -> None:
-        """A parameter assigned at ``name``: nothing if it is one of ours (re-tying);
-        frozen, kept an eye on as the frozen ones; trainable, recorded as a change."""
+        """A parameter assigned at ``name``: one of ours (re-tying, or the original put
+        back after a swap) undoes any change recorded at that name, so a model restored to
+        what the reducer was built over trains again; frozen, kept an eye on as the frozen
+        ones; trainable, recorded as a change (the latest assignment at a name counts)."""
         if self._known(p):
+            self._changes.pop(name, None)
             return
         if p.requires_grad:
-            self.changed.append(f"{name!r} was assigned {what}")
+            self._changes[name] = f"{name!r} was assigned {what}"
         else:
+            self._changes.pop(name, None)
             self.frozen.append((name, p))  # type: ignore[arg-type]
 
     def unwatch(self) -> None:
@@ -201,4 +211,5 @@ def unfrozen_message(
         "so each rank would train them on its own gradient and the ranks' weights would "
         f"drift apart. After changing requires_grad or the model's parameters, call remove() "
         f"and build a new {what} over the model"
+        + (" (or put the parameters it was built over back in their places)" if changed else "")
     )

@@ -87,4 +87,8 @@ def bad_calls() -> dict[str, tuple[str, str]]:
     same = comm.new_group(list(range(w)), backend=comm.get_backend())  # the job's own
     comm.all_reduce(t2, group=same)
     assert t2.tolist() == [float(w * w)] * 4
+    if comm.get_backend() == "gloo":  # torch's device-map spelling of the job's own backend
+        mapped = comm.new_group(list(range(w)), backend="cpu:GLOO")
+        comm.all_reduce(t2, group=mapped)
+        assert t2.tolist() == [float(w**3)] * 4
     return out

@@ -431,7 +431,13 @@ def assigned_after_build() -> dict[str, Any]:
     if r == 1:
         m[2].weight = nn.Parameter(weight.detach().clone())
     catch("one_rank", step)
-    m[2].weight = weight  # the scheduler's own parameter back: no change
+    m[2].weight = weight  # the scheduler's own parameter back: the change is undone
+    out["restored_averaged"] = step()  # the same scheduler trains again
+    m[2] = nn.Linear(4, 2)  # a submodule swapped out and back in: the same
+    m[2].weight, m[2].bias = weight, nn.Parameter(torch.zeros(2))
+    catch("bias_still_new", step)
+    m[2].bias = m[2].bias  # re-assigning the new one is still new
+    catch("bias_still_new_again", step)
     sched.remove()
     sched = BucketScheduler(m)
     m[0].weight = m[0].weight  # re-assigning a held parameter is no change

@@ -140,6 +140,11 @@ def test_parameters_assigned_after_building_are_refused_not_left_unaveraged(
     assert "or assigned new ones into the model" in res[0]["one_rank"], res[0]
     for r, out in enumerate(res):
         assert "dropped on every rank" in out["one_rank"], (r, out)
+        assert out["restored_averaged"] is True, (r, out)
+        for k in ("bias_still_new", "bias_still_new_again"):
+            assert out[k].startswith(
+                "ValueError: '2.bias' was assigned a new Parameter after this BucketScheduler"
+            ), (r, k, out)
         assert out["same_and_frozen_averaged"] is True, (r, out)
         assert out["new_unfrozen"].startswith(
             "ValueError: '0.bias' did not require grad when this BucketScheduler was built"

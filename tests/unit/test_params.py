@@ -76,3 +76,23 @@ def test_a_selection_records_parameters_assigned_into_its_module() -> None:
     sel.unwatch()
     m[1].bias = nn.Parameter(torch.zeros(2))
     assert len(sel.changed) == 3  # no longer watched
+
+
+def test_a_change_is_undone_when_the_original_parameter_is_put_back() -> None:
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    sel = select(m, "BucketScheduler")
+    w0, w1 = m[0].weight, m[1].weight
+    m[0].weight = nn.Parameter(torch.zeros(2, 2))
+    m[1].weight = nn.Parameter(torch.zeros(2, 2))
+    assert len(sel.changed) == 2
+    m[0].weight = w0  # put back: that change is gone, the other stays
+    assert sel.changed == ["'1.weight' was assigned a new Parameter"]
+    m[1].weight = nn.Parameter(torch.ones(2, 2))  # the latest assignment at a name counts
+    assert sel.changed == ["'1.weight' was assigned a new Parameter"]
+    m[1].weight = w1
+    assert sel.changed == []
+    m[1] = nn.Linear(2, 2)  # a submodule swapped in, then its parameters put back
+    assert len(sel.changed) == 2
+    m[1].weight, m[1].bias = w1, nn.Parameter(torch.zeros(2), requires_grad=False)
+    assert sel.changed == [] and sel.frozen[-1][0] == "1.bias"  # a new frozen one is watched
+    sel.unwatch()
