@@ -1146,7 +1146,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="H of the diloco variants: inner steps between a parameter's syncs (default 32, "
         "which fits 1 Gbit/s and 100 Mbit/s at this model's steps; 8 is the H of the "
-        "convergence figures); streaming lands each fragment H // 2 steps after it is issued",
+        "convergence figures); streaming lands each fragment about H // 2 steps after it "
+        "is issued, midway between two issues",
     )
     bt.add_argument(
         "--threads",

@@ -65,3 +65,23 @@ def test_a_pass_thread_is_the_default_only_with_a_core_to_spare(
     from overlap.optim.diloco import spare_core
 
     assert spare_core(cores, ranks, threads) is spare
+
+
+@pytest.mark.parametrize(("h", "f"), [(32, 8), (32, 4), (32, 2), (32, 1), (16, 8), (8, 4), (8, 2)])
+def test_the_bench_lands_streaming_fragments_between_issues(h: int, f: int) -> None:
+    """``overlap bench train``'s streaming delay is about H / 2, and no landing shares its
+    step with an issue (H // 2 did when H / F is even: that step carried both)."""
+    from overlap.bench.train import streaming_delay
+
+    d = streaming_delay(h, f)
+    assert 1 <= d < h and abs(d - h // 2) <= h // f // 2, d
+    events = schedule(h, f, d, 4 * h)
+    issues = {t for t, kind, _ in events if kind == "issue"}
+    lands = {t for t, kind, _ in events if kind == "land"}
+    assert lands and not issues & lands, (d, sorted(issues & lands))
+
+
+def test_the_bench_delay_keeps_h_over_2_where_every_step_issues() -> None:
+    from overlap.bench.train import streaming_delay
+
+    assert streaming_delay(8, 8) == 4 and streaming_delay(2, 2) == 1 and streaming_delay(1, 1) == 0
