@@ -53,7 +53,18 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.bool).reshape(-1)
 
 
+_PLUS_MINUS: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The +-1 values of ``packed`` (8 per byte, MSB first) as a flat tensor."""
-    one = torch.ones((), dtype=dtype, device=packed.device)
-    return torch.where(unpack_bits(packed), one, -one)
+    """The +-1 values of ``packed`` (8 per byte, MSB first) as a flat tensor.
+
+    The two constants are made once per device and dtype: made per call they were two
+    kernel launches of the four, twice per 1-bit bucket on CUDA, where the step is
+    launch-bound (docs/benchmarks.md, "GPU")."""
+    key = (packed.device, dtype)
+    pm = _PLUS_MINUS.get(key)
+    if pm is None:
+        one = torch.ones((), dtype=dtype, device=packed.device)
+        pm = _PLUS_MINUS[key] = (one, -one)
+    return torch.where(unpack_bits(packed), pm[0], pm[1])

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -45,3 +47,51 @@ def test_compressed_bytes_are_about_32x_fewer() -> None:
     for w in (2, 4, 8):
         fp32 = 2 * (w - 1) / w * 4 * n
         assert 31.9 < fp32 / compressed_bytes(n, w) <= 32.0
+
+
+def _computing_ops(fn: Callable[[], object]) -> list[str]:
+    """The ops ``fn`` dispatches that compute (each a kernel launch on CUDA), views and
+    collectives left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"view", "detach", "slice", "select", "expand", "_unsafe_view", "reshape", "alias"}
+    seen: list[str] = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.overloadpacket.__name__
+            if name not in views:
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        fn()
+    return seen
+
+
+def test_unpacking_makes_no_constants_per_call() -> None:
+    """The +-1 constants are made once per device and dtype: made per call they were two
+    of unpack_signs' four kernel launches on CUDA, where a 1-bit step is launch-bound."""
+    packed = pack_signs(torch.randn(64))
+    unpack_signs(packed)
+    assert sorted(_computing_ops(lambda: unpack_signs(packed))) == [
+        "__rshift__",
+        "bitwise_and",
+        "where",
+    ]
+
+
+def test_the_torch_codec_clamps_no_lengths_per_call() -> None:
+    """The sums of squares' divisors are made with the layout's index, once."""
+    from overlap.compression.codec import ErrorFeedback
+    from overlap.compression.codec_torch import TorchCodec
+    from overlap.compression.layout import layout
+
+    lay = layout(1000, 2, 0, [400, 600])
+    for two_level in (False, True):
+        codec = TorchCodec(two_level=two_level)
+        ef = ErrorFeedback(torch.zeros(lay.P), torch.zeros(lay.P // 2), lay.nseg)
+        x = torch.randn(1000)
+        codec.encode(x.clone(), lay, ef)
+        ops = _computing_ops(lambda c=codec, e=ef, v=x: c.encode(v.clone(), lay, e))
+        assert "clamp" not in ops and "ones" not in ops, ops
