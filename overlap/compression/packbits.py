@@ -38,6 +38,16 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """A process-wide constant, complete before it is shared: on CUDA the kernel that made
+    it ran on the stream current at its first use, and a later user on another stream (the
+    scheduler's side stream, a standalone call on the default one) would not wait for it.
+    One synchronisation per device, at the first call."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+    return t
+
+
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The bits of ``packed`` (8 per byte, MSB first) as a flat bool tensor (True: >= 0).
 
@@ -46,9 +56,8 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     (27 read passes); the shifts take 0.07 ms."""
     shifts = _SHIFTS.get(packed.device)
     if shifts is None:
-        shifts = _SHIFTS[packed.device] = torch.arange(
-            7, -1, -1, dtype=torch.uint8, device=packed.device
-        )
+        shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+        _SHIFTS[packed.device] = _ready(shifts)
     bits = (packed.reshape(-1, 1) >> shifts) & 1
     return bits.view(torch.bool).reshape(-1)
 
@@ -66,5 +75,7 @@ def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     pm = _PLUS_MINUS.get(key)
     if pm is None:
         one = torch.ones((), dtype=dtype, device=packed.device)
-        pm = _PLUS_MINUS[key] = (one, -one)
+        minus = -one
+        _ready(minus)
+        pm = _PLUS_MINUS[key] = (one, minus)
     return torch.where(unpack_bits(packed), pm[0], pm[1])
