@@ -182,12 +182,13 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
         v["opt"] = torch.optim.SGD(model.parameters(), lr=1e-4)
         stream = name == "diloco-streaming"
         h = diloco_sync_every()
+        f = min(diloco_fragments(), len(list(model.parameters()))) if stream else 1
         v["diloco"] = DiLoCo(
             model,
             v["opt"],
             sync_every=h,
-            fragments=min(diloco_fragments(), len(list(model.parameters()))) if stream else 1,
-            delay=streaming_delay(h, diloco_fragments()) if stream else 0,
+            fragments=f,
+            delay=streaming_delay(h, f) if stream else 0,
             compression=Int8() if stream else None,
             pass_thread=diloco_pass_thread(),
         )
