@@ -31,7 +31,7 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from overlap.comm import comms_logger as _logger
 from overlap.comm import debug as _debug
 from overlap.comm import state
-from overlap.comm.backend_names import adopted_backend
+from overlap.comm.backend_names import backend_name
 from overlap.comm.collect import collect_all
 from overlap.comm.comms_logger import (
     BYPASS,
@@ -241,17 +241,6 @@ def get_world_group() -> Any:
     return None
 
 
-def _backend_of(spec: Any) -> str:
-    """overlap's name for a ``backend=`` given to :func:`new_group`: torch's names and
-    device maps read as the job's own ("cpu:gloo" is gloo, "cpu:gloo,cuda:nccl" is nccl, as
-    when a torch job is adopted), so a group named the way torch names the job's own backend
-    is not refused; anything else keeps its own (lower-case) name."""
-    try:
-        return adopted_backend(str(spec))
-    except ValueError:
-        return str(spec).lower()
-
-
 def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     """A group of the given global ranks. Every rank must call it, members or not.
 
@@ -266,7 +255,7 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     """
     backend = state.active()
     other = kwargs.get("backend")
-    if other is not None and _backend_of(other) != backend.name:
+    if other is not None and backend_name(other) != backend.name:
         raise ValueError(
             f"new_group: backend={other!r} differs from this job's backend {backend.name!r}; "
             "overlap runs every group of a job on the job's backend. Leave backend= out, and "

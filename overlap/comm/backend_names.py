@@ -10,7 +10,7 @@ reads torch's name as overlap's, refusing what overlap cannot run.
 
 from __future__ import annotations
 
-__all__ = ["adopted_backend"]
+__all__ = ["adopted_backend", "backend_name"]
 
 
 def adopted_backend(spec: str) -> str:
@@ -39,3 +39,15 @@ def adopted_backend(spec: str) -> str:
         "'cpu:gloo,cuda:nccl' is taken as nccl, for CUDA tensors). Initialise torch with one "
         "of those, or let overlap.comm.init_distributed('gloo' | 'nccl' | 'mpi') do it"
     )
+
+
+def backend_name(spec: object) -> str:
+    """``spec`` as overlap names a backend, for comparing with the job's: torch's names and
+    device maps read as :func:`adopted_backend` reads them ("cpu:gloo" is gloo), anything
+    else its own lower-case name (which then matches no torch job's). Used where a group's
+    backend is checked against the job's: ``new_group(backend=...)`` and a torch-made
+    group's first use."""
+    try:
+        return adopted_backend(str(spec))
+    except ValueError:
+        return str(spec).lower()

@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from overlap.comm import state
-from overlap.comm.backend_names import adopted_backend
+from overlap.comm.backend_names import backend_name
 
 __all__ = ["GroupInfo", "NonMemberGroup", "forget_group", "is_live", "resolve_group"]
 
@@ -90,11 +90,7 @@ def _check_backend(pg: Any, name: str) -> None:
     except (RuntimeError, ValueError):  # a torch that cannot say: nothing to compare
         return
     job = state.active().name
-    try:
-        theirs = adopted_backend(spec)
-    except ValueError:
-        theirs = spec
-    if theirs != job:
+    if backend_name(spec) != job:
         raise ValueError(
             f"group {name} runs on torch's {spec!r} backend but this job's backend is "
             f"{job!r}; overlap runs every group of a job on the job's backend. Make the "
