@@ -33,6 +33,7 @@ import torch
 
 from overlap.comm import debug as _debug
 from overlap.comm import hooks as _hooks
+from overlap.comm import ordered as _ordered
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import progress as _progress
 from overlap.comm.aliasing import apart
@@ -151,7 +152,7 @@ class MpiBackend:
         self.tag_ub: int = int(ub) if ub is not None else 32767
         self.cuda_aware = os.environ.get("OVERLAP_MPI_CUDA_AWARE", "0") == "1"
         self._reductions: dict[
-            tuple[Any, torch.dtype], tuple[ReduceOp, Any, Any, torch.dtype | None]
+            tuple[Any, torch.dtype], tuple[ReduceOp, Any, Any, torch.dtype | None, bool]
         ] = {}
         # mpi4py 4 calls it MPI.buffer, 3.x MPI.memory: a buffer made from an address is
         # 4x cheaper than a NumPy view of the tensor (0.5 against 2.2 us, measured)
@@ -400,7 +401,13 @@ class MpiBackend:
             return result
         return handle
 
-    def _reduction(self, t: torch.Tensor, op: Any) -> tuple[ReduceOp, Any, Any, torch.dtype | None]:
+    def _reduction(
+        self, t: torch.Tensor, op: Any
+    ) -> tuple[ReduceOp, Any, Any, torch.dtype | None, bool]:
+        """(op, MPI.Op, MPI datatype, staging dtype or None, ordered keys?) for reducing
+        ``t`` with ``op``, cached per (op spelling, dtype). A max or min of floats reduces
+        ordered integer keys (overlap.comm.ordered): MPICH's own gave two ranks different
+        answers when one held a NaN."""
         try:
             key = (op, t.dtype)
             hit = self._reductions.get(key)
@@ -408,12 +415,28 @@ class MpiBackend:
             key, hit = None, None
         if hit is None:
             rop = parse_op(op)
-            mop = mpi_op(rop, t.dtype, self.MPI)
-            mtype, stage = reduce_dtype(t.dtype, self.MPI)
-            hit = (rop, mop, mtype, stage)
+            keyed = _ordered.keyed(rop, t.dtype)
+            dtype = _ordered.key_dtype(t.dtype) if keyed else t.dtype
+            mop = mpi_op(rop, dtype, self.MPI)
+            mtype, stage = reduce_dtype(dtype, self.MPI)
+            hit = (rop, mop, mtype, stage, keyed)
             if key is not None:
                 self._reductions[key] = hit
         return hit
+
+    @staticmethod
+    def _work(
+        host: torch.Tensor, rop: ReduceOp, stage: torch.dtype | None, keyed: bool
+    ) -> tuple[torch.Tensor, Callable[[], Any] | None]:
+        """The tensor MPI reduces for ``host`` (itself, a staged copy, or its ordered keys),
+        and what writes that tensor's result back into ``host`` (None: nothing to)."""
+        if keyed:
+            keys = _ordered.to_keys(host, rop)
+            return keys, partial(_ordered.from_keys, keys, host)
+        if stage is not None:
+            work = host.to(stage)
+            return work, partial(host.copy_, work)
+        return host, None
 
     # --------------------------------------------------------------------- collectives
     def all_reduce(
@@ -473,9 +496,9 @@ class MpiBackend:
                 raise self._error("all_reduce", g, exc) from exc
             return tensor
         t = self._t(tensor, "tensor")
-        rop, mop, mtype, stage = self._reduction(t, op)
+        rop, mop, mtype, stage, keyed = self._reduction(t, op)
         g = self._g(group)
-        if stage is None and rop is not ReduceOp.AVG and t.is_cpu:
+        if stage is None and rop is not ReduceOp.AVG and t.is_cpu and not keyed:
             # The common case: nothing to stage, nothing to do afterwards.
             buf = [self._mem(t), t.numel(), mtype]
             if _hooks.observer is None:
@@ -501,9 +524,8 @@ class MpiBackend:
                 keep=t,
             )
         host, back = self._host(t)
-        work = host if stage is None else host.to(stage)
+        work, cast = self._work(host, rop, stage, keyed)
         avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG else None
-        cast = (lambda: host.copy_(work)) if stage is not None else None
         return self._launch(
             "all_reduce",
             g,
@@ -594,15 +616,14 @@ class MpiBackend:
         async_op: bool = False,
     ) -> Any:
         t = self._t(tensor, "tensor")
-        rop, mop, mtype, stage = self._reduction(t, op)
+        rop, mop, mtype, stage, keyed = self._reduction(t, op)
         g = self._g(group)
         check_peer(dst, "dst", g.ranks, g.name)
         root = g.ranks.index(dst)
         host, back = self._host(t)
-        work = host if stage is None else host.to(stage)
+        work, cast = self._work(host, rop, stage, keyed)
         if self.global_rank == dst:
             avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG else None
-            cast = (lambda: host.copy_(work)) if stage is not None else None
             post = _chain(avg, cast, back)
 
             def start() -> Any:
@@ -690,7 +711,7 @@ class MpiBackend:
         if ready is not None:
             return self._post_ready("reduce_scatter", ready[0], ready[1], output, async_op, input)
         out = self._t(output, "output")
-        rop, mop, mtype, stage = self._reduction(out, op)
+        rop, mop, mtype, stage, keyed = self._reduction(out, op)
         g = self._g(group)
         if isinstance(input, torch.Tensor):
             inp = self._t(input, "input_list")
@@ -703,10 +724,13 @@ class MpiBackend:
         hin, _ = self._host(flat)
         hout, back = self._host(out, copy_in=False)
         hin = apart(hin, hout)
-        win = hin if stage is None else hin.to(stage)
-        wout = hout if stage is None else torch.empty(hout.shape, dtype=stage)
+        win, _ = self._work(hin, rop, stage, keyed)
+        cast: Callable[[], Any] | None = None
+        wout = hout
+        if keyed or stage is not None:  # a scratch output, put back into hout afterwards
+            wout = torch.empty(hout.shape, dtype=win.dtype, device=hin.device)
+            cast = partial(_ordered.from_keys, wout, hout) if keyed else partial(hout.copy_, wout)
         avg = (lambda: wout.div_(g.size)) if rop is ReduceOp.AVG else None
-        cast = (lambda: hout.copy_(wout)) if stage is not None else None
         post = _chain(avg, cast, back)
         # mpi4py reads the send count as the count of one block
         start = partial(

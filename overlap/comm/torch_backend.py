@@ -25,6 +25,7 @@ import torch.distributed as dist
 from overlap.comm import debug as _debug
 from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
+from overlap.comm import ordered as _ordered
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
 from overlap.comm.aliasing import apart, apart_list
@@ -154,8 +155,8 @@ class TorchBackend:
         self.timeout = timeout
         # Exit waits for ops still observed on backend threads (overlap/comm/quiesce.py).
         _quiesce.install(None if timeout is None else timeout.total_seconds())
-        # (op spelling, dtype) -> (torch op, divide after?, AllreduceOptions)
-        self._reductions: dict[tuple[Any, torch.dtype], tuple[Any, bool, Any]] = {}
+        # (op spelling, dtype) -> (torch op, divide after?, AllreduceOptions, ordered keys?)
+        self._reductions: dict[tuple[Any, torch.dtype], tuple[Any, bool, Any, Any]] = {}
         self._bcast_opts: dict[int, Any] = {}  # group rank of the root -> BroadcastOptions
         self._rs_opts: dict[Any, Any] = {}  # torch reduce op -> ReduceScatterOptions
         # The last isend and the last irecv that took the full path (gloo only), to post
@@ -331,22 +332,28 @@ class TorchBackend:
         (overlap.comm.waiters); None on gloo."""
         return None if self._cpu else torch.cuda.current_stream()
 
-    def _reduction(self, op: Any, dtype: torch.dtype) -> tuple[Any, bool, Any]:
-        """(torch op, divide after?, AllreduceOptions), cached per (op spelling, dtype): a
-        spelling is validated once, and the options object is made once."""
+    def _reduction(self, op: Any, dtype: torch.dtype) -> tuple[Any, bool, Any, ReduceOp | None]:
+        """(torch op, divide after?, AllreduceOptions, the op when it reduces ordered keys
+        (:meth:`_keyed`) else None), cached per (op spelling, dtype): a spelling is validated
+        once, and the options object is made once."""
         try:
             key = (op, dtype)
             hit = self._reductions.get(key)
         except TypeError:  # an unhashable op spelling: resolve it every time
             key, hit = None, None
         if hit is None:
-            _, top, divide = self._reduce_args(op, dtype)
+            rop, top, divide = self._reduce_args(op, dtype)
             opts = dist.AllreduceOptions()
             opts.reduceOp = top
-            hit = (top, divide, opts)
+            hit = (top, divide, opts, rop if self._keyed(rop, dtype) else None)
             if key is not None:
                 self._reductions[key] = hit
         return hit
+
+    def _keyed(self, rop: ReduceOp, dtype: torch.dtype) -> bool:
+        """Whether ``rop`` on ``dtype`` reduces ordered keys (overlap.comm.ordered): a max or
+        min of floats on the CPU, where gloo's own drops a NaN unless rank 0 holds it."""
+        return self._cpu and _ordered.keyed(rop, dtype)
 
     def _reduce_args(self, op: Any, dtype: torch.dtype) -> tuple[ReduceOp, Any, bool]:
         rop = parse_op(op)
@@ -362,8 +369,14 @@ class TorchBackend:
         self, tensor: torch.Tensor, op: Any = "sum", group: Any = None, async_op: bool = False
     ) -> Any:
         t = self._t(tensor, "tensor")
-        top, divide, opts = self._reduction(op, t.dtype)
+        top, divide, opts, keyed = self._reduction(op, t.dtype)
         info = resolve_group(group)
+        if keyed is not None:
+            keys = _ordered.to_keys(t, keyed)
+            return self._launch(
+                "all_reduce", info, partial(info.pg.allreduce, [keys], opts), tensor, t.nbytes,
+                async_op, partial(_ordered.from_keys, keys, t), keep=keys,
+            )  # fmt: skip
         post: PostFn | None = partial(t.div_, info.size) if divide else None
         if t.is_complex():  # torch's wrapper reduces complex tensors as real pairs
             issue: Callable[[], Any] = partial(
@@ -408,10 +421,20 @@ class TorchBackend:
         async_op: bool = False,
     ) -> Any:
         t = self._t(tensor, "tensor")
-        _, top, divide = self._reduce_args(op, t.dtype)
+        rop, top, divide = self._reduce_args(op, t.dtype)
         info = resolve_group(group)
         check_peer(dst, "dst", info.ranks, info.name)
         post: PostFn | None = None
+        if self._keyed(rop, t.dtype):
+            # the keys are scratch: the tensor changes only on dst, from them
+            keys = _ordered.to_keys(t, rop)
+            if info.global_rank == dst:
+                post = partial(_ordered.from_keys, keys, t)
+            return self._launch(
+                "reduce", info,
+                lambda: dist.reduce(keys, dst=dst, op=top, group=info.pg, async_op=True),
+                tensor, nbytes_of(t), async_op, post, keep=keys,
+            )  # fmt: skip
         if info.global_rank == dst:
             if divide:
                 post = partial(t.div_, info.size)
@@ -484,7 +507,7 @@ class TorchBackend:
         async_op: bool = False,
     ) -> Any:
         out = self._t(output, "output")
-        _, top, divide = self._reduce_args(op, out.dtype)
+        rop, top, divide = self._reduce_args(op, out.dtype)
         info = resolve_group(group)
         post: PostFn | None = (lambda: out.div_(info.size)) if divide else None
         data: Any  # what the op reads: one flat tensor, or the list of chunks
@@ -499,6 +522,14 @@ class TorchBackend:
             data = apart_list(data, [out])
             kind, torch_op = "reduce_scatter", dist.reduce_scatter
         nbytes = nbytes_of(data)
+        if self._keyed(rop, out.dtype):  # reduce ordered keys into scratch, then out
+            if isinstance(data, torch.Tensor):
+                data = _ordered.to_keys(data, rop)
+            else:
+                data = [_ordered.to_keys(x, rop) for x in data]
+            keys = torch.empty(out.shape, dtype=_ordered.key_dtype(out.dtype))
+            post = partial(_ordered.from_keys, keys, out)
+            out = keys
         issue: Callable[[], Any] = partial(
             torch_op, out, data, op=top, group=info.pg, async_op=True
         )

@@ -83,6 +83,52 @@ def case_all_reduce_ops(mode: str) -> None:
     assert b16.float().tolist() == [w * (w - 1) / 2] * 3
 
 
+def case_max_min_nan(mode: str) -> None:
+    """A max or min of floats with a NaN on any one rank is NaN on every rank, as
+    torch.maximum/minimum: before, gloo dropped a NaN unless rank 0 held it, and MPICH gave
+    the ranks different answers (overlap.comm.ordered). Finite values and infinities come out
+    as torch.maximum/minimum folded over the ranks say, and -0.0 is below +0.0."""
+    r, w = rw()
+    nan, inf = float("nan"), float("inf")
+
+    def mine(k: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        # position 0: NaN on rank k; 1: rank-dependent finite; 2: signed zeros; 3: inf
+        row = [nan if rank == k else rank + 0.5, -(rank * 1.5), -0.0 if rank % 2 else 0.0]
+        return torch.tensor([*row, inf if rank == 0 else -inf], dtype=dtype)
+
+    for k in range(w):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            for op, fold in (("max", torch.maximum), ("min", torch.minimum)):
+                want = mine(k, 0, dtype)
+                for q in range(1, w):
+                    want = fold(want, mine(k, q, dtype))
+                t = mine(k, r, dtype)
+                go(lambda a, t=t, op=op: comm.all_reduce(t, op=op, async_op=a), mode)
+                assert torch.isnan(t[0]), (k, dtype, op, t.tolist())
+                assert t[1:].tolist() == want[1:].tolist(), (k, dtype, op, t, want)
+                # -0.0 < +0.0 whatever the order (torch.maximum's pick depends on it)
+                assert t[2].signbit().item() == (op == "min" and w > 1), (k, op, t)
+        # reduce: the result on dst, every other rank's tensor unchanged
+        t = mine(k, r, torch.float32)
+        go(lambda a, t=t: comm.reduce(t, dst=w - 1, op="max", async_op=a), mode)
+        if r == w - 1:
+            assert torch.isnan(t[0]) and t[1].item() == 0.0, t.tolist()
+        else:
+            assert t.tolist()[1:] == mine(k, r, torch.float32).tolist()[1:], t.tolist()
+            assert torch.isnan(t[0]) == (r == k), t.tolist()
+        # reduce_scatter, from chunks and from one flat tensor: rank j gets chunk j
+        chunks = [torch.tensor([nan if r == k else float(r + j)]) for j in range(w)]
+        flat = torch.cat(chunks)
+        for data in (chunks, flat):
+            out = torch.empty(1)
+            go(
+                lambda a, out=out, data=data: comm.reduce_scatter(out, data, "min", async_op=a),
+                mode,
+            )
+            assert torch.isnan(out[0]), (k, out.tolist())
+        assert flat.isnan().tolist() == [r == k] * w, flat.tolist()  # the input is left alone
+
+
 def case_broadcast(mode: str) -> None:
     r, w = rw()
     t = torch.full((4,), float(r))
