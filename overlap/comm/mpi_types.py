@@ -9,8 +9,9 @@ reduction is checked here first and refused with a TypeError that names a fix.
 * Reductions use the matching MPI type. float16 uses ``MPI_FLOAT16_T`` where the library has
   it. bfloat16 has no usable MPI reduction, so it is reduced in a float32 copy and cast back
   (documented: a bf16 sum may then differ in the last bit from a bf16 accumulation).
-* bool reduces with logical ops: ``max``/``bor`` -> LOR, ``min``/``band`` -> LAND,
-  ``bxor`` -> LXOR; ``sum``/``product``/``avg`` on bool raise TypeError.
+* bool reduces with logical ops, as gloo's does (it adds or multiplies bools into a bool):
+  ``sum``/``max``/``bor`` -> LOR, ``product``/``min``/``band`` -> LAND, ``bxor`` -> LXOR;
+  ``avg`` on bool raises TypeError (it needs a float, on every backend).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = ["INT_MAX", "mpi_op", "reduce_dtype"]
 INT_MAX = 2**31 - 1
 
 _BOOL_OPS = {
+    ReduceOp.SUM: "LOR",
+    ReduceOp.PRODUCT: "LAND",
     ReduceOp.MAX: "LOR",
     ReduceOp.BOR: "LOR",
     ReduceOp.MIN: "LAND",

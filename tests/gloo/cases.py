@@ -78,6 +78,12 @@ def case_all_reduce_ops(mode: str) -> None:
     i = torch.tensor([1 << r, 3], dtype=torch.int64)
     go(lambda a: comm.all_reduce(i, op="bor", async_op=a), mode)
     assert i.tolist() == [(1 << w) - 1, 3]
+    # bool sum and product are logical or and and, on gloo (which adds bools into a bool)
+    # and on MPI alike; MPI refused them before
+    for op, want_b in (("sum", [True, True, False]), ("product", [r == 0 and w == 1, True, False])):
+        b = torch.tensor([r == 0, True, False])
+        go(lambda a, b=b, op=op: comm.all_reduce(b, op=op, async_op=a), mode)
+        assert b.tolist() == want_b, (op, b.tolist())
     b16 = torch.full((3,), float(r), dtype=torch.bfloat16)
     go(lambda a: comm.all_reduce(b16, op="sum", async_op=a), mode)
     assert b16.float().tolist() == [w * (w - 1) / 2] * 3
