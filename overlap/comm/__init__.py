@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
+from overlap.comm import claims as _claims
 from overlap.comm import comms_logger as _logger
 from overlap.comm import debug as _debug
 from overlap.comm import state
@@ -184,6 +185,21 @@ def _opname(op: Any) -> str:
 
 
 # ------------------------------------------------------------------------ process, groups
+def _claim(h: Any, async_op: bool, name: str, writes: Any, reads: Any = ()) -> Any:
+    """``h``, an async op's handle, claiming its tensors until it completes
+    (:mod:`overlap.comm.claims`); anything else (a blocking op's result) as it is."""
+    if async_op and isinstance(h, Handle):
+        _claims.claim(h, name, writes, reads)
+    return h
+
+
+def _is_me(rank: Any) -> bool:
+    """Whether global rank ``rank`` is this process (the root of a broadcast or scatter
+    only reads its tensor, the destination of a gather writes its list)."""
+    b = state._backend
+    return b is not None and rank == b.get_rank()
+
+
 def is_initialized() -> bool:
     """True after :func:`init_distributed` (and before :func:`destroy_process_group`)."""
     return state.is_active()
@@ -308,10 +324,15 @@ def all_reduce(
     Returns the tensor (or a Handle resolving to it with ``async_op=True``).
     """
     b = state._backend
+    if _claims.live:
+        _claims.settle1("all_reduce", tensor, True)
     if b is not None and not _LOG.enabled and not _debug._enabled and algorithm == "native":
         # the common call, straight to the backend (the same call as below, with fewer
         # checks on the way: 0.45 us of an 8-byte MPI call's 6.0 on 2 ranks went here)
-        return b.all_reduce(tensor, op, group, async_op)
+        h = b.all_reduce(tensor, op, group, async_op)
+        if async_op:
+            _claims.claim1(h, "all_reduce", tensor, True)
+        return h
     if _LOG.enabled and _LOG.wants(prof, log_name):
         return _LOG.timed(
             "all_reduce",
@@ -324,7 +345,9 @@ def all_reduce(
     if _debug._enabled:
         _debug.check(f"all_reduce[{algorithm}] op={_opname(op)}", group, [tensor])
     if algorithm == "native":
-        return backend.all_reduce(tensor, op, group, async_op)
+        return _claim(
+            backend.all_reduce(tensor, op, group, async_op), async_op, "all_reduce", (tensor,)
+        )
     from overlap.comm.algorithms import ALGORITHMS, check_algorithm_args
     from overlap.comm.steps import run
 
@@ -336,7 +359,7 @@ def all_reduce(
     from overlap.comm import driver
 
     check_algorithm_args(tensor, op, group)  # bad input raises here, not from the handle
-    return driver.submit(
+    h = driver.submit(
         f"all_reduce[{algorithm}]",
         lambda twin: make(tensor, op, twin),
         group,
@@ -345,6 +368,7 @@ def all_reduce(
         device=tensor.device,
         world=backend.get_world_size(group),
     )
+    return _claim(h, True, f"all_reduce[{algorithm}]", (tensor,))
 
 
 def inference_all_reduce(
@@ -372,6 +396,8 @@ def all_reduce_coalesced(
 ) -> Any:
     """All-reduce several tensors in place with one collective per dtype and device
     (:mod:`overlap.comm.coalesced`). Returns the list (or a Handle resolving to it)."""
+    if _claims.live:
+        _claims.settle("all_reduce_coalesced", tensors)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         return _LOG.timed(
             "all_reduce_coalesced",
@@ -389,7 +415,7 @@ def all_reduce_coalesced(
         check_reducible(rop, t.dtype)
     _check(f"all_reduce_coalesced op={_opname(op)}", group, [ts])
     nbytes = sum(t.numel() * t.element_size() for t in ts)
-    return _steps_op(
+    h = _steps_op(
         "all_reduce_coalesced",
         lambda g: all_reduce_coalesced_steps(ts, rop, g),
         group,
@@ -397,6 +423,7 @@ def all_reduce_coalesced(
         nbytes,
         ts[0].device if ts else None,
     )
+    return _claim(h, async_op, "all_reduce_coalesced", ts)
 
 
 def _steps_op(name: str, make: Any, group: Any, async_op: bool, nbytes: int, device: Any) -> Any:
@@ -441,8 +468,13 @@ def broadcast(
 ) -> Any:
     """Copy rank ``src``'s tensor into ``tensor`` on every rank of the group."""
     b = state._backend
+    if _claims.live:  # the root reads its tensor, every other rank writes it
+        _claims.settle1("broadcast", tensor, not _is_me(src))
     if b is not None and not _LOG.enabled and not _debug._enabled and not comm_off:
-        return b.broadcast(tensor, src, group, async_op)  # the common call (all_reduce's)
+        h = b.broadcast(tensor, src, group, async_op)  # the common call (all_reduce's)
+        if async_op:
+            _claims.claim1(h, "broadcast", tensor, not _is_me(src))
+        return h
     if _LOG.enabled and _LOG.wants(prof, log_name):
         return _LOG.timed(
             "broadcast",
@@ -454,7 +486,10 @@ def broadcast(
     if comm_off and "broadcast" in comm_off:
         return skipped("broadcast")
     _check(f"broadcast src={src}", group, [tensor])
-    return state.active().broadcast(tensor, src, group, async_op)
+    h = state.active().broadcast(tensor, src, group, async_op)
+    if async_op and isinstance(h, Handle):
+        _claims.claim1(h, "broadcast", tensor, not _is_me(src))
+    return h
 
 
 def broadcast_object_list(
@@ -495,8 +530,15 @@ def reduce(
         )
     if comm_off and "reduce" in comm_off:
         return skipped("reduce")
+    # gloo writes partial sums into every rank's tensor (overlap puts them back), MPI only
+    # into the destination's
+    ro = not _is_me(dst) and get_backend() == "mpi"
+    roles: tuple[Any, Any] = ((), (tensor,)) if ro else ((tensor,), ())
+    if _claims.live:
+        _claims.settle("reduce", *roles)
     _check(f"reduce dst={dst} op={_opname(op)}", group, [tensor])
-    return state.active().reduce(tensor, dst, op, group, async_op)
+    h = state.active().reduce(tensor, dst, op, group, async_op)
+    return _claim(h, async_op, "reduce", *roles)
 
 
 def all_gather(
@@ -524,8 +566,13 @@ def all_gather(
         )
     if comm_off and "all_gather" in comm_off:
         return skipped("all_gather")
+    # the one-tensor form allocates its outputs
+    roles: tuple[Any, Any] = ((), (tensor_list,)) if tensor is None else (tensor_list, (tensor,))
+    if _claims.live:
+        _claims.settle("all_gather", *roles)
     _check("all_gather", group, [tensor_list, tensor])
-    return state.active().all_gather(tensor_list, tensor, group, async_op)
+    h = state.active().all_gather(tensor_list, tensor, group, async_op)
+    return _claim(h, async_op, "all_gather", *roles)
 
 
 def all_gather_object(
@@ -563,8 +610,11 @@ def all_gather_into_tensor(
             lambda a: all_gather_into_tensor(output_tensor, tensor, group, a, log_name=BYPASS),
             async_op,
         )
+    if _claims.live:
+        _claims.settle("all_gather_into_tensor", (output_tensor,), (tensor,))
     _check("all_gather_into_tensor", group, [output_tensor, tensor])
-    return state.active().all_gather_into_tensor(output_tensor, tensor, group, async_op)
+    h = state.active().all_gather_into_tensor(output_tensor, tensor, group, async_op)
+    return _claim(h, async_op, "all_gather_into_tensor", (output_tensor,), (tensor,))
 
 
 def allgather_fn(
@@ -592,6 +642,8 @@ def all_gather_coalesced(
 
     w = get_world_size(group)
     outs, ins = check_gather(output_tensors, input_tensors, w)
+    if _claims.live:
+        _claims.settle("all_gather_coalesced", outs, ins)
 
     def issue(a: bool) -> Any:
         _check("all_gather_coalesced", group, [outs, ins])
@@ -606,7 +658,7 @@ def all_gather_coalesced(
 
     if _LOG.enabled and _LOG.wants(False, "all_gather_coalesced"):
         return _LOG.timed("all_gather_coalesced", "all_gather_coalesced", None, issue, async_op)
-    return issue(async_op)
+    return _claim(issue(async_op), async_op, "all_gather_coalesced", outs, ins)
 
 
 def reduce_scatter(
@@ -634,8 +686,12 @@ def reduce_scatter(
         )
     if comm_off and "reduce_scatter" in comm_off:
         return skipped("reduce_scatter")
+    ins = (input_list,) if isinstance(input_list, torch.Tensor) else input_list
+    if _claims.live:
+        _claims.settle("reduce_scatter", (output,), ins)
     _check(f"reduce_scatter op={_opname(op)}", group, [output, input_list])
-    return state.active().reduce_scatter(output, input_list, op, group, async_op)
+    h = state.active().reduce_scatter(output, input_list, op, group, async_op)
+    return _claim(h, async_op, "reduce_scatter", (output,), ins)
 
 
 def reduce_scatter_tensor(
@@ -661,7 +717,10 @@ def reduce_scatter_tensor(
         raise TypeError(
             "reduce_scatter_tensor takes one input tensor; use reduce_scatter for a list"
         )
-    return state.active().reduce_scatter(output_tensor, tensor, op, group, async_op)
+    if _claims.live:
+        _claims.settle("reduce_scatter_tensor", (output_tensor,), (tensor,))
+    h = state.active().reduce_scatter(output_tensor, tensor, op, group, async_op)
+    return _claim(h, async_op, "reduce_scatter_tensor", (output_tensor,), (tensor,))
 
 
 def reduce_scatter_fn(
@@ -705,9 +764,12 @@ def all_to_all_single(
         sends = _split_counts(tensor, input_split_sizes, w)
         expects = _split_counts(output, output_split_sizes, w)
         _debug.check("all_to_all_single", group, [output, tensor], (sends, expects))
-    return state.active().all_to_all_single(
+    if _claims.live:
+        _claims.settle("all_to_all_single", (output,), (tensor,))
+    h = state.active().all_to_all_single(
         output, tensor, output_split_sizes, input_split_sizes, group, async_op
     )
+    return _claim(h, async_op, "all_to_all_single", (output,), (tensor,))
 
 
 def all_to_all(
@@ -730,7 +792,10 @@ def _all_to_all(outs: Any, ins: Any, group: Any, async_op: bool) -> Any:
         w = get_world_size(group)
         counts = (_list_counts(ins, w), _list_counts(outs, w))
         _debug.check("all_to_all", group, [outs, ins], counts)
-    return state.active().all_to_all(outs, ins, group, async_op)
+    if _claims.live:
+        _claims.settle("all_to_all", outs, ins)
+    h = state.active().all_to_all(outs, ins, group, async_op)
+    return _claim(h, async_op, "all_to_all", outs, ins)
 
 
 def gather(
@@ -752,8 +817,12 @@ def gather(
             lambda a: gather(tensor, gather_list, dst, group, a, log_name=BYPASS),
             async_op,
         )
+    outs = gather_list if gather_list is not None and _is_me(dst) else ()
+    if _claims.live:
+        _claims.settle("gather", outs, (tensor,))
     _check(f"gather dst={dst}", group, [tensor])
-    return state.active().gather(tensor, gather_list, dst, group, async_op)
+    h = state.active().gather(tensor, gather_list, dst, group, async_op)
+    return _claim(h, async_op, "gather", outs, (tensor,))
 
 
 def scatter(
@@ -775,8 +844,12 @@ def scatter(
             lambda a: scatter(tensor, scatter_list, src, group, a, log_name=BYPASS),
             async_op,
         )
+    ins = scatter_list if scatter_list is not None and _is_me(src) else ()
+    if _claims.live:
+        _claims.settle("scatter", (tensor,), ins)
     _check(f"scatter src={src}", group, [tensor])
-    return state.active().scatter(tensor, scatter_list, src, group, async_op)
+    h = state.active().scatter(tensor, scatter_list, src, group, async_op)
+    return _claim(h, async_op, "scatter", (tensor,), ins)
 
 
 def barrier(
@@ -829,6 +902,8 @@ def send(
     """Send ``tensor`` to rank ``dst`` and wait until it is handed over."""
     if tag:
         check_tag(tag)
+    if _claims.live:
+        _claims.settle1("send", tensor, False)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         _LOG.timed_call(
             "send",
@@ -854,6 +929,8 @@ def recv(
     """Receive into ``tensor`` from ``src`` (any rank if None); returns the sender's rank."""
     if tag:
         check_tag(tag)
+    if _claims.live:
+        _claims.settle1("recv", tensor, True)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         r0: int = _LOG.timed_call(
             "recv",
@@ -883,6 +960,8 @@ def isend(
     monitored_barrier, use them)."""
     if tag:
         check_tag(tag)
+    if _claims.live:
+        _claims.settle1("isend", tensor, False)
     b = state._backend  # state.active() without its call (it raises when not initialised)
     h: Handle = (b if b is not None else state.active()).isend(tensor, dst, group, tag)
     if _LOG.enabled and _LOG.wants(prof, log_name):
@@ -906,6 +985,8 @@ def irecv(
     """
     if tag:
         check_tag(tag)
+    if _claims.live:
+        _claims.settle1("irecv", tensor, True)
     b = state._backend  # state.active() without its call (it raises when not initialised)
     h: Handle = (b if b is not None else state.active()).irecv(tensor, src, group, tag)
     if _LOG.enabled and _LOG.wants(prof, log_name):
@@ -920,5 +1001,18 @@ def batch_isend_irecv(p2p_op_list: Sequence[Any]) -> list[Handle]:
     """
     for p in p2p_op_list:
         check_tag(getattr(p, "tag", 0) or 0)
+    if _claims.live:  # a collective in flight on a buffer of these waits first
+        for w, r in (_p2p_roles(p) for p in p2p_op_list):
+            _claims.settle("batch_isend_irecv", w, r)
     handles: list[Handle] = state.active().batch_isend_irecv(p2p_op_list)
     return handles
+
+
+def _p2p_roles(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(written, read) of one P2POp (or torch's): a receive writes its tensor."""
+    try:
+        kind = p.kind if isinstance(p, P2POp) else getattr(p.op, "__name__", "")
+        t = p.tensor
+    except Exception:  # not a P2POp: the backend refuses it with the documented error
+        return (), ()
+    return ((t,), ()) if kind == "irecv" else ((), (t,))

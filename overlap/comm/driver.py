@@ -49,6 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from overlap.comm import claims as _claims
 from overlap.comm import quiesce as _quiesce
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, in_step, run
@@ -88,6 +89,7 @@ class _Driver:
             self.cv.notify()
 
     def _loop(self) -> None:
+        _claims.internal_thread()  # it orders its own ops (overlap.comm.claims)
         while True:
             with self.cv:
                 if not self.jobs and not self.closed:

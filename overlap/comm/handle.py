@@ -106,6 +106,10 @@ _now = time.perf_counter_ns
 # attribute read fewer per state change.
 _LOCK = threading.Lock()
 
+# The async ops in flight that claim tensors (overlap.comm.claims): id(handle) -> a weak
+# reference to it, dropped by _finish. Kept here so that completing an op needs no import.
+CLAIMS: dict[int, Any] = {}
+
 
 def _format_bytes(n: int) -> str:
     size = float(n)
@@ -132,6 +136,7 @@ class Handle:
     __slots__ = (
         "__weakref__",
         "_callbacks",
+        "_claim",
         "_done_lock",
         "_engine",
         "_exc",
@@ -182,6 +187,7 @@ class Handle:
         self._done_lock: threading.Lock | None = None  # made by the first blocked thread
         self._waiters: list[_Waiter] | None = None
         self._callbacks: list[Callable[[Handle], None]] | None = None
+        self._claim: Any = None  # the tensors' claim while in flight (overlap.comm.claims)
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod
@@ -210,6 +216,8 @@ class Handle:
             callbacks, self._callbacks = self._callbacks, None
             done_lock = self._done_lock
             self._keep = None
+        if CLAIMS:  # its tensors may be claimed (overlap.comm.claims)
+            CLAIMS.pop(id(self), None)
         if done_lock is not None:
             done_lock.release()
         obs = _hooks.observer

@@ -141,6 +141,7 @@ class MpiOp(Handle):
         self._done_lock = None
         self._waiters = None
         self._callbacks = None
+        self._claim = None
         _open += 1
         self.MPI = MPI
         self.req = req

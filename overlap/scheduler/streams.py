@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from overlap.comm import claims as _claims
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, in_step, run
 from overlap.errors import CommError, OutOfStepError
@@ -260,6 +261,7 @@ class Launcher:
                 inflight.remove(item)
 
     def _run(self) -> None:
+        _claims.internal_thread()  # it orders its own ops (overlap.comm.claims)
         inflight: deque[_InFlight] = deque()
         while True:
             job: Any = self._queue.get()

@@ -299,6 +299,42 @@ def case_scatter(mode: str) -> None:
     _allclose(t, torch.full((3,), float(r * r)))
 
 
+def case_in_flight_same_memory(mode: str) -> None:
+    """Ops issued on memory that a collective in flight writes (or reads, when they write
+    it) run after it, as NCCL's stream gives (overlap.comm.claims): before, gloo's thread
+    pool and MPI's nonblocking collectives raced on the buffer (two sums of ones gave 3 on
+    gloo, a broadcast then a sum gave the two MPI ranks 4 and 2)."""
+    r, w = rw()
+    a = mode != "blocking"  # blocking: the same async ops, each finished by wait()
+
+    def finish(hs: list[Any]) -> None:
+        go(lambda _: hs, mode if a else "wait")
+
+    for n in (2, 1 << 15):
+        t = torch.ones(n)
+        finish([comm.all_reduce(t, async_op=True), comm.all_reduce(t, async_op=True)])
+        _allclose(t, torch.full((n,), float(w * w)))
+        t = torch.full((n,), float(r + 1))
+        finish([comm.broadcast(t, src=w - 1, async_op=True), comm.all_reduce(t, async_op=True)])
+        _allclose(t, torch.full((n,), float(w * w)))
+        # two overlapping views: the middle is summed twice, the ends once
+        t = torch.ones(2 * n)
+        h1 = comm.all_reduce(t[: n + n // 2], async_op=True)
+        finish([h1, comm.all_reduce(t[n // 2 :], async_op=True)])
+        want = torch.full((2 * n,), float(w))
+        want[n // 2 : n + n // 2] = w * w
+        _allclose(t, want)
+        if w > 1:
+            # a send of a tensor an all_reduce in flight writes sends the sum: the send
+            # waits for the collective (before, it could send the tensor unreduced)
+            nxt, prv = (r + 1) % w, (r - 1) % w
+            t = torch.full((n,), float(r + 1))
+            got = torch.zeros(n)
+            h = comm.all_reduce(t, async_op=True)
+            finish([h, comm.irecv(got, src=prv), comm.isend(t, dst=nxt)])
+            _allclose(got, torch.full((n,), float(w * (w + 1) / 2)))
+
+
 def case_barrier(mode: str) -> None:
     assert go(lambda a: comm.barrier(async_op=a), mode) is None
 
