@@ -30,7 +30,9 @@ Cost: a collective's claim is a weak reference to its handle in one dict, and it
 in the handle (``_claim``), dropped when it completes. The check runs only while some claim
 is in flight, and not on overlap's own threads (the bucket worker, the steps drivers), which
 order their ops themselves: a wait there could stall the thread that completes the very op
-waited for. With up to eight claims in flight a check looks at each; with more it indexes
+waited for. Nor does an op issued from a handle's done-callback wait (a callback runs on a
+backend's thread, which must never block): it goes ahead unordered, with a warning.
+With up to eight claims in flight a check looks at each; with more it indexes
 them by the storage their tensors' bytes live in (its data pointer; two allocations never
 overlap), once per claim, and looks only at the claims on its own tensors' storages, so its
 cost does not grow with the number of ops in flight (10,000 awaited at once in the
@@ -47,7 +49,7 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from overlap.comm.handle import CLAIMS, PENDING
+from overlap.comm.handle import CLAIMS, IN_CALLBACK, PENDING
 from overlap.errors import CommTimeoutError, OverlapError
 
 if TYPE_CHECKING:
@@ -255,6 +257,17 @@ def _settle(op: str, mine: tuple[Range, ...], ts: tuple[Any, ...]) -> None:
                     claims.pop(key, None)  # completed: no longer a claim
                     continue
                 _conflicts((r,), theirs, h, h._claim[0], waits)
+    if waits and IN_CALLBACK.on:
+        # a done-callback runs on a backend's thread, which must never block (DESIGN.md
+        # 3.2): the op goes ahead unordered, and says so
+        log.warning(
+            "%s was issued from a handle's done-callback on memory that %s, still in "
+            "flight, uses: a callback cannot wait, so the two are not ordered; issue it "
+            "after awaiting the first op instead",
+            op,
+            waits[0][1],
+        )
+        return
     for h, their_op, they_write in waits:
         _wait(op, h, their_op, they_write)
 

@@ -106,6 +106,15 @@ _now = time.perf_counter_ns
 # attribute read fewer per state change.
 _LOCK = threading.Lock()
 
+
+class _InCallback(threading.local):
+    on = False  # a class default: reading it never raises
+
+
+# Whether this thread is running a handle's done-callbacks (``_finish``): an op issued
+# there must not wait for another (overlap.comm.claims), as a callback must never block
+IN_CALLBACK = _InCallback()
+
 # The async ops in flight that claim tensors (overlap.comm.claims): id(handle) -> a weak
 # reference to it, dropped by _finish. Kept here so that completing an op needs no import.
 CLAIMS: dict[int, Any] = {}
@@ -227,8 +236,13 @@ class Handle:
             for loop, waker, fut in waiters:
                 resolve(loop, waker, fut)
         if callbacks:
-            for cb in callbacks:
-                cb(self)
+            outer = IN_CALLBACK.on
+            IN_CALLBACK.on = True
+            try:
+                for cb in callbacks:
+                    cb(self)
+            finally:
+                IN_CALLBACK.on = outer
 
     def _block_until_done(self, timeout: float | None) -> bool:
         if self._state is not PENDING:

@@ -129,3 +129,22 @@ def test_a_check_after_many_completed_claims_still_finds_the_live_one() -> None:
     claims.settle("all_reduce", (t,))
     assert time.monotonic() - t0 > 0.2 and first.done()
     assert len(claims._index) < 10
+
+
+def test_an_op_issued_from_a_done_callback_never_waits() -> None:
+    t = torch.ones(8)
+    first, trigger = _pending(), _pending("barrier")
+    claims.claim(first, "all_reduce", (t,))
+    took: list[float] = []
+
+    def cb(_: Handle) -> None:
+        t0 = time.monotonic()
+        claims.settle("all_reduce", (t,))  # would wait for ``first`` for good
+        took.append(time.monotonic() - t0)
+
+    trigger.add_done_callback(cb)
+    trigger._finish(None)
+    try:
+        assert took and took[0] < 0.1 and not first.done()
+    finally:
+        first._finish(None)
