@@ -285,6 +285,16 @@ def extreme_magnitudes_stay_finite() -> list[float]:
     return out
 
 
+def fp16_share_of_a_spike() -> list[float]:
+    """FP16 divides by W before the cast: 1e5 (above float16's 65504) on rank 0 and 0
+    elsewhere averages to 1e5 / W on every rank, where casting first gave inf."""
+    r = comm.get_rank()
+    x = torch.full((8,), 1e5 if r == 0 else 0.0)
+    FP16().reduce(0, x)
+    assert torch.isfinite(x).all(), x
+    return x.tolist()
+
+
 def powersgd_nonfinite(mode: str) -> list[Any]:
     """PowerSGD and a non-finite input on the last rank, after a step whose matrix was all
     zeros (so its warm-start Q is zero, and an Inf times it may come out of the product as

@@ -90,3 +90,8 @@ def test_numba_and_torch_codecs_agree(pools: Callable[[int], RankPool], world_si
 def test_extreme_but_finite_magnitudes_are_compressed(pools: Callable[[int], RankPool]) -> None:
     ratios = pools(2).run(cc.extreme_magnitudes_stay_finite, timeout=60)
     assert all(0.1 < x < 10 for rank in ratios for x in rank), ratios
+
+
+def test_fp16_keeps_the_share_of_a_value_above_its_range(pools: Callable[[int], RankPool]) -> None:
+    for rank in pools(2).run(cc.fp16_share_of_a_spike, timeout=60):
+        assert all(abs(v - 5e4) <= 32 for v in rank), rank  # float16 spacing at 5e4 is 32
