@@ -8,7 +8,9 @@ all_gather's input, a broadcast's tensor on its root). Before any op is issued, 
 or point to point, its own tensors are checked against the claims in flight, byte range by
 byte range; where either side writes bytes the other touches, the new op waits for the
 collective to complete (its ``wait()``, which the backend's job timeout bounds) and then goes
-ahead. Two reads of the same bytes stay concurrent.
+ahead. Two reads of the same bytes stay concurrent. Ops on different groups are ordered
+too (NCCL orders one group's ops, on its stream, and lets two groups' race): memory shared by
+two ops in flight is a race whatever their groups.
 
 Why: on NCCL, ops of one process issue onto one stream and run in issue order, so
 ``h1 = all_reduce(t, async_op=True); h2 = all_reduce(t, async_op=True)`` gives the sum
