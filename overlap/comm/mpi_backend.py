@@ -45,6 +45,7 @@ from overlap.comm.p2p import P2POp
 from overlap.comm.progress import MpiOp
 from overlap.comm.reduce_op import ReduceOp, parse_op
 from overlap.comm.validate import (
+    check_distinct,
     check_gathered_size,
     check_like,
     check_p2p_peer,
@@ -647,6 +648,7 @@ class MpiBackend:
             t = self._t(tensor, "tensor")
             outs = self._ts(tensor_list, "tensor_list", g.size)
             check_like(outs, t, "tensor_list", "tensor")
+            check_distinct(outs, "tensor_list")
         host, _ = self._host(t)
         flat = torch.empty(
             (g.size, *host.shape),
@@ -811,6 +813,7 @@ class MpiBackend:
     ) -> Any:
         g = self._g(group)
         outs = self._ts(output_tensor_list, "output_tensor_list", g.size)
+        check_distinct(outs, "output_tensor_list")
         ins = self._ts(input_tensor_list, "input_tensor_list", g.size)
         send = torch.cat([x.detach().reshape(-1).view(torch.uint8).cpu() for x in ins])
         recv = torch.empty(sum(o.numel() * o.element_size() for o in outs), dtype=torch.uint8)

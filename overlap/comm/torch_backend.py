@@ -41,6 +41,7 @@ from overlap.comm.handle import EVENT_ENGINE, Handle
 from overlap.comm.p2p import P2POp
 from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
 from overlap.comm.validate import (
+    check_distinct,
     check_gathered_size,
     check_like,
     check_p2p_peer,
@@ -468,6 +469,7 @@ class TorchBackend:
             info = resolve_group(group)
             outs = self._ts(tensor_list, "tensor_list", info.size)
             check_like(outs, t, "tensor_list", "tensor")
+            check_distinct(outs, "tensor_list")
         return self._launch(
             "all_gather",
             info,
@@ -632,6 +634,7 @@ class TorchBackend:
     ) -> Any:
         info = resolve_group(group)
         outs = self._ts(output_tensor_list, "output_tensor_list", info.size)
+        check_distinct(outs, "output_tensor_list")
         ins = apart_list(self._ts(input_tensor_list, "input_tensor_list", info.size), outs)
         nbytes = nbytes_of(ins)
 

@@ -7,6 +7,7 @@ made on one rank only is the mismatch that the debug mode of the reliability wor
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -94,6 +95,26 @@ def check_like(ts: Sequence[torch.Tensor], ref: torch.Tensor, name: str, ref_nam
             raise ValueError(
                 f"{name}[{i}] is {o.dtype}{list(o.shape)} but {ref_name} is "
                 f"{ref.dtype}{list(ref.shape)}; every {name} entry must match {ref_name}"
+            )
+
+
+def check_distinct(ts: Sequence[torch.Tensor], name: str) -> None:
+    """No two tensors of an output list share bytes. ``[torch.empty(n)] * w`` is one tensor
+    w times, and every rank's part landed in it in turn: an all_gather on 2 ranks left
+    [[1, 1], [1, 1]] for [[0, 0], [1, 1]], with no error (torch's too)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, t in enumerate(ts)
+        if t.numel()
+    )
+    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+        if start < end:
+            a, b = sorted((i, j))
+            same = "is" if ts[a] is ts[b] else "shares memory with"
+            raise ValueError(
+                f"{name}[{b}] {same} {name}[{a}]: each rank's part would overwrite another's. "
+                f"Give every entry its own tensor ([torch.empty(n) for _ in range(world_size)], "
+                f"not [torch.empty(n)] * world_size)"
             )
 
 
@@ -200,6 +221,8 @@ def checked_root_list(
         check_root_list(ts, name, op, root_word, root, size)
         out: list[torch.Tensor] = as_list(ts, name, size)
         check_like(out, like, name, "tensor")
+        if op == "gather":  # the list it writes (a scatter's is only read)
+            check_distinct(out, name)
         return out
     except (TypeError, ValueError) as exc:
         raise root_refusal(exc, op, take_part) from None

@@ -55,6 +55,16 @@ def bad_calls() -> dict[str, tuple[str, str]]:
             lambda: comm.all_gather_into_tensor(torch.empty(w * 2 + 1), torch.ones(2))
         ),
         "all_gather_shape": _catch(lambda: comm.all_gather([torch.empty(3)] * w, torch.ones(2))),
+        # one output tensor w times ([x] * w): every part landed in it, silently, before
+        "all_gather_one_tensor_w_times": _catch(
+            lambda: comm.all_gather([torch.empty(2)] * w, torch.ones(2))
+        ),
+        "all_to_all_one_tensor_w_times": _catch(
+            lambda: comm.all_to_all([torch.empty(2)] * w, [torch.ones(2) for _ in range(w)])
+        ),
+        "all_gather_overlapping_views": _catch(
+            lambda: comm.all_gather(list(torch.empty(2 * w + 1).unfold(0, 3, 2)), torch.ones(3))
+        ),
         "a2a_not_divisible": _catch(
             lambda: comm.all_to_all_single(torch.empty(w + 1), torch.ones(w + 1))
         ),
@@ -68,6 +78,9 @@ def bad_calls() -> dict[str, tuple[str, str]]:
             lambda: comm.gather(
                 t, [torch.empty(4, dtype=torch.int64) for _ in range(w)] if r == 0 else None
             ),
+        ),
+        "gather_list_one_tensor_w_times": _root_only(
+            r, lambda: comm.gather(t, [torch.empty(4)] * w if r == 0 else None)
         ),
         "scatter_list_wrong_length": _root_only(
             r,

@@ -28,6 +28,22 @@ EXPECTED = {
     "rs_chunk_mismatch": ("ValueError", r"input\[0\] is torch.float32\[3\] but output"),
     "agit_wrong_size": ("ValueError", r"output has 7 elements, expected"),
     "all_gather_shape": ("ValueError", r"tensor_list\[0\] is torch.float32\[3\]"),
+    "all_gather_one_tensor_w_times": (
+        "ValueError",
+        r"tensor_list\[1\] is tensor_list\[0\].*for _ in",
+    ),
+    "all_to_all_one_tensor_w_times": (
+        "ValueError",
+        r"output_tensor_list\[1\] is output_tensor_list\[0\]",
+    ),
+    "all_gather_overlapping_views": (
+        "ValueError",
+        r"tensor_list\[1\] shares memory with tensor_list\[0\]",
+    ),
+    "gather_list_one_tensor_w_times": (
+        "ValueError",
+        r"gather_list\[1\] is gather_list\[0\].*stays in step",
+    ),
     "a2a_not_divisible": ("ValueError", r"does not divide by world_size \(3\)"),
     "a2a_bad_splits": ("ValueError", r"input_split_sizes \[5, 5, 5\] must have 3 entries"),
     "gather_no_list_on_dst": ("ValueError", r"must pass gather_list.*took part in the gather"),
