@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from overlap.comm.steps import Steps
+from overlap.comm.validate import check_distinct
 
 __all__ = ["all_gather_coalesced_steps", "all_reduce_coalesced_steps", "check_tensors"]
 
@@ -95,4 +96,5 @@ def check_gather(
                 f"{x.numel()} = {w * x.numel()} elements (input_tensors[{i}]'s), got "
                 f"{o.dtype} with {o.numel()}{'' if o.is_contiguous() else ', not contiguous'}"
             )
+    check_distinct(outs, "output_tensors")
     return outs, ins

@@ -65,6 +65,9 @@ def bad_calls() -> dict[str, tuple[str, str]]:
         "all_gather_overlapping_views": _catch(
             lambda: comm.all_gather(list(torch.empty(2 * w + 1).unfold(0, 3, 2)), torch.ones(3))
         ),
+        "all_gather_coalesced_outputs_shared": _catch(
+            lambda: comm.all_gather_coalesced([torch.empty(2 * w)] * 2, [torch.ones(2)] * 2)
+        ),
         "a2a_not_divisible": _catch(
             lambda: comm.all_to_all_single(torch.empty(w + 1), torch.ones(w + 1))
         ),

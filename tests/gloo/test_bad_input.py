@@ -44,6 +44,10 @@ EXPECTED = {
         "ValueError",
         r"gather_list\[1\] is gather_list\[0\].*stays in step",
     ),
+    "all_gather_coalesced_outputs_shared": (
+        "ValueError",
+        r"output_tensors\[1\] is output_tensors\[0\]",
+    ),
     "a2a_not_divisible": ("ValueError", r"does not divide by world_size \(3\)"),
     "a2a_bad_splits": ("ValueError", r"input_split_sizes \[5, 5, 5\] must have 3 entries"),
     "gather_no_list_on_dst": ("ValueError", r"must pass gather_list.*took part in the gather"),
