@@ -72,7 +72,7 @@ from overlap.comm.handle import Handle, HandleState
 from overlap.comm.init import destroy_process_group, init_distributed, mpi_discovery
 from overlap.comm.p2p import P2POp, check_tag
 from overlap.comm.reduce_op import ReduceOp, parse_op
-from overlap.comm.validate import check_splits
+from overlap.comm.validate import check_batch_buffers, check_splits
 
 __all__ = [
     "GradBucket",
@@ -1001,8 +1001,10 @@ def batch_isend_irecv(p2p_op_list: Sequence[Any]) -> list[Handle]:
     """
     for p in p2p_op_list:
         check_tag(getattr(p, "tag", 0) or 0)
+    roles = [_p2p_roles(p) for p in p2p_op_list]
+    check_batch_buffers(roles)
     if _claims.live:  # a collective in flight on a buffer of these waits first
-        for w, r in (_p2p_roles(p) for p in p2p_op_list):
+        for w, r in roles:
             _claims.settle("batch_isend_irecv", w, r)
     handles: list[Handle] = state.active().batch_isend_irecv(p2p_op_list)
     return handles

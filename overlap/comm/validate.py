@@ -118,6 +118,39 @@ def check_distinct(ts: Sequence[torch.Tensor], name: str) -> None:
             )
 
 
+def check_batch_buffers(roles: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> None:
+    """In one ``batch_isend_irecv`` (``roles``: each op's (tensors written, tensors read)),
+    no two receives land in the same bytes and no send reads bytes a receive writes: the
+    batch's ops run at once, so either was a race (two sends of one tensor are fine).
+    Entries that are not CPU tensors are the backend's to refuse."""
+    recvs = []
+    for i, (ws, _) in enumerate(roles):
+        for t in ws:
+            if isinstance(t, torch.Tensor) and t.is_cpu and t.numel():
+                a = t.data_ptr()
+                recvs.append((a, a + t.numel() * t.element_size(), i))
+    recvs.sort()
+    for (_, e1, i), (s2, _, j) in itertools.pairwise(recvs):
+        if s2 < e1:
+            raise ValueError(
+                f"batch_isend_irecv: receives {min(i, j)} and {max(i, j)} of p2p_op_list land "
+                "in the same memory, and the batch's ops run at once; give each receive its "
+                "own tensor"
+            )
+    for i, (_, rs) in enumerate(roles):
+        for t in rs:
+            if isinstance(t, torch.Tensor) and t.is_cpu and t.numel():
+                a = t.data_ptr()
+                b = a + t.numel() * t.element_size()
+                hit = next((j for s, e, j in recvs if a < e and s < b), None)
+                if hit is not None:
+                    raise ValueError(
+                        f"batch_isend_irecv: send {i} of p2p_op_list reads memory that "
+                        f"receive {hit} of the same batch writes, and the batch's ops run at "
+                        "once; send a copy (tensor.clone()), or receive into another tensor"
+                    )
+
+
 def _no_scalar(op: str, **ts: torch.Tensor) -> None:
     """Gathered and scattered tensors are split along dim 0: a 0-dim tensor has none (gloo
     crashed the process on one: SIGSEGV, torch 2.13)."""

@@ -91,6 +91,16 @@ def bad_calls() -> dict[str, tuple[str, str]]:
                 torch.empty(4), [torch.ones(4) for _ in range(w + 1)] if r == 0 else None
             ),
         ),
+        "batch_two_receives_one_tensor": _catch(
+            lambda: comm.batch_isend_irecv(
+                [comm.P2POp("irecv", t, (r + 1) % w), comm.P2POp("irecv", t[1:], (r + 2) % w)]
+            )
+        ),
+        "batch_send_of_a_received_tensor": _catch(
+            lambda: comm.batch_isend_irecv(
+                [comm.P2POp("irecv", t, (r + 1) % w), comm.P2POp("isend", t, (r + 2) % w)]
+            )
+        ),
         "send_to_self": _catch(lambda: comm.isend(t, dst=r)),
         "p2p_bad_kind": _catch(lambda: comm.batch_isend_irecv([comm.P2POp("put", t, 0)])),
         "new_group_bad_rank": _catch(lambda: comm.new_group([0, w + 5])),

@@ -53,6 +53,14 @@ EXPECTED = {
     "gather_no_list_on_dst": ("ValueError", r"must pass gather_list.*took part in the gather"),
     "gather_list_wrong_dtype": ("ValueError", r"gather_list\[0\] is torch.int64.*stays in step"),
     "scatter_list_wrong_length": ("ValueError", r"has 4 tensors but the group has 3.*scatter"),
+    "batch_two_receives_one_tensor": (
+        "ValueError",
+        r"receives 0 and 1 of p2p_op_list land in the same memory",
+    ),
+    "batch_send_of_a_received_tensor": (
+        "ValueError",
+        r"send 1 of p2p_op_list reads memory that receive 0 of the same batch",
+    ),
     "send_to_self": ("ValueError", r"is this rank"),
     "p2p_bad_kind": ("ValueError", r"must be 'isend' or 'irecv'"),
     "new_group_bad_rank": ("ValueError", r"ranks \[8\] are outside the world of 3"),
