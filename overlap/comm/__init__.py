@@ -193,6 +193,15 @@ def _claim(h: Any, async_op: bool, name: str, writes: Any, reads: Any = ()) -> A
     return h
 
 
+def _in_order(name: str, writes: Any, reads: Any, async_op: bool, issue: Any) -> Any:
+    """``issue()`` once no collective in flight writes what it touches (or reads what it
+    writes), its handle then claiming ``writes`` and ``reads`` (:mod:`overlap.comm.claims`):
+    the one way the collectives below go to their backend."""
+    if _claims.live:
+        _claims.settle(name, writes, reads)
+    return _claim(issue(), async_op, name, writes, reads)
+
+
 def _is_me(rank: Any) -> bool:
     """Whether global rank ``rank`` is this process (the root of a broadcast or scatter
     only reads its tensor, the destination of a gather writes its list)."""
@@ -344,10 +353,9 @@ def all_reduce(
     backend = state.active()
     if _debug._enabled:
         _debug.check(f"all_reduce[{algorithm}] op={_opname(op)}", group, [tensor])
-    if algorithm == "native":
-        return _claim(
-            backend.all_reduce(tensor, op, group, async_op), async_op, "all_reduce", (tensor,)
-        )
+    if algorithm == "native":  # (settled above, as every form of all_reduce is)
+        h = backend.all_reduce(tensor, op, group, async_op)
+        return _claim(h, async_op, "all_reduce", (tensor,))
     from overlap.comm.algorithms import ALGORITHMS, check_algorithm_args
     from overlap.comm.steps import run
 
@@ -396,8 +404,6 @@ def all_reduce_coalesced(
 ) -> Any:
     """All-reduce several tensors in place with one collective per dtype and device
     (:mod:`overlap.comm.coalesced`). Returns the list (or a Handle resolving to it)."""
-    if _claims.live:
-        _claims.settle("all_reduce_coalesced", tensors)
     if _LOG.enabled and _LOG.wants(prof, log_name):
         return _LOG.timed(
             "all_reduce_coalesced",
@@ -415,15 +421,13 @@ def all_reduce_coalesced(
         check_reducible(rop, t.dtype)
     _check(f"all_reduce_coalesced op={_opname(op)}", group, [ts])
     nbytes = sum(t.numel() * t.element_size() for t in ts)
-    h = _steps_op(
-        "all_reduce_coalesced",
-        lambda g: all_reduce_coalesced_steps(ts, rop, g),
-        group,
-        async_op,
-        nbytes,
-        ts[0].device if ts else None,
-    )
-    return _claim(h, async_op, "all_reduce_coalesced", ts)
+    return _in_order(
+        "all_reduce_coalesced", ts, (), async_op,
+        lambda: _steps_op(
+            "all_reduce_coalesced", lambda g: all_reduce_coalesced_steps(ts, rop, g), group,
+            async_op, nbytes, ts[0].device if ts else None,
+        ),
+    )  # fmt: skip
 
 
 def _steps_op(name: str, make: Any, group: Any, async_op: bool, nbytes: int, device: Any) -> Any:
@@ -468,12 +472,14 @@ def broadcast(
 ) -> Any:
     """Copy rank ``src``'s tensor into ``tensor`` on every rank of the group."""
     b = state._backend
-    if _claims.live:  # the root reads its tensor, every other rank writes it
-        _claims.settle1("broadcast", tensor, not _is_me(src))
+    # the root reads its tensor, every other rank writes it (asked only where it matters)
+    writes = not _is_me(src) if async_op or _claims.live else True
+    if _claims.live:
+        _claims.settle1("broadcast", tensor, writes)
     if b is not None and not _LOG.enabled and not _debug._enabled and not comm_off:
         h = b.broadcast(tensor, src, group, async_op)  # the common call (all_reduce's)
         if async_op:
-            _claims.claim1(h, "broadcast", tensor, not _is_me(src))
+            _claims.claim1(h, "broadcast", tensor, writes)
         return h
     if _LOG.enabled and _LOG.wants(prof, log_name):
         return _LOG.timed(
@@ -488,7 +494,7 @@ def broadcast(
     _check(f"broadcast src={src}", group, [tensor])
     h = state.active().broadcast(tensor, src, group, async_op)
     if async_op and isinstance(h, Handle):
-        _claims.claim1(h, "broadcast", tensor, not _is_me(src))
+        _claims.claim1(h, "broadcast", tensor, writes)
     return h
 
 
@@ -534,11 +540,10 @@ def reduce(
     # into the destination's
     ro = not _is_me(dst) and get_backend() == "mpi"
     roles: tuple[Any, Any] = ((), (tensor,)) if ro else ((tensor,), ())
-    if _claims.live:
-        _claims.settle("reduce", *roles)
     _check(f"reduce dst={dst} op={_opname(op)}", group, [tensor])
-    h = state.active().reduce(tensor, dst, op, group, async_op)
-    return _claim(h, async_op, "reduce", *roles)
+    return _in_order(
+        "reduce", *roles, async_op, lambda: state.active().reduce(tensor, dst, op, group, async_op)
+    )
 
 
 def all_gather(
@@ -568,11 +573,11 @@ def all_gather(
         return skipped("all_gather")
     # the one-tensor form allocates its outputs
     roles: tuple[Any, Any] = ((), (tensor_list,)) if tensor is None else (tensor_list, (tensor,))
-    if _claims.live:
-        _claims.settle("all_gather", *roles)
     _check("all_gather", group, [tensor_list, tensor])
-    h = state.active().all_gather(tensor_list, tensor, group, async_op)
-    return _claim(h, async_op, "all_gather", *roles)
+    return _in_order(
+        "all_gather", *roles, async_op,
+        lambda: state.active().all_gather(tensor_list, tensor, group, async_op),
+    )  # fmt: skip
 
 
 def all_gather_object(
@@ -610,11 +615,11 @@ def all_gather_into_tensor(
             lambda a: all_gather_into_tensor(output_tensor, tensor, group, a, log_name=BYPASS),
             async_op,
         )
-    if _claims.live:
-        _claims.settle("all_gather_into_tensor", (output_tensor,), (tensor,))
     _check("all_gather_into_tensor", group, [output_tensor, tensor])
-    h = state.active().all_gather_into_tensor(output_tensor, tensor, group, async_op)
-    return _claim(h, async_op, "all_gather_into_tensor", (output_tensor,), (tensor,))
+    return _in_order(
+        "all_gather_into_tensor", (output_tensor,), (tensor,), async_op,
+        lambda: state.active().all_gather_into_tensor(output_tensor, tensor, group, async_op),
+    )  # fmt: skip
 
 
 def allgather_fn(
@@ -642,23 +647,21 @@ def all_gather_coalesced(
 
     w = get_world_size(group)
     outs, ins = check_gather(output_tensors, input_tensors, w)
-    if _claims.live:
-        _claims.settle("all_gather_coalesced", outs, ins)
 
     def issue(a: bool) -> Any:
         _check("all_gather_coalesced", group, [outs, ins])
-        return _steps_op(
-            "all_gather_coalesced",
-            lambda g: all_gather_coalesced_steps(outs, ins, g),
-            group,
-            a,
-            sum(t.numel() * t.element_size() for t in ins),
-            ins[0].device if ins else None,
-        )
+        return _in_order(
+            "all_gather_coalesced", outs, ins, a,
+            lambda: _steps_op(
+                "all_gather_coalesced", lambda g: all_gather_coalesced_steps(outs, ins, g),
+                group, a, sum(t.numel() * t.element_size() for t in ins),
+                ins[0].device if ins else None,
+            ),
+        )  # fmt: skip
 
     if _LOG.enabled and _LOG.wants(False, "all_gather_coalesced"):
         return _LOG.timed("all_gather_coalesced", "all_gather_coalesced", None, issue, async_op)
-    return _claim(issue(async_op), async_op, "all_gather_coalesced", outs, ins)
+    return issue(async_op)
 
 
 def reduce_scatter(
@@ -687,11 +690,11 @@ def reduce_scatter(
     if comm_off and "reduce_scatter" in comm_off:
         return skipped("reduce_scatter")
     ins = (input_list,) if isinstance(input_list, torch.Tensor) else input_list
-    if _claims.live:
-        _claims.settle("reduce_scatter", (output,), ins)
     _check(f"reduce_scatter op={_opname(op)}", group, [output, input_list])
-    h = state.active().reduce_scatter(output, input_list, op, group, async_op)
-    return _claim(h, async_op, "reduce_scatter", (output,), ins)
+    return _in_order(
+        "reduce_scatter", (output,), ins, async_op,
+        lambda: state.active().reduce_scatter(output, input_list, op, group, async_op),
+    )  # fmt: skip
 
 
 def reduce_scatter_tensor(
@@ -717,10 +720,10 @@ def reduce_scatter_tensor(
         raise TypeError(
             "reduce_scatter_tensor takes one input tensor; use reduce_scatter for a list"
         )
-    if _claims.live:
-        _claims.settle("reduce_scatter_tensor", (output_tensor,), (tensor,))
-    h = state.active().reduce_scatter(output_tensor, tensor, op, group, async_op)
-    return _claim(h, async_op, "reduce_scatter_tensor", (output_tensor,), (tensor,))
+    return _in_order(
+        "reduce_scatter_tensor", (output_tensor,), (tensor,), async_op,
+        lambda: state.active().reduce_scatter(output_tensor, tensor, op, group, async_op),
+    )  # fmt: skip
 
 
 def reduce_scatter_fn(
@@ -764,12 +767,12 @@ def all_to_all_single(
         sends = _split_counts(tensor, input_split_sizes, w)
         expects = _split_counts(output, output_split_sizes, w)
         _debug.check("all_to_all_single", group, [output, tensor], (sends, expects))
-    if _claims.live:
-        _claims.settle("all_to_all_single", (output,), (tensor,))
-    h = state.active().all_to_all_single(
-        output, tensor, output_split_sizes, input_split_sizes, group, async_op
-    )
-    return _claim(h, async_op, "all_to_all_single", (output,), (tensor,))
+    return _in_order(
+        "all_to_all_single", (output,), (tensor,), async_op,
+        lambda: state.active().all_to_all_single(
+            output, tensor, output_split_sizes, input_split_sizes, group, async_op
+        ),
+    )  # fmt: skip
 
 
 def all_to_all(
@@ -792,10 +795,10 @@ def _all_to_all(outs: Any, ins: Any, group: Any, async_op: bool) -> Any:
         w = get_world_size(group)
         counts = (_list_counts(ins, w), _list_counts(outs, w))
         _debug.check("all_to_all", group, [outs, ins], counts)
-    if _claims.live:
-        _claims.settle("all_to_all", outs, ins)
-    h = state.active().all_to_all(outs, ins, group, async_op)
-    return _claim(h, async_op, "all_to_all", outs, ins)
+    return _in_order(
+        "all_to_all", outs, ins, async_op,
+        lambda: state.active().all_to_all(outs, ins, group, async_op),
+    )  # fmt: skip
 
 
 def gather(
@@ -818,11 +821,11 @@ def gather(
             async_op,
         )
     outs = gather_list if gather_list is not None and _is_me(dst) else ()
-    if _claims.live:
-        _claims.settle("gather", outs, (tensor,))
     _check(f"gather dst={dst}", group, [tensor])
-    h = state.active().gather(tensor, gather_list, dst, group, async_op)
-    return _claim(h, async_op, "gather", outs, (tensor,))
+    return _in_order(
+        "gather", outs, (tensor,), async_op,
+        lambda: state.active().gather(tensor, gather_list, dst, group, async_op),
+    )  # fmt: skip
 
 
 def scatter(
@@ -845,11 +848,11 @@ def scatter(
             async_op,
         )
     ins = scatter_list if scatter_list is not None and _is_me(src) else ()
-    if _claims.live:
-        _claims.settle("scatter", (tensor,), ins)
     _check(f"scatter src={src}", group, [tensor])
-    h = state.active().scatter(tensor, scatter_list, src, group, async_op)
-    return _claim(h, async_op, "scatter", (tensor,), ins)
+    return _in_order(
+        "scatter", (tensor,), ins, async_op,
+        lambda: state.active().scatter(tensor, scatter_list, src, group, async_op),
+    )  # fmt: skip
 
 
 def barrier(

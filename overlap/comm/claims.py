@@ -100,30 +100,27 @@ def _ranges(
 ) -> tuple[tuple[Range, ...], tuple[Any, ...]]:
     """The byte ranges of the CPU tensors among ``writes`` and ``reads``, and those tensors
     (anything else, bad input included, is left to the backend's checks)."""
-    out, ts_out = [], []
+    out: list[Range] = []
+    ts_out = []
     for ts, w in ((writes, True), (reads, False)):
         for t in ts:
-            try:
-                if t.is_cpu:
-                    n = t.nbytes
-                    if n:
-                        p = t.data_ptr()
-                        out.append((p, p + n, w))
-                        ts_out.append(t)
-            except Exception:  # not a tensor (a list, None), or one with no data pointer
-                pass
+            r = _one(t, w)
+            if r:
+                out += r
+                ts_out.append(t)
     return tuple(out), tuple(ts_out)
 
 
 def _one(t: Any, w: bool) -> tuple[Range, ...]:
-    """:func:`_ranges` of one tensor, on the hot paths (all_reduce, broadcast, p2p)."""
+    """The byte range of ``t`` if it is a CPU tensor with bytes (``w``: whether the op
+    writes it), else nothing; alone on the hot paths (all_reduce, broadcast, p2p)."""
     try:
         if t.is_cpu:
             n = t.nbytes
             if n:
                 p = t.data_ptr()
                 return ((p, p + n, w),)
-    except Exception:
+    except Exception:  # not a tensor (a list, None), or one with no data pointer
         pass
     return ()
 

@@ -98,24 +98,42 @@ def check_like(ts: Sequence[torch.Tensor], ref: torch.Tensor, name: str, ref_nam
             )
 
 
+def _spans(ts: Sequence[tuple[int, Any]]) -> list[tuple[int, int, int]]:
+    """(start, end, index) of the bytes of each (index, tensor) that is a tensor with
+    bytes, sorted by start; anything else is the backend's to refuse."""
+    out = []
+    for i, t in ts:
+        if isinstance(t, torch.Tensor) and t.numel():
+            a = t.data_ptr()
+            out.append((a, a + t.numel() * t.element_size(), i))
+    return sorted(out)
+
+
+def _shared(spans: list[tuple[int, int, int]]) -> tuple[int, int] | None:
+    """The indices (lower first) of two of :func:`_spans`' tensors that share bytes."""
+    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+        if start < end:
+            return min(i, j), max(i, j)
+    return None
+
+
 def check_distinct(ts: Sequence[torch.Tensor], name: str) -> None:
     """No two tensors of an output list share bytes. ``[torch.empty(n)] * w`` is one tensor
     w times, and every rank's part landed in it in turn: an all_gather on 2 ranks left
     [[1, 1], [1, 1]] for [[0, 0], [1, 1]], with no error (torch's too)."""
-    spans = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-        for i, t in enumerate(ts)
-        if t.numel()
-    )
-    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
-        if start < end:
-            a, b = sorted((i, j))
-            same = "is" if ts[a] is ts[b] else "shares memory with"
-            raise ValueError(
-                f"{name}[{b}] {same} {name}[{a}]: each rank's part would overwrite another's. "
-                f"Give every entry its own tensor ([torch.empty(n) for _ in range(world_size)], "
-                f"not [torch.empty(n)] * world_size)"
-            )
+    pair = _shared(_spans(list(enumerate(ts))))
+    if pair is not None:
+        a, b = pair
+        same = "is" if ts[a] is ts[b] else "shares memory with"
+        raise ValueError(
+            f"{name}[{b}] {same} {name}[{a}]: each rank's part would overwrite another's. "
+            f"Give every entry its own tensor ([torch.empty(n) for _ in range(world_size)], "
+            f"not [torch.empty(n)] * world_size)"
+        )
+
+
+def _cpu(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_cpu
 
 
 def check_batch_buffers(roles: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> None:
@@ -123,32 +141,21 @@ def check_batch_buffers(roles: Sequence[tuple[Sequence[Any], Sequence[Any]]]) ->
     no two receives land in the same bytes and no send reads bytes a receive writes: the
     batch's ops run at once, so either was a race (two sends of one tensor are fine).
     Entries that are not CPU tensors are the backend's to refuse."""
-    recvs = []
-    for i, (ws, _) in enumerate(roles):
-        for t in ws:
-            if isinstance(t, torch.Tensor) and t.is_cpu and t.numel():
-                a = t.data_ptr()
-                recvs.append((a, a + t.numel() * t.element_size(), i))
-    recvs.sort()
-    for (_, e1, i), (s2, _, j) in itertools.pairwise(recvs):
-        if s2 < e1:
+    recvs = _spans([(i, t) for i, (ws, _) in enumerate(roles) for t in ws if _cpu(t)])
+    pair = _shared(recvs)
+    if pair is not None:
+        raise ValueError(
+            f"batch_isend_irecv: receives {pair[0]} and {pair[1]} of p2p_op_list land in the "
+            "same memory, and the batch's ops run at once; give each receive its own tensor"
+        )
+    for a, b, i in _spans([(i, t) for i, (_, rs) in enumerate(roles) for t in rs if _cpu(t)]):
+        hit = next((j for s, e, j in recvs if a < e and s < b), None)
+        if hit is not None:
             raise ValueError(
-                f"batch_isend_irecv: receives {min(i, j)} and {max(i, j)} of p2p_op_list land "
-                "in the same memory, and the batch's ops run at once; give each receive its "
-                "own tensor"
+                f"batch_isend_irecv: send {i} of p2p_op_list reads memory that receive {hit} "
+                "of the same batch writes, and the batch's ops run at once; send a copy "
+                "(tensor.clone()), or receive into another tensor"
             )
-    for i, (_, rs) in enumerate(roles):
-        for t in rs:
-            if isinstance(t, torch.Tensor) and t.is_cpu and t.numel():
-                a = t.data_ptr()
-                b = a + t.numel() * t.element_size()
-                hit = next((j for s, e, j in recvs if a < e and s < b), None)
-                if hit is not None:
-                    raise ValueError(
-                        f"batch_isend_irecv: send {i} of p2p_op_list reads memory that "
-                        f"receive {hit} of the same batch writes, and the batch's ops run at "
-                        "once; send a copy (tensor.clone()), or receive into another tensor"
-                    )
 
 
 def _no_scalar(op: str, **ts: torch.Tensor) -> None:
