@@ -327,7 +327,9 @@ def all_reduce(
     """Reduce ``tensor`` across the group, in place, on every rank.
 
     ``op``: "sum", "avg", "product", "min", "max" (also "band", "bor", "bxor"), or a
-    ReduceOp. "avg" works on gloo too (a sum, then a division before completion).
+    ReduceOp. "avg" works on gloo and MPI too (a sum, then a division before completion;
+    float16 sums each rank's divided share, as NCCL does, so it cannot overflow where the
+    average fits).
     ``algorithm``: "native" (the backend's own), or "ring" / "naive", built from awaitable
     isend/irecv (see overlap.comm.algorithms).
     Returns the tensor (or a Handle resolving to it with ``async_op=True``).

@@ -7,7 +7,8 @@ backend's native allreduce, blocking or awaited (they are steps generators, see
 * ring: reduce-scatter then all-gather around the ring, W-1 steps each; every rank sends
   2 (W-1)/W of the data (the bandwidth-optimal schedule). The rank that owns a chunk after
   the reduce-scatter applies ``avg``'s division, so every element is divided exactly once
-  and all ranks end bitwise identical.
+  and all ranks end bitwise identical (float16 divides each rank's values before the sum
+  instead, as the native ones do: :func:`overlap.comm.reduce_op.divides_first`).
 * naive: every rank sends to the group's first rank, which reduces in rank order and sends
   the result back (reduce, then broadcast).
 
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from overlap.comm.p2p import ALGORITHM_TAGS
-from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
+from overlap.comm.reduce_op import ReduceOp, check_reducible, divides_first, parse_op
 from overlap.comm.steps import Steps
 
 __all__ = ["ALGORITHMS", "check_algorithm_args", "naive_steps", "ring_steps"]
@@ -86,6 +87,9 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
     w = len(ranks)
     if w == 1:
         return tensor
+    first = divides_first(rop, flat.dtype)
+    if first:  # float16: each rank's share, summed (NCCL's order)
+        flat.div_(w)
     tag = _next_tag(ranks)
     reduce = _REDUCE[rop]
     chunks = list(torch.tensor_split(flat, w))
@@ -108,7 +112,7 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
         yield exchange(chunks[(r - s) % w], incoming)
         reduce(into, incoming)
     owned = chunks[(r + 1) % w]
-    if rop is ReduceOp.AVG:
+    if rop is ReduceOp.AVG and not first:
         owned.div_(w)
     for s in range(w - 1):  # all-gather
         yield exchange(chunks[(r + 1 - s) % w], chunks[(r - s) % w])
@@ -122,6 +126,9 @@ def naive_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Ste
     w = len(ranks)
     if w == 1 or flat.numel() == 0:
         return tensor
+    first = divides_first(rop, flat.dtype)
+    if first:  # float16: each rank's share, summed (NCCL's order)
+        flat.div_(w)
     tag = _next_tag(ranks)
     root = ranks[0]
     if r == 0:
@@ -129,7 +136,7 @@ def naive_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Ste
         yield [_backend().irecv(buf, ranks[q + 1], group, tag) for q, buf in enumerate(incoming)]
         for buf in incoming:  # rank order: a deterministic result
             _REDUCE[rop](flat, buf)
-        if rop is ReduceOp.AVG:
+        if rop is ReduceOp.AVG and not first:
             flat.div_(w)
         yield [_backend().isend(flat, q, group, tag) for q in ranks[1:]]
     else:

@@ -43,7 +43,7 @@ from overlap.comm.mpi_recv import MpiRecv
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
 from overlap.comm.p2p import P2POp
 from overlap.comm.progress import MpiOp
-from overlap.comm.reduce_op import ReduceOp, parse_op
+from overlap.comm.reduce_op import ReduceOp, divides_first, parse_op
 from overlap.comm.validate import (
     check_distinct,
     check_gathered_size,
@@ -527,6 +527,9 @@ class MpiBackend:
         host, back = self._host(t)
         work, cast = self._work(host, rop, stage, keyed)
         avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG else None
+        if divides_first(rop, work.dtype):  # each rank's share, summed, as NCCL's
+            work.div_(g.size)
+            avg = None
         return self._launch(
             "all_reduce",
             g,
@@ -623,14 +626,19 @@ class MpiBackend:
         root = g.ranks.index(dst)
         host, back = self._host(t)
         work, cast = self._work(host, rop, stage, keyed)
+        first = divides_first(rop, work.dtype)
         if self.global_rank == dst:
-            avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG else None
+            avg = (lambda: work.div_(g.size)) if rop is ReduceOp.AVG and not first else None
             post = _chain(avg, cast, back)
+            if first:  # each rank's share, summed, as NCCL's
+                work.div_(g.size)
 
             def start() -> Any:
                 return g.comm.Ireduce(self.MPI.IN_PLACE, self._typed(work, mtype), mop, root)
         else:
             post = None  # MPI leaves non-root buffers alone: the tensor is unchanged
+            if first:  # the share in scratch: this rank's tensor stays as it was
+                work = work / g.size
 
             def start() -> Any:
                 return g.comm.Ireduce(self._typed(work, mtype), None, mop, root)
@@ -727,12 +735,15 @@ class MpiBackend:
         hout, back = self._host(out, copy_in=False)
         hin = apart(hin, hout)
         win, _ = self._work(hin, rop, stage, keyed)
+        first = divides_first(rop, win.dtype)
+        if first:  # the shares in scratch (the input stays the user's), summed, as NCCL's
+            win = win / g.size
         cast: Callable[[], Any] | None = None
         wout = hout
         if keyed or stage is not None:  # a scratch output, put back into hout afterwards
             wout = torch.empty(hout.shape, dtype=win.dtype, device=hin.device)
             cast = partial(_ordered.from_keys, wout, hout) if keyed else partial(hout.copy_, wout)
-        avg = (lambda: wout.div_(g.size)) if rop is ReduceOp.AVG else None
+        avg = (lambda: wout.div_(g.size)) if rop is ReduceOp.AVG and not first else None
         post = _chain(avg, cast, back)
         # mpi4py reads the send count as the count of one block
         start = partial(

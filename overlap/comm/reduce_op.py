@@ -82,3 +82,15 @@ def check_reducible(op: ReduceOp, dtype: torch.dtype) -> None:
         )
     if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.is_complex:
         raise TypeError(f"op={op.value!r} is undefined for complex tensors ({dtype})")
+
+
+def divides_first(op: ReduceOp, dtype: torch.dtype) -> bool:
+    """Whether an ``avg`` of ``dtype`` divides each rank's values by the group size before
+    they are summed, rather than dividing the sum.
+
+    float16 does, as NCCL's own average does (a pre-multiplied sum for floating types) and
+    as torch's DDP hooks do: its range ends at 65504, so the sum of two ranks' 40000 was
+    inf on gloo and MPI where NCCL gave 40000. Other floating dtypes keep one division of
+    the sum (one rounding, and no values pushed towards the subnormals); their range is
+    not left by a sum of values that are themselves in range."""
+    return op is ReduceOp.AVG and dtype is torch.float16

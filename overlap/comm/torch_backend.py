@@ -39,7 +39,7 @@ from overlap.comm.groups import (
 )
 from overlap.comm.handle import EVENT_ENGINE, Handle
 from overlap.comm.p2p import P2POp
-from overlap.comm.reduce_op import ReduceOp, check_reducible, parse_op
+from overlap.comm.reduce_op import ReduceOp, check_reducible, divides_first, parse_op
 from overlap.comm.validate import (
     check_distinct,
     check_gathered_size,
@@ -378,7 +378,12 @@ class TorchBackend:
                 "all_reduce", info, partial(info.pg.allreduce, [keys], opts), tensor, t.nbytes,
                 async_op, partial(_ordered.from_keys, keys, t), keep=keys,
             )  # fmt: skip
-        post: PostFn | None = partial(t.div_, info.size) if divide else None
+        post: PostFn | None = None
+        if divide:
+            if t.dtype is torch.float16:  # divides_first: before the sum, as NCCL's
+                t.div_(info.size)
+            else:
+                post = partial(t.div_, info.size)
         if t.is_complex():  # torch's wrapper reduces complex tensors as real pairs
             issue: Callable[[], Any] = partial(
                 dist.all_reduce, t, op=top, group=info.pg, async_op=True
@@ -436,8 +441,9 @@ class TorchBackend:
                 lambda: dist.reduce(keys, dst=dst, op=top, group=info.pg, async_op=True),
                 tensor, nbytes_of(t), async_op, post, keep=keys,
             )  # fmt: skip
+        first = divide and divides_first(rop, t.dtype)
         if info.global_rank == dst:
-            if divide:
+            if divide and not first:
                 post = partial(t.div_, info.size)
         else:
             # gloo leaves partial sums in non-destination tensors; deepspeed.comm documents
@@ -445,6 +451,8 @@ class TorchBackend:
             backup = t.clone()
 
             post = partial(t.copy_, backup)
+        if first:  # float16: each rank's share, summed (after the backup above)
+            t.div_(info.size)
 
         return self._launch(
             "reduce",
@@ -511,7 +519,8 @@ class TorchBackend:
         out = self._t(output, "output")
         rop, top, divide = self._reduce_args(op, out.dtype)
         info = resolve_group(group)
-        post: PostFn | None = (lambda: out.div_(info.size)) if divide else None
+        first = divide and divides_first(rop, out.dtype)
+        post: PostFn | None = (lambda: out.div_(info.size)) if divide and not first else None
         data: Any  # what the op reads: one flat tensor, or the list of chunks
         if isinstance(input, torch.Tensor):
             inp = self._t(input, "input_list")
@@ -523,6 +532,12 @@ class TorchBackend:
             check_reduce_scatter_list(out, data)
             data = apart_list(data, [out])
             kind, torch_op = "reduce_scatter", dist.reduce_scatter
+        if first:  # float16: the shares are summed, in scratch (the input stays the user's)
+            data = (
+                data / info.size
+                if isinstance(data, torch.Tensor)
+                else [x / info.size for x in data]
+            )
         nbytes = nbytes_of(data)
         if self._keyed(rop, out.dtype):  # reduce ordered keys into scratch, then out
             if isinstance(data, torch.Tensor):

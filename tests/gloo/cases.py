@@ -135,6 +135,43 @@ def case_max_min_nan(mode: str) -> None:
         assert flat.isnan().tolist() == [r == k] * w, flat.tolist()  # the input is left alone
 
 
+def case_avg_float16_in_range(mode: str) -> None:
+    """An average of float16 values is finite where the average is: each rank's share is
+    summed (NCCL's pre-multiplied sum). Before, gloo and MPI summed first, so 40000 on
+    every rank averaged to inf. Covers all_reduce (native, ring, naive), reduce and
+    reduce_scatter; non-destination tensors and reduce_scatter's input stay as they were."""
+    r, w = rw()
+    big = 40000.0  # the sum of two is past float16's 65504
+
+    def mine() -> torch.Tensor:
+        return torch.tensor([big, -big, 0.5 * (r + 1)], dtype=torch.float16)
+
+    want = torch.tensor([big, -big, 0.5 * (w + 1) / 2])
+
+    def near(t: torch.Tensor) -> None:
+        assert torch.isfinite(t).all(), t.tolist()
+        torch.testing.assert_close(t.float(), want, rtol=2e-3, atol=1e-3)
+
+    for algorithm in ("native", "ring", "naive"):
+        t = mine()
+        go(lambda a, t=t, alg=algorithm: comm.all_reduce(t, "avg", algorithm=alg, async_op=a), mode)
+        near(t)
+    t = mine()
+    go(lambda a: comm.reduce(t, dst=w - 1, op="avg", async_op=a), mode)
+    if r == w - 1:
+        near(t)
+    else:
+        assert torch.equal(t, mine()), t.tolist()
+    chunks = [mine() for _ in range(w)]
+    flat = torch.cat(chunks)
+    for data in (chunks, flat):
+        out = torch.empty(3, dtype=torch.float16)
+        go(lambda a, out=out, data=data: comm.reduce_scatter(out, data, "avg", async_op=a), mode)
+        near(out)
+    assert torch.equal(flat, torch.cat([mine()] * w)), flat.tolist()  # the input is left alone
+    assert all(torch.equal(c, mine()) for c in chunks)
+
+
 def case_broadcast(mode: str) -> None:
     r, w = rw()
     t = torch.full((4,), float(r))
