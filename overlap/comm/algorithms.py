@@ -59,7 +59,9 @@ def _setup(tensor: Any, op: Any, group: Any) -> tuple[torch.Tensor, ReduceOp, li
     check_reducible(rop, tensor.dtype)
     w = comm.get_world_size(group)
     ranks = [comm.get_global_rank(group, i) for i in range(w)]
-    return tensor.view(-1), rop, ranks, comm.get_rank(group)
+    # detached, as the native path's: a Parameter's in-place sums failed half way through
+    # the exchanges ("a view of a leaf Variable that requires grad"), the peer left waiting
+    return tensor.detach().view(-1), rop, ranks, comm.get_rank(group)
 
 
 def check_algorithm_args(tensor: Any, op: Any, group: Any) -> None:

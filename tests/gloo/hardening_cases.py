@@ -118,6 +118,16 @@ def requires_grad_leaf_ops() -> dict[str, Any]:
     h = comm.all_reduce(torch.nn.Parameter(torch.ones(2)), op="avg", async_op=True)
     out["async_avg"] = h.wait(timeout=60).detach().tolist()
     out["expect_avg"] = sum(range(1, w + 1)) / w
+    # ring and naive too: their in-place sums failed half way on a Parameter, the peer left
+    # waiting for a message that never came
+    for alg in ("ring", "naive"):
+        a = torch.nn.Parameter(torch.full((3,), float(r + 1)))
+        assert comm.all_reduce(a, op="avg", algorithm=alg) is a
+        out[alg] = a.detach().tolist()
+        b = torch.nn.Parameter(torch.full((3,), float(r + 1)))
+        out[f"async_{alg}"] = (
+            comm.all_reduce(b, op="sum", algorithm=alg, async_op=True).wait(timeout=60).tolist()
+        )
     return out
 
 

@@ -36,6 +36,8 @@ def test_requires_grad_leaf(pools: Callable[[int], RankPool]) -> None:
         assert out["same_object"]
         assert out["reduce"] == ([3.0, 3.0] if r == 0 else [float(r + 1)] * 2)
         assert out["async_avg"] == [1.0, 1.0]
+        assert out["ring"] == out["naive"] == [out["expect_avg"]] * 3
+        assert out["async_ring"] == out["async_naive"] == [3.0] * 3
 
 
 def test_last_skipped_covers_every_bucket(pools: Callable[[int], RankPool]) -> None:
