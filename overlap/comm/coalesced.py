@@ -29,7 +29,8 @@ def check_tensors(name: str, tensors: Any) -> list[torch.Tensor]:
     bad = [i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)]
     if bad:
         raise TypeError(f"{name}[{bad[0]}] is a {type(tensors[bad[0]]).__name__}, not a tensor")
-    return list(tensors)
+    # the caller's own list is the result, as the other list collectives' (a tuple: a list)
+    return tensors if isinstance(tensors, list) else list(tensors)
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -45,12 +46,14 @@ def all_reduce_coalesced_steps(tensors: list[torch.Tensor], op: Any, group: Any)
     from overlap import comm
 
     groups = _buckets(tensors)
-    flats = [torch.cat([tensors[i].reshape(-1) for i in idx]) for idx in groups]
+    # detached: a Parameter's copy back raised half way (a leaf that requires grad), and
+    # torch.cat of tensors that require grad records a graph nobody uses
+    flats = [torch.cat([tensors[i].detach().reshape(-1) for i in idx]) for idx in groups]
     yield [comm.all_reduce(f, op, group, async_op=True) for f in flats]
     for f, idx in zip(flats, groups, strict=True):
         a = 0
         for i in idx:
-            t = tensors[i]
+            t = tensors[i].detach()
             t.copy_(f[a : a + t.numel()].view(t.shape))
             a += t.numel()
     return tensors
@@ -63,7 +66,7 @@ def all_gather_coalesced_steps(
 
     w = comm.get_world_size(group)
     groups = _buckets(inputs)
-    flats = [torch.cat([inputs[i].reshape(-1) for i in idx]) for idx in groups]
+    flats = [torch.cat([inputs[i].detach().reshape(-1) for i in idx]) for idx in groups]
     gathered = [f.new_empty(w * f.numel()) for f in flats]
     yield [
         comm.all_gather_into_tensor(g, f, group, async_op=True)
@@ -74,7 +77,7 @@ def all_gather_coalesced_steps(
         a = 0
         for i in idx:
             n = inputs[i].numel()
-            outputs[i].view(w, n).copy_(rows[:, a : a + n])
+            outputs[i].detach().view(w, n).copy_(rows[:, a : a + n])
             a += n
     return outputs
 

@@ -58,6 +58,7 @@ from overlap.comm.validate import (
     checked_root_list,
     nbytes_of,
     scratch_like,
+    writable,
 )
 from overlap.dtypes import present
 from overlap.errors import CommError
@@ -666,7 +667,7 @@ class MpiBackend:
         )
 
         def scatter_back() -> None:
-            for i, o in enumerate(outs):
+            for i, o in enumerate(writable(outs)):
                 o.copy_(flat[i])
 
         return self._launch(
@@ -839,7 +840,7 @@ class MpiBackend:
 
         def unpack() -> None:
             off = 0
-            for o, n in zip(outs, rc, strict=True):
+            for o, n in zip(writable(outs), rc, strict=True):
                 o.copy_(recv[off : off + n].view(o.dtype).view(o.shape))
                 off += n
 
@@ -890,7 +891,7 @@ class MpiBackend:
             flat = torch.empty((g.size, *host.shape), dtype=t.dtype)
 
             def unpack() -> None:
-                for i, o in enumerate(outs):
+                for i, o in enumerate(writable(outs)):
                     o.copy_(flat[i])
 
             return self._launch(

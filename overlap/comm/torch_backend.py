@@ -54,6 +54,7 @@ from overlap.comm.validate import (
     checked_root_list,
     nbytes_of,
     scratch_like,
+    writable,
 )
 from overlap.comm.waiters import TorchOp
 from overlap.dtypes import float8_dtypes, present
@@ -481,7 +482,7 @@ class TorchBackend:
         return self._launch(
             "all_gather",
             info,
-            lambda: dist.all_gather(outs, t, group=info.pg, async_op=True),
+            lambda: dist.all_gather(writable(outs), t, group=info.pg, async_op=True),
             outs,
             nbytes_of(t),
             async_op,
@@ -652,9 +653,10 @@ class TorchBackend:
         check_distinct(outs, "output_tensor_list")
         ins = apart_list(self._ts(input_tensor_list, "input_tensor_list", info.size), outs)
         nbytes = nbytes_of(ins)
+        into = writable(outs)  # outs stays the result: the caller's own list
 
         def fallback() -> Any:
-            issue, copy_out, keep = _fallback.all_to_all(outs, ins, info.pg)
+            issue, copy_out, keep = _fallback.all_to_all(into, ins, info.pg)
             return self._launch("all_to_all", info, issue, outs, nbytes, async_op, copy_out, keep)
 
         return self._native_or_fallback(
@@ -662,7 +664,7 @@ class TorchBackend:
             lambda: self._launch(
                 "all_to_all",
                 info,
-                lambda: dist.all_to_all(outs, ins, group=info.pg, async_op=True),
+                lambda: dist.all_to_all(into, ins, group=info.pg, async_op=True),
                 outs,
                 nbytes,
                 async_op,
@@ -698,7 +700,9 @@ class TorchBackend:
         return self._launch(
             "gather",
             info,
-            lambda: dist.gather(t, outs, dst=dst, group=info.pg, async_op=True),
+            lambda: dist.gather(
+                t, None if outs is None else writable(outs), dst=dst, group=info.pg, async_op=True
+            ),
             outs,
             nbytes_of(t),
             async_op,

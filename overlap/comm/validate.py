@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_peer", "check_tensor", "check_tensor_list", "nbytes_of"]
+__all__ = ["check_peer", "check_tensor", "check_tensor_list", "nbytes_of", "writable"]
 
 
 def check_tensor(t: Any, name: str, device_type: str, backend: str) -> torch.Tensor:
@@ -49,6 +49,19 @@ def check_tensor_list(
         check_tensor(t, f"{name}[{i}]", device_type, backend)
     # Hand back the caller's own list: results and in-place outputs must be *their* objects.
     return ts if isinstance(ts, list) else list(ts)
+
+
+def writable(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors an op writes into a list of outputs: ``ts`` itself, or a copy of the
+    list with each entry that requires grad (a Parameter) detached, the same memory.
+
+    Why: the copies into the outputs (torch's, and overlap's own) raised "a leaf Variable
+    that requires grad is being used in an in-place operation" once the data had arrived,
+    where the single-tensor collectives take the detached view already. The caller's list
+    stays the op's result."""
+    if not any(t.requires_grad for t in ts):
+        return ts
+    return [t.detach() if t.requires_grad else t for t in ts]
 
 
 def check_peer(rank: int, what: str, group_ranks: Sequence[int], group_name: str) -> None:

@@ -172,6 +172,41 @@ def case_avg_float16_in_range(mode: str) -> None:
     assert all(torch.equal(c, mine()) for c in chunks)
 
 
+def case_parameters_as_outputs(mode: str) -> None:
+    """Parameters (leaves that require grad) as the outputs of the list collectives and the
+    coalesced ones take the result in place, as the single-tensor collectives did: the copy
+    into them raised "a leaf Variable that requires grad is being used in an in-place
+    operation" once the data had arrived. The result is the caller's own list."""
+    r, w = rw()
+
+    def param(n: int, v: float) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.full((n,), v))
+
+    ps = [param(2, float(r)), param(3, float(r + 1))]
+    assert go(lambda a: comm.all_reduce_coalesced(ps, op="avg", async_op=a), mode) is ps
+    assert [p.tolist() for p in ps] == [[(w - 1) / 2] * 2, [(w + 1) / 2] * 3]
+    outs = [param(1, -1.0) for _ in range(w)]
+    assert go(lambda a: comm.all_gather(outs, torch.tensor([float(r)]), async_op=a), mode) is outs
+    assert [o.tolist() for o in outs] == [[float(i)] for i in range(w)]
+    outs = [param(1, -1.0) for _ in range(w)]
+    ins = [torch.tensor([float(10 * r + j)]) for j in range(w)]
+    assert go(lambda a: comm.all_to_all(outs, ins, async_op=a), mode) is outs
+    assert [o.tolist() for o in outs] == [[float(10 * j + r)] for j in range(w)]
+    outs = [param(1, -1.0) for _ in range(w)]
+    got = go(
+        lambda a: comm.gather(
+            torch.tensor([float(r)]), outs if r == 0 else None, dst=0, async_op=a
+        ),
+        mode,
+    )
+    if r == 0:
+        assert got is outs and [o.tolist() for o in outs] == [[float(i)] for i in range(w)]
+    outs = [param(w, -1.0)]
+    go(lambda a: comm.all_gather_coalesced(outs, [torch.tensor([float(r)])], async_op=a), mode)
+    assert outs[0].tolist() == [float(i) for i in range(w)]
+    assert all(o.requires_grad and o.grad_fn is None for o in [*ps, *outs])
+
+
 def case_broadcast(mode: str) -> None:
     r, w = rw()
     t = torch.full((4,), float(r))
