@@ -267,6 +267,12 @@ class Handle:
             return self._state is not PENDING
         return True
 
+    def is_completed(self) -> bool:
+        """:meth:`done` under torch's name (``Work.is_completed()``), so code written for
+        ``torch.distributed``'s async handles runs unchanged: True once the op has completed
+        or failed, never blocking."""
+        return self.done()
+
     @property
     def state(self) -> HandleState:
         return self._state

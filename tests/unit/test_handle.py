@@ -64,6 +64,15 @@ def test_pending_result_and_exception_refuse() -> None:
     h._finish(None)
 
 
+def test_is_completed_is_done_under_torchs_name() -> None:
+    # code written for torch.distributed's Work polls is_completed(); it raised AttributeError
+    h = Handle("all_reduce", result=None)
+    assert h.is_completed() is False
+    h._finish(CommError("failed"))
+    assert h.is_completed() is True  # failed counts as completed, as torch's does
+    assert Handle.completed("barrier", None).is_completed() is True
+
+
 def test_failure_reaches_waiter_with_cause() -> None:
     h = Handle("all_reduce", result=None)
     cause = RuntimeError("Connection closed by peer")
