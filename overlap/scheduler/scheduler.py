@@ -480,6 +480,7 @@ class BucketScheduler:
         # The backwards (autograd graph tasks) that gave this step a gradient and have not
         # finished: one left at the vote raised halfway (see _backward_began)
         self._open: set[int] = set()
+        self._newest = -1  # the newest backward that gave this step a gradient
 
     # -------------------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
@@ -534,6 +535,20 @@ class BucketScheduler:
                         "sched.wait()), which raises IncompleteBackwardError on every rank "
                         "and readies the scheduler, then run the next backward"
                     )
+                if 0 <= task < self._newest:
+                    # This backward began before one that already fed the step (graph task
+                    # ids grow): that one ran nested inside it, a reentrant checkpoint's.
+                    # The gradient it sent was partial, so the step must not end as if whole:
+                    # left open, this task drops the step on every rank at the vote.
+                    self._backward_began(task)
+                    raise RuntimeError(
+                        f"parameter {i} got a gradient twice in one backward: "
+                        "torch.utils.checkpoint(..., use_reentrant=True) does that to a "
+                        "parameter used both inside and outside the checkpointed function. "
+                        "Pass use_reentrant=False (torch's recommended form). This step is "
+                        "dropped: sched.synchronize() (or await sched.wait()) raises "
+                        "IncompleteBackwardError on every rank and readies the scheduler"
+                    )
                 raise RuntimeError(
                     "a second backward produced a gradient before synchronize(); call "
                     "sched.synchronize() (or await sched.wait()) after each backward, or wrap "
@@ -575,6 +590,7 @@ class BucketScheduler:
         checkpoint runs a nested backward inside the outer one, and a step may take two
         backwards over disjoint parameters."""
         self._open.add(task)
+        self._newest = max(self._newest, task)
         Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
             functools.partial(self._open.discard, task)
         )

@@ -330,6 +330,22 @@ def bad_inputs() -> dict[str, str]:
     catch("second_backward", twice)
     s2.synchronize()  # the step still completes afterwards
     s2.remove()
+    # a reentrant checkpoint over a weight also used outside it: one backward accumulates
+    # the weight's gradient twice (the message named only a second backward)
+    from torch.utils.checkpoint import checkpoint
+
+    shared = nn.Linear(3, 3)
+    s3 = BucketScheduler(shared)
+    x = torch.ones(1, 3, requires_grad=True)
+    catch(
+        "reentrant_checkpoint",
+        lambda: checkpoint(shared, shared(x), use_reentrant=True).sum().backward(),
+    )
+    catch("reentrant_checkpoint_ended", s3.synchronize)
+    checkpoint(shared, shared(x), use_reentrant=False).sum().backward()  # the fix, then a step
+    s3.synchronize()
+    out["reentrant_checkpoint_fixed"] = str(bool(shared.weight.grad.abs().sum() > 0))
+    s3.remove()
     other = nn.Linear(3, 3 + (r == 1))
     catch("different_models", lambda: BucketScheduler(other))
     mixed = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]

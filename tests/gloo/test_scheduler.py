@@ -89,6 +89,9 @@ def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
         assert (
             "a second backward produced a gradient before synchronize()" in out["second_backward"]
         ), out
+        assert "use_reentrant=False" in out["reentrant_checkpoint"], out
+        assert "IncompleteBackwardError" in out["reentrant_checkpoint_ended"], out
+        assert out["reentrant_checkpoint_fixed"] == "True", out
         assert out["different_models"].startswith(
             "ValueError: the parameters differ across ranks: ranks [1]"
         ), out
