@@ -1028,7 +1028,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_at_least(0),
         default=0,
         help="run on this many simulated hosts (network namespaces, root); --link then "
-        "shapes each host's link to the others",
+        "shapes each host's link to the others; 0 (the default): the ranks on this host",
     )
     bo.add_argument(
         "--procs-per-host", type=_at_least(1), default=1, help="ranks per host (--hosts)"
@@ -1119,7 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_at_least(0),
         default=0,
         help="run on this many simulated hosts (network namespaces, root); --link then "
-        "shapes each host's link to the others",
+        "shapes each host's link to the others; 0 (the default): the ranks on this host",
     )
     bt.add_argument(
         "--procs-per-host", type=_at_least(1), default=2, help="ranks per host (--hosts)"
