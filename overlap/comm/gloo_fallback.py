@@ -15,6 +15,10 @@ first and, when torch refuses it as missing, records that and from then on issue
 
 The refusal happens when the op is issued, before anything is sent, and every rank of a job
 runs the same torch, so every rank switches at the same op and the group stays in step.
+
+all_to_all of lists takes this path on every torch, not only where gloo lacks the op: gloo's
+own takes lists whose tensors share one shape, so an uneven exchange (each rank sending each
+peer its own number of rows, as MoE layers do) failed on gloo where MPI and NCCL ran it.
 """
 
 from __future__ import annotations

@@ -659,18 +659,21 @@ class TorchBackend:
             issue, copy_out, keep = _fallback.all_to_all(into, ins, info.pg)
             return self._launch("all_to_all", info, issue, outs, nbytes, async_op, copy_out, keep)
 
-        return self._native_or_fallback(
+        if self.name == "gloo":
+            # Always the bytes' all_to_all_single on gloo: gloo's own takes lists whose
+            # tensors share one shape ("invalid tensor size at index 1"), so an uneven
+            # exchange (MoE tokens) failed on gloo where MPI and NCCL ran it; and the choice
+            # cannot depend on this rank's sizes (one rank's lists may be even while another's
+            # are not: two different collectives). Its cost against gloo's own: docs/api.md.
+            return fallback()
+        return self._launch(
             "all_to_all",
-            lambda: self._launch(
-                "all_to_all",
-                info,
-                lambda: dist.all_to_all(into, ins, group=info.pg, async_op=True),
-                outs,
-                nbytes,
-                async_op,
-                keep=ins,
-            ),
-            fallback,
+            info,
+            lambda: dist.all_to_all(into, ins, group=info.pg, async_op=True),
+            outs,
+            nbytes,
+            async_op,
+            keep=ins,
         )
 
     def gather(

@@ -297,6 +297,18 @@ def case_all_to_all(mode: str) -> None:
     outs = [torch.empty(1) for _ in range(w)]
     go(lambda a: comm.all_to_all(outs, ins, async_op=a), mode)
     assert [o.item() for o in outs] == [float(q * 10 + r) for q in range(w)]
+    # uneven, as MoE's token exchange: rank q sends rank j (q + j) % 3 rows of width 2, in
+    # float64 to rank 0; gloo's own refused lists of several shapes
+    n = [[(q + j) % 3 for j in range(w)] for q in range(w)]
+
+    def dt(j: int) -> torch.dtype:
+        return torch.float64 if j == 0 else torch.float32
+
+    ins = [torch.full((n[r][j], 2), float(r * 10 + j), dtype=dt(j)) for j in range(w)]
+    outs = [torch.full((n[q][r], 2), -1.0, dtype=dt(r)) for q in range(w)]
+    go(lambda a: comm.all_to_all(outs, ins, async_op=a), mode)
+    for q, o in enumerate(outs):
+        assert o.tolist() == [[float(q * 10 + r)] * 2] * n[q][r], (q, o.tolist())
 
 
 def case_gloo_fallbacks(mode: str) -> None:
