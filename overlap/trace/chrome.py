@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from overlap.errors import OverlapError
+from overlap.errors import CommError, OverlapError
 from overlap.files import write_whole
 
 __all__ = ["TraceFormatError", "events_of", "export", "load_spans"]
@@ -122,15 +122,26 @@ def export(tracer: Any, path: str) -> str | None:
 
     multi = comm.is_initialized() and comm.get_world_size() > 1
     rank = comm.get_rank() if comm.is_initialized() else 0
-    offsets = clock_offsets() if multi else [0]
-    mine = events_of(tracer, rank, offsets[rank] if multi else 0)
     if multi:
-        parts = _gather_bytes(json.dumps(mine).encode())
+        try:
+            offsets = clock_offsets()
+            mine = events_of(tracer, rank, offsets[rank])
+            parts = _gather_bytes(json.dumps(mine).encode())
+        except CommError as exc:
+            # The usual cause is export_chrome called under `if rank == 0:`; the backend's
+            # own words ("Timed out waiting 1800000ms for send operation") did not say so.
+            raise CommError(
+                f"Tracer.export_chrome on rank {rank} failed while the ranks exchanged their "
+                "spans: it is collective, every rank of the job calls it (rank 0 writes the "
+                "one merged file), so a rank that did not call it (export under `if rank == "
+                "0:`), or that died, fails the others. Call it on every rank"
+            ) from exc
         if parts is None:
             return None
         events = [e for p in parts for e in json.loads(p.decode())]
     else:
-        events = mine
+        offsets = [0]
+        events = events_of(tracer, rank, 0)
     doc = {
         "traceEvents": events,
         "displayTimeUnit": "ms",

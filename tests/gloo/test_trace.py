@@ -39,3 +39,18 @@ def test_merged_trace_shows_both_ranks_every_bucket_and_overlap(
     assert rep.ranks == 2 and len(rep.steps) >= 3 and rep.comm_ms > 0
     assert 0 < rep.overlap_ratio <= 1
     assert any(o["op"] == "all_reduce" for o in rep.ops)
+
+
+def test_export_on_one_rank_only_says_the_export_is_collective(
+    short_pool: RankPool, tmp_path: Path
+) -> None:
+    from tests.conftest import SHORT_TIMEOUT
+
+    path = tmp_path / "trace.json"
+    out = short_pool.run(
+        trace_cases.export_on_rank_0_only, str(path), SHORT_TIMEOUT + 3, timeout=60
+    )
+    assert out[1] == "not called"
+    assert out[0].startswith("CommError: Tracer.export_chrome on rank 0 failed"), out[0]
+    assert "every rank of the job calls it" in out[0] and "if rank == 0" in out[0], out[0]
+    assert not path.exists()

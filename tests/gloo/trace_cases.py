@@ -28,3 +28,24 @@ def traced_training(path: str) -> Any:
     sched.remove()
     tracer.detach()
     return {"written": out, "buckets": nbuckets}
+
+
+def export_on_rank_0_only(path: str, wait_s: float) -> str:
+    """export_chrome under ``if rank == 0:``: rank 0 fails at the job timeout with an
+    error that says the export is collective (before: gloo's "Timed out waiting ... for send
+    operation to complete", naming an isend); rank 1 does not call it."""
+    import time
+
+    tracer = overlap.Tracer().attach()
+    try:
+        comm.all_reduce(torch.ones(2))
+        if comm.get_rank() != 0:
+            time.sleep(wait_s)
+            return "not called"
+        try:
+            tracer.export_chrome(path)
+        except overlap.CommError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+    finally:
+        tracer.detach()
