@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from overlap.comm import ordered as _ordered
 from overlap.comm.p2p import ALGORITHM_TAGS
 from overlap.comm.reduce_op import ReduceOp, check_reducible, divides_first, parse_op
 from overlap.comm.steps import Steps
@@ -92,9 +93,11 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
     first = divides_first(rop, flat.dtype)
     if first:  # float16: each rank's share, summed (NCCL's order)
         flat.div_(w)
+    keys = _keys(flat, rop)
+    work = flat if keys is None else keys
     tag = _next_tag(ranks)
     reduce = _REDUCE[rop]
-    chunks = list(torch.tensor_split(flat, w))
+    chunks = list(torch.tensor_split(work, w))
     nxt, prv = ranks[(r + 1) % w], ranks[(r - 1) % w]
 
     def exchange(send: torch.Tensor, recv: torch.Tensor) -> list[Any]:
@@ -107,7 +110,7 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
 
     # One receive buffer for every step: allocating a fresh one per step costs page faults
     # (32 MiB per step for a 64 MiB allreduce on 2 ranks).
-    scratch = torch.empty(max(c.numel() for c in chunks), dtype=flat.dtype, device=flat.device)
+    scratch = torch.empty(max(c.numel() for c in chunks), dtype=work.dtype, device=work.device)
     for s in range(w - 1):  # reduce-scatter
         into = chunks[(r - s - 1) % w]
         incoming = scratch[: into.numel()]
@@ -118,6 +121,8 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
         owned.div_(w)
     for s in range(w - 1):  # all-gather
         yield exchange(chunks[(r + 1 - s) % w], chunks[(r - s) % w])
+    if keys is not None:
+        _ordered.from_keys(keys, flat)
     return tensor
 
 
@@ -131,20 +136,32 @@ def naive_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Ste
     first = divides_first(rop, flat.dtype)
     if first:  # float16: each rank's share, summed (NCCL's order)
         flat.div_(w)
+    keys = _keys(flat, rop)
+    work = flat if keys is None else keys
     tag = _next_tag(ranks)
     root = ranks[0]
     if r == 0:
-        incoming = [torch.empty_like(flat) for _ in range(w - 1)]
+        incoming = [torch.empty_like(work) for _ in range(w - 1)]
         yield [_backend().irecv(buf, ranks[q + 1], group, tag) for q, buf in enumerate(incoming)]
         for buf in incoming:  # rank order: a deterministic result
-            _REDUCE[rop](flat, buf)
+            _REDUCE[rop](work, buf)
         if rop is ReduceOp.AVG and not first:
-            flat.div_(w)
-        yield [_backend().isend(flat, q, group, tag) for q in ranks[1:]]
+            work.div_(w)
+        yield [_backend().isend(work, q, group, tag) for q in ranks[1:]]
     else:
-        yield [_backend().isend(flat, root, group, tag)]
-        yield [_backend().irecv(flat, root, group, tag)]
+        yield [_backend().isend(work, root, group, tag)]
+        yield [_backend().irecv(work, root, group, tag)]
+    if keys is not None:
+        _ordered.from_keys(keys, flat)
     return tensor
+
+
+def _keys(flat: torch.Tensor, rop: ReduceOp) -> torch.Tensor | None:
+    """A float max or min reduces ordered integer keys, as the native all_reduce does on
+    gloo and MPI (:mod:`overlap.comm.ordered`): torch.maximum/minimum pick between -0.0 and
+    +0.0 by operand order, so ring and naive could end on the other zero than native. None
+    for every other op."""
+    return _ordered.to_keys(flat, rop) if _ordered.keyed(rop, flat.dtype) else None
 
 
 ALGORITHMS: dict[str, Callable[[torch.Tensor, Any, Any], Steps]] = {

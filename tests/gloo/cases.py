@@ -102,18 +102,24 @@ def case_max_min_nan(mode: str) -> None:
         row = [nan if rank == k else rank + 0.5, -(rank * 1.5), -0.0 if rank % 2 else 0.0]
         return torch.tensor([*row, inf if rank == 0 else -inf], dtype=dtype)
 
+    kinds = [
+        (dtype, op, fold, alg)
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        for op, fold in (("max", torch.maximum), ("min", torch.minimum))
+        # ring and naive too (float32): they ended on the other zero than native's
+        for alg in (("native", "ring", "naive") if dtype is torch.float32 else ("native",))
+    ]
     for k in range(w):
-        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-            for op, fold in (("max", torch.maximum), ("min", torch.minimum)):
-                want = mine(k, 0, dtype)
-                for q in range(1, w):
-                    want = fold(want, mine(k, q, dtype))
-                t = mine(k, r, dtype)
-                go(lambda a, t=t, op=op: comm.all_reduce(t, op=op, async_op=a), mode)
-                assert torch.isnan(t[0]), (k, dtype, op, t.tolist())
-                assert t[1:].tolist() == want[1:].tolist(), (k, dtype, op, t, want)
-                # -0.0 < +0.0 whatever the order (torch.maximum's pick depends on it)
-                assert t[2].signbit().item() == (op == "min" and w > 1), (k, op, t)
+        for dtype, op, fold, alg in kinds:
+            want = mine(k, 0, dtype)
+            for q in range(1, w):
+                want = fold(want, mine(k, q, dtype))
+            t = mine(k, r, dtype)
+            go(lambda a, t=t, op=op, g=alg: comm.all_reduce(t, op, algorithm=g, async_op=a), mode)
+            assert torch.isnan(t[0]), (k, dtype, op, alg, t.tolist())
+            assert t[1:].tolist() == want[1:].tolist(), (k, dtype, op, alg, t, want)
+            # -0.0 < +0.0 whatever the order (torch.maximum's pick depends on it)
+            assert t[2].signbit().item() == (op == "min" and w > 1), (k, op, alg, t)
         # reduce: the result on dst, every other rank's tensor unchanged
         t = mine(k, r, torch.float32)
         go(lambda a, t=t: comm.reduce(t, dst=w - 1, op="max", async_op=a), mode)
