@@ -26,7 +26,10 @@ receive in flight is not ordered after it (wait for it first, as MPI's rules ask
 them too cost an 8-byte MPI sendrecv pair 8.4 -> 14 us on 2 ranks (two claims and a check
 each pair, about 1.8 us of Python single-process, slowed by the two ranks sharing two cores),
 4.0 -> 5.3x mpi4py's in ``overlap bench ops``, for a pattern (reusing a buffer still in flight
-in a send or receive) that MPI and gloo already forbid.
+in a send or receive) that MPI and gloo already forbid, and that NCCL does not order either:
+torch's NCCL group runs point-to-point ops on a stream per pair of ranks, apart from the
+stream of its collectives (pytorch/pytorch#132852), so code written for NCCL waits for a
+receive before it reads the buffer there too.
 
 Cost: a collective's claim is a weak reference to its handle in one dict, and its tensors
 in the handle (``_claim``), dropped when it completes. The check runs only while some claim
