@@ -166,14 +166,14 @@ def _split_counts(t: Any, splits: Sequence[int] | None, w: int) -> list[int]:
     except (ValueError, TypeError):
         return [-1] * w
     row = math.prod(t.shape[1:])
-    return [s * row for s in rows]
+    return [_debug.count(s * row, t.dtype) for s in rows]
 
 
 def _list_counts(ts: Any, w: int) -> list[int]:
     """Elements an all_to_all sends to (or expects from) each rank (-1s if ``ts`` is bad)."""
     if not isinstance(ts, (list, tuple)) or len(ts) != w:
         return [-1] * w
-    return [t.numel() if isinstance(t, torch.Tensor) else -1 for t in ts]
+    return [_debug.count(t.numel(), t.dtype) if isinstance(t, torch.Tensor) else -1 for t in ts]
 
 
 def _opname(op: Any) -> str:

@@ -23,9 +23,13 @@ The fingerprint holds the reduce op and the root (src/dst) as well as the shapes
 
 All-to-all ops are the exception to "every rank issues the same shapes": with uneven
 splits each rank sends and receives its own amounts. Their fingerprint holds the dtypes
-and the shapes past the first dimension, and a second all_gather exchanges each rank's
-send and receive counts (elements per peer): rank i's count for j must be what j expects
-from i. 0.1.0 compared whole shapes, and so flagged every correct uneven all-to-all.
+and the shapes past the first dimension (all_to_all_single), or only the lists' lengths
+(all_to_all of lists), and a second all_gather exchanges each rank's send and receive
+counts with their dtypes (elements per peer, :func:`count`): rank i's count for j must be
+what j expects from i, in the same dtype. 0.1.0 compared whole shapes, and so flagged
+every correct uneven all-to-all; until the fortieth session a list all-to-all's dtypes
+were compared by position, so one that sent float64 to rank 0 and float32 to the others
+(each rank's outputs then differ) was flagged too.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch
 from overlap.comm.p2p import describe, dtype_name
 from overlap.errors import CollectiveMismatchError
 
-__all__ = ["check", "enabled", "forget", "make_group", "set_enabled"]
+__all__ = ["check", "count", "enabled", "forget", "make_group", "set_enabled"]
 
 _DESC = 192  # bytes of description exchanged per rank
 
@@ -98,9 +102,31 @@ def _one(t: torch.Tensor, uneven: bool) -> str:
     return f"{dtype}[{', '.join(['*', *map(str, t.shape[1:])])}]" if t.dim() else dtype
 
 
+_NAMES = [
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32",
+    "int8", "uint8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+]  # fmt: skip
+_CODES = {d: i for i, n in enumerate(_NAMES) if (d := getattr(torch, n, None)) is not None}
+_OTHER = 63  # any other dtype (codes are 6 bits)
+
+
+def count(numel: int, dtype: torch.dtype) -> int:
+    """An all-to-all's elements for one peer and their dtype, as one int64 for the
+    pairwise check (-1 stays -1: bad arguments)."""
+    return -1 if numel < 0 else numel * 64 + _CODES.get(dtype, _OTHER)
+
+
+def _spell(v: int) -> str:
+    """``3 float32``: an encoded :func:`count` as messages say it."""
+    code = v % 64
+    return f"{v // 64} {_NAMES[code] if code < len(_NAMES) else 'other-dtype'}"
+
+
 def _describe(op: str, tensors: Sequence[Any], uneven: bool = False) -> str:
     """``op(dtype[shape], ...)``; ``uneven`` (an all-to-all): a tensor's first dimension
-    as ``*`` and a list's tensors by dtype alone, since their sizes may differ by rank."""
+    as ``*`` and a list by its length alone, since its tensors' sizes and dtypes may differ
+    by rank (the counts check pairs them up)."""
     parts = []
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -108,7 +134,7 @@ def _describe(op: str, tensors: Sequence[Any], uneven: bool = False) -> str:
         elif isinstance(t, (list, tuple)):
             xs = [x for x in t if isinstance(x, torch.Tensor)]
             if uneven:
-                parts.append("[" + ",".join(dtype_name(x.dtype) for x in xs) + "]")
+                parts.append(f"[{len(xs)} tensors]")
             else:
                 parts.append("[" + ",".join(_one(x, False) for x in xs) + "]")
     return f"{op}({', '.join(parts)})"
@@ -202,12 +228,13 @@ def _check_counts(
     ]
     if bad:
         detail = "; ".join(
-            f"rank {ranks[i]} sends {s} elements to rank {ranks[j]}, which expects {e}"
+            f"rank {ranks[i]} sends {_spell(s)} elements to rank {ranks[j]}, which expects "
+            f"{_spell(e)}"
             for i, j, s, e in bad[:8]
         )
         raise CollectiveMismatchError(
             f"collective mismatch on the group of ranks {list(ranks)}: {op} sizes do not "
             f"pair up ({detail}{'; ...' if len(bad) > 8 else ''}). Rank i's input split for "
-            "rank j must equal rank j's output split for rank i",
+            "rank j must equal rank j's output split for rank i, in the same dtype",
             ranks=sorted({ranks[k] for i, j, _, _ in bad for k in (i, j)}),
         )

@@ -43,6 +43,9 @@ def mismatch_is_detected() -> dict[str, Any]:
             ("root", lambda: comm.broadcast(torch.ones(4), src=r)),
             # rank 1 expects a row less from rank 0 than it sends, and one more from itself
             ("splits", lambda: _all_to_all(wrong=True)),
+            # rank 1 expects one float64 from rank 0, which sends two float32s: the same
+            # bytes, so only the check tells
+            ("list_dtype", lambda: _list_all_to_all(wrong=True)),
         ):
             try:
                 fn()
@@ -53,6 +56,8 @@ def mismatch_is_detected() -> dict[str, Any]:
         comm.all_reduce(t, op=ReduceOp.SUM if r == 0 else "sum")  # both spellings agree
         out["after"] = t.tolist()
         out["uneven"] = _all_to_all(wrong=False)  # each rank its own sizes: 0.1.0 flagged it
+        # float64 to rank 0, float32 to the others: flagged until the fortieth session
+        out["uneven_list"] = _list_all_to_all(wrong=False)
         out["scheduler"] = _correct_scheduler_loop()  # never flagged
     finally:
         debug.set_enabled(False)
@@ -120,6 +125,24 @@ def _all_to_all(wrong: bool) -> bool:
     comm.all_to_all_single(o, x, expects, sends[r])
     want = [2 * (sum(sends[i][:r]) + k) + 1000 * i for i in range(w) for k in range(sends[i][r])]
     return bool(o[:, 0].tolist() == want)
+
+
+def _list_all_to_all(wrong: bool) -> bool:
+    """An all_to_all of lists: rank i sends rank j i + j + 1 elements, in float64 to rank 0
+    and float32 to the others, so rank 0's outputs are float64 and every other rank's are
+    not. With ``wrong``, rank 1 expects one float64 from rank 0 where it sends two float32s
+    (the same bytes). Returns whether every output holds what was sent."""
+    r, w = comm.get_rank(), comm.get_world_size()
+
+    def dt(j: int) -> torch.dtype:
+        return torch.float64 if j == 0 else torch.float32
+
+    ins = [torch.full((r + j + 1,), float(10 * r + j), dtype=dt(j)) for j in range(w)]
+    outs = [torch.zeros(q + r + 1, dtype=dt(r)) for q in range(w)]
+    if wrong and r == 1:
+        outs[0] = torch.zeros(1, dtype=torch.float64)  # rank 0 sends 2 float32s
+    comm.all_to_all(outs, ins)
+    return all(o.tolist() == [float(10 * q + r)] * (q + r + 1) for q, o in enumerate(outs))
 
 
 def _correct_scheduler_loop() -> str:

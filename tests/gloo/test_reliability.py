@@ -27,8 +27,12 @@ def test_debug_mode_names_the_mismatch(pools: Callable[[int], RankPool]) -> None
         assert "src=0" in res[r]["root"][1] and "src=1" in res[r]["root"][1]
         ranks, msg = res[r]["splits"]
         assert ranks == [0, 1], (r, msg)
-        assert "rank 0 sends 4 elements to rank 1, which expects 2" in msg, (r, msg)
+        assert "rank 0 sends 4 float32 elements to rank 1, which expects 2 float32" in msg, msg
         assert res[r]["uneven"] is True
+        ranks, msg = res[r]["list_dtype"]
+        assert ranks == [0, 1], (r, msg)
+        assert "rank 0 sends 2 float32 elements to rank 1, which expects 1 float64" in msg, msg
+        assert res[r]["uneven_list"] is True
 
 
 def test_debug_mode_catches_a_message_that_does_not_fit(

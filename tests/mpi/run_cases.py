@@ -105,8 +105,12 @@ def _debug_mode() -> None:
         ranks, msg = out[case]
         assert ranks and "collective mismatch" in msg, (case, out[case])
     ranks, msg = out["splits"]
-    assert ranks == [0, 1] and "rank 0 sends 4 elements to rank 1, which expects 2" in msg, msg
-    assert out["uneven"] is True, out
+    assert ranks == [0, 1], msg
+    assert "rank 0 sends 4 float32 elements to rank 1, which expects 2 float32" in msg, msg
+    assert out["uneven"] is True and out["uneven_list"] is True, out
+    ranks, msg = out["list_dtype"]
+    assert ranks == [0, 1], msg
+    assert "rank 0 sends 2 float32 elements to rank 1, which expects 1 float64" in msg, msg
 
 
 def _message_mismatch() -> None:
