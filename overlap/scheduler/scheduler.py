@@ -36,6 +36,7 @@ from torch.autograd.variable import Variable
 from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
 from overlap.argcheck import positive_real
+from overlap.comm import debug as _debug
 from overlap.comm import state as comm_state
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run, run_async
@@ -452,8 +453,15 @@ class BucketScheduler:
 
     def _new_step(self) -> None:
         self._steps_begun += 1
+        # In debug mode every collective first waits for a check on its group's debug
+        # group. Issued inline from a gradient hook, a bucket's check held the training
+        # thread while a rank that lacked that bucket's gradient (a parameter it did not
+        # use) was in the step's vote on the other group: both ranks waited for ever. On
+        # the worker thread only the worker waits, as for compressed buckets.
         self._inline = (
-            type(self.compression.current()) is NoCompression and self.device.type == "cpu"
+            type(self.compression.current()) is NoCompression
+            and self.device.type == "cpu"
+            and not _debug.enabled()
         )
         self._prescale = 1.0 / self.world if self._inline and self.average else None
         # DDP's path, less a pass: a large float32 gradient is scaled and reduced in place

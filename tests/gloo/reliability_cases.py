@@ -59,6 +59,7 @@ def mismatch_is_detected() -> dict[str, Any]:
         # float64 to rank 0, float32 to the others: flagged until the fortieth session
         out["uneven_list"] = _list_all_to_all(wrong=False)
         out["scheduler"] = _correct_scheduler_loop()  # never flagged
+        out["scheduler_unused"] = _uncompressed_loop_with_a_layer_one_rank_skips()  # no hang
     finally:
         debug.set_enabled(False)
     return out
@@ -159,6 +160,35 @@ def _correct_scheduler_loop() -> str:
             model(x).sum().backward()
             sched.synchronize()
             comm.all_reduce(torch.ones(2))  # the caller's own ops on the world group
+    finally:
+        sched.remove()
+    return "ok"
+
+
+def _uncompressed_loop_with_a_layer_one_rank_skips() -> str:
+    """An uncompressed scheduler in debug mode where rank 0 alone uses the last layer: its
+    bucket is ready on rank 0 during backward and on the others only after the step's vote.
+    Launched from the gradient hook, its debug check held rank 0's training thread while the
+    others waited in the vote's check on the other group: every rank hung."""
+    from overlap import BucketScheduler
+
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    sched = BucketScheduler(model, bucket_cap_mb=0.0005, first_bucket_mb=0.0005)
+    try:
+        for i in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+            y = model[0](x)
+            (model[1](y) if r == 0 else y).sum().backward()
+            sched.synchronize()
+        grad = model[1].weight.grad
+        assert grad is not None  # every rank gets the average: rank 0's share, zeros elsewhere
+        want = torch.empty_like(grad)
+        if r == 0:
+            want.copy_(grad)
+        comm.broadcast(want, src=0)
+        assert torch.equal(grad, want), "the ranks disagree"
     finally:
         sched.remove()
     return "ok"

@@ -17,7 +17,7 @@ def test_debug_mode_names_the_mismatch(pools: Callable[[int], RankPool]) -> None
     res = pools(2).run(rc.mismatch_is_detected, timeout=60)
     for r in (0, 1):
         assert res[r]["after"] == [2.0, 2.0, 2.0]
-        assert res[r]["scheduler"] == "ok"
+        assert res[r]["scheduler"] == res[r]["scheduler_unused"] == "ok"
         for case in ("shape", "op", "dtype", "reduce_op", "root"):
             ranks, msg = res[r][case]
             assert ranks == [1] and "collective mismatch" in msg, (r, case, msg)
