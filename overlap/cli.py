@@ -261,17 +261,6 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
     if unknown:
         _err(f"unknown op(s) {unknown}; choose from {list(OPS)}")
         return 2
-    world = args.hosts * args.procs_per_host if args.hosts else args.world_size
-    if world < 2 and "sendrecv" in ops:
-        # a rank cannot send to itself: gloo failed with "Pair is not connected", MPI exited 1
-        if args.op:
-            _err(
-                f"--op sendrecv needs a peer, and the job has {world} rank: pass "
-                "--world-size 2 or more, or leave out --op sendrecv"
-            )
-            return 2
-        ops = [o for o in ops if o != "sendrecv"]
-        _err("note: sendrecv left out: it needs a peer, and --world-size is 1")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.job_timeout is not None and args.backend != "mpi":
         _err(
@@ -291,6 +280,16 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
 
     if args.hosts:
         args.world_size = args.hosts * args.procs_per_host
+    if args.world_size < 2 and "sendrecv" in ops:
+        # a rank cannot send to itself: gloo failed with "Pair is not connected", MPI exited 1
+        if args.op:
+            _err(
+                f"--op sendrecv needs a peer, and the job has {args.world_size} rank: pass "
+                "--world-size 2 or more, or leave out --op sendrecv"
+            )
+            return 2
+        ops = [o for o in ops if o != "sendrecv"]
+        _err("note: sendrecv left out: it needs a peer, and the job has 1 rank")
     short = ops_shortfall(ops, max(sizes), args.world_size)
     if short is not None:
         _err(f"overlap bench ops: {short}")
