@@ -90,11 +90,7 @@ def ring_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Step
     w = len(ranks)
     if w == 1:
         return tensor
-    first = divides_first(rop, flat.dtype)
-    if first:  # float16: each rank's share, summed (NCCL's order)
-        flat.div_(w)
-    keys = _keys(flat, rop)
-    work = flat if keys is None else keys
+    work, keys, first = _prepare(flat, rop, w)
     tag = _next_tag(ranks)
     reduce = _REDUCE[rop]
     chunks = list(torch.tensor_split(work, w))
@@ -133,11 +129,7 @@ def naive_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Ste
     w = len(ranks)
     if w == 1 or flat.numel() == 0:
         return tensor
-    first = divides_first(rop, flat.dtype)
-    if first:  # float16: each rank's share, summed (NCCL's order)
-        flat.div_(w)
-    keys = _keys(flat, rop)
-    work = flat if keys is None else keys
+    work, keys, first = _prepare(flat, rop, w)
     tag = _next_tag(ranks)
     root = ranks[0]
     if r == 0:
@@ -156,12 +148,21 @@ def naive_steps(tensor: torch.Tensor, op: Any = "sum", group: Any = None) -> Ste
     return tensor
 
 
-def _keys(flat: torch.Tensor, rop: ReduceOp) -> torch.Tensor | None:
-    """A float max or min reduces ordered integer keys, as the native all_reduce does on
-    gloo and MPI (:mod:`overlap.comm.ordered`): torch.maximum/minimum pick between -0.0 and
-    +0.0 by operand order, so ring and naive could end on the other zero than native. None
-    for every other op."""
-    return _ordered.to_keys(flat, rop) if _ordered.keyed(rop, flat.dtype) else None
+def _prepare(
+    flat: torch.Tensor, rop: ReduceOp, w: int
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(the tensor the algorithm reduces, its ordered keys or None, avg divided already?),
+    as the native all_reduce does on gloo and MPI:
+
+    * float16 ``avg`` divides each rank's values first (:func:`divides_first`);
+    * a float max or min reduces ordered integer keys (:mod:`overlap.comm.ordered`), written
+      back into ``flat`` at the end: torch.maximum/minimum pick between -0.0 and +0.0 by
+      operand order, so ring and naive could end on the other zero than native."""
+    first = divides_first(rop, flat.dtype)
+    if first:
+        flat.div_(w)
+    keys = _ordered.to_keys(flat, rop) if _ordered.keyed(rop, flat.dtype) else None
+    return (flat if keys is None else keys), keys, first
 
 
 ALGORITHMS: dict[str, Callable[[torch.Tensor, Any, Any], Steps]] = {

@@ -381,7 +381,7 @@ class TorchBackend:
             )  # fmt: skip
         post: PostFn | None = None
         if divide:
-            if t.dtype is torch.float16:  # divides_first: before the sum, as NCCL's
+            if divides_first(ReduceOp.AVG, t.dtype):  # before the sum, as NCCL's
                 t.div_(info.size)
             else:
                 post = partial(t.div_, info.size)
