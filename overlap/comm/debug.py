@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from overlap.comm.p2p import describe, dtype_name
+from overlap.dtypes import present
 from overlap.errors import CollectiveMismatchError
 
 __all__ = ["check", "count", "enabled", "forget", "make_group", "set_enabled"]
@@ -107,7 +108,7 @@ _NAMES = [
     "int8", "uint8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
 ]  # fmt: skip
-_CODES = {d: i for i, n in enumerate(_NAMES) if (d := getattr(torch, n, None)) is not None}
+_CODES = {d: i for i, n in enumerate(_NAMES) for d in present(n)}
 _OTHER = 63  # any other dtype (codes are 6 bits)
 
 

@@ -34,8 +34,9 @@ __all__ = ["LACKING", "all_to_all", "lacks", "note_lacking", "reduce_scatter"]
 
 log = logging.getLogger(__name__)
 
-# the op kinds ("reduce_scatter", "reduce_scatter_flat", "all_to_all") this torch's gloo
-# refused as missing: issued through the fallbacks from then on (tests add to it to run them)
+# the op kinds ("reduce_scatter", "reduce_scatter_flat") this torch's gloo refused as
+# missing: issued through the fallbacks from then on (tests add to it to run them).
+# all_to_all is not among them: on gloo it always takes its fallback (module docstring)
 LACKING: set[str] = set()
 
 Built = tuple[Callable[[], Any], Callable[[], object], Any]  # (issue, post, keep)

@@ -318,14 +318,15 @@ def case_all_to_all(mode: str) -> None:
 
 
 def case_gloo_fallbacks(mode: str) -> None:
-    """reduce_scatter and all_to_all built from ops gloo has (overlap.comm.gloo_fallback),
-    as on a torch whose gloo lacks them (2.2): the same results as the native ops, also
-    for an all_to_all of mixed dtypes and uneven sizes. Elsewhere (MPI) the native ops."""
+    """reduce_scatter built from ops gloo has (overlap.comm.gloo_fallback), as on a torch
+    whose gloo lacks it (2.2), and all_to_all, which takes that path on every gloo: the same
+    results as the native ops, also for an all_to_all of mixed dtypes and uneven sizes.
+    Elsewhere (MPI) the native ops."""
     from overlap.comm import gloo_fallback
 
     forced = comm.get_backend() == "gloo" and not gloo_fallback.LACKING
     if forced:
-        gloo_fallback.LACKING.update(["reduce_scatter", "reduce_scatter_flat", "all_to_all"])
+        gloo_fallback.LACKING.update(["reduce_scatter", "reduce_scatter_flat"])
     try:
         case_reduce_scatter(mode)
         case_all_to_all(mode)
