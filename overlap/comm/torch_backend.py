@@ -664,7 +664,7 @@ class TorchBackend:
             # tensors share one shape ("invalid tensor size at index 1"), so an uneven
             # exchange (MoE tokens) failed on gloo where MPI and NCCL ran it; and the choice
             # cannot depend on this rank's sizes (one rank's lists may be even while another's
-            # are not: two different collectives). Its cost against gloo's own: docs/api.md.
+            # are not: two different collectives). Its cost: docs/benchmarks.md.
             return fallback()
         return self._launch(
             "all_to_all",
