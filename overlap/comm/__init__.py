@@ -105,6 +105,7 @@ __all__ = [
     "destroy_process_group",
     "enable_symm_mem_for_group",
     "gather",
+    "gather_object",
     "get_all_ranks_from_group",
     "get_backend",
     "get_comm_operation_count",
@@ -142,6 +143,7 @@ __all__ = [
     "reduce_scatter_tensor",
     "reset_log",
     "scatter",
+    "scatter_object_list",
     "send",
     "set_backend",
     "timed_op",
@@ -597,6 +599,37 @@ def all_gather_object(
     _maybe_timed(
         "all_gather_object", prof, log_name, debug, group, lambda: impl(object_list, obj, group)
     )
+
+
+def gather_object(
+    obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
+) -> None:
+    """Fill ``object_gather_list`` (``[None] * world_size``) on rank ``dst`` with every
+    rank's picklable ``obj`` (torch's ``gather_object``). Blocking; uses pickle
+    (:mod:`overlap.comm.objects`)."""
+    from overlap.comm.objects import gather_object as impl
+
+    _maybe_timed(
+        "gather_object", False, "gather_object", None, group,
+        lambda: impl(obj, object_gather_list, dst, group),
+    )  # fmt: skip
+
+
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int = 0,
+    group: Any = None,
+) -> None:
+    """Put rank ``src``'s ``scatter_object_input_list[i]`` into
+    ``scatter_object_output_list[0]`` on group rank i (torch's ``scatter_object_list``).
+    Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
+    from overlap.comm.objects import scatter_object_list as impl
+
+    _maybe_timed(
+        "scatter_object_list", False, "scatter_object_list", None, group,
+        lambda: impl(scatter_object_output_list, scatter_object_input_list, src, group),
+    )  # fmt: skip
 
 
 def all_gather_into_tensor(

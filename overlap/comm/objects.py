@@ -1,8 +1,13 @@
 """Object collectives: picklable Python objects through tensor collectives, on any backend.
 
-``all_gather_object`` and ``broadcast_object_list`` pickle on the sender, move the bytes
-with overlap's own tensor ops (sizes first, then one padded buffer), and unpickle on the
-receiver, so they work the same on gloo, NCCL (through CUDA tensors) and MPI.
+``all_gather_object``, ``broadcast_object_list``, ``gather_object`` and
+``scatter_object_list`` pickle on the sender, move the bytes with overlap's own tensor ops
+(sizes first, then one padded buffer), and unpickle on the receiver, so they work the same
+on gloo, NCCL (through CUDA tensors) and MPI.
+
+Every rank takes part in the first exchange even when its own input is bad, with an error
+code in place of its byte count, so that bad input on one rank makes every rank raise
+instead of leaving the others waiting (and pairing their next collective with this one).
 
 Like torch's, they use ``pickle``: only exchange objects with ranks you trust, as unpickling
 can run code.
@@ -17,7 +22,7 @@ import torch
 
 from overlap.errors import CommError
 
-__all__ = ["all_gather_object", "broadcast_object_list"]
+__all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
 
 
 def _device(device: Any = None) -> torch.device:
@@ -156,3 +161,143 @@ def broadcast_object_list(
             f"{len(object_list)} (left unchanged); pass a list of the same length on every rank"
         )
     object_list[:] = pickle.loads(buf.cpu().numpy().tobytes())
+
+
+def _check_root(op: str, root: Any, group: Any) -> None:
+    """ValueError, before anything is exchanged, unless ``root`` (a global rank) is a member
+    of ``group``: every rank makes the same check, so every rank raises."""
+    from overlap import comm
+
+    members = comm.get_all_ranks_from_group(group)
+    if isinstance(root, bool) or not isinstance(root, int) or root not in members:
+        raise ValueError(
+            f"{op}: {root!r} is not a rank of the group (its global ranks are {members}); "
+            "pass the global rank of a member"
+        )
+
+
+def gather_object(
+    obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
+) -> None:
+    """Fill ``object_gather_list`` on rank ``dst`` (a global rank; one slot per rank of the
+    group, in group-rank order) with every rank's ``obj``; other ranks' lists are ignored
+    (pass None), as torch's.
+
+    The byte counts are all-gathered first, so a bad list on ``dst`` or an ``obj`` that does
+    not pickle on any rank makes that rank raise (ValueError, TypeError) and every other
+    rank raise CommError naming it: no rank is left waiting."""
+    from overlap import comm
+    from overlap.comm.comms_logger import BYPASS
+
+    _check_root("gather_object", dst, group)
+    w = comm.get_world_size(group)
+    dev = _device()
+    me = comm.get_rank() == dst
+    mine: torch.Tensor | None = None
+    err: BaseException | None = None
+    if me and (not isinstance(object_gather_list, list) or len(object_gather_list) != w):
+        got = (
+            len(object_gather_list)
+            if isinstance(object_gather_list, list)
+            else type(object_gather_list).__name__
+        )
+        err = ValueError(
+            f"object_gather_list on the destination must be a list with one slot per rank "
+            f"({w}), got {got}; pass [None] * get_world_size(group)"
+        )
+        code = _BAD_LIST
+    else:
+        mine, err = _pickled(obj, dev)
+        code = _CANNOT_PICKLE if mine is None else mine.numel()
+    sizes = torch.zeros(w, dtype=torch.int64, device=dev)
+    local = torch.tensor([code], dtype=torch.int64, device=dev)
+    comm.all_gather_into_tensor(sizes, local, group, log_name=BYPASS)
+    counts = [int(n) for n in sizes.tolist()]
+    if err is not None:
+        raise err
+    failed = {comm.get_global_rank(group, i): c for i, c in enumerate(counts) if c < 0}
+    if failed:
+        raise _peers_failed("gather_object", failed)
+    assert mine is not None
+    top = max(counts)
+    padded = torch.zeros(top, dtype=torch.uint8, device=dev)
+    padded[: mine.numel()] = mine
+    parts = [torch.empty(top, dtype=torch.uint8, device=dev) for _ in range(w)] if me else None
+    comm.gather(padded, parts, dst, group, log_name=BYPASS)
+    if parts is None:
+        return
+    assert object_gather_list is not None
+    for i, (part, n) in enumerate(zip(parts, counts, strict=True)):
+        object_gather_list[i] = pickle.loads(part[:n].cpu().numpy().tobytes())
+
+
+def scatter_object_list(
+    scatter_object_output_list: list[Any],
+    scatter_object_input_list: list[Any] | None = None,
+    src: int = 0,
+    group: Any = None,
+) -> None:
+    """Put ``scatter_object_input_list[i]`` of rank ``src`` (a global rank; one object per
+    rank of the group, in group-rank order) into ``scatter_object_output_list[0]`` on group
+    rank i, as torch's; the input list is ignored on other ranks.
+
+    The source pickles every object before anything moves and broadcasts the largest size
+    (or an error code), so a bad input list or an object that does not pickle makes the
+    source raise (ValueError, TypeError) and the receivers CommError naming it. A receiver
+    whose output list is not a non-empty list raises ValueError once the scatter is done,
+    its list unchanged: no rank is left waiting."""
+    from overlap import comm
+    from overlap.comm.comms_logger import BYPASS
+
+    _check_root("scatter_object_list", src, group)
+    w = comm.get_world_size(group)
+    dev = _device()
+    me = comm.get_rank() == src
+    chunks: list[torch.Tensor] = []
+    err: BaseException | None = None
+    head = torch.zeros(1, dtype=torch.int64)
+    if me:
+        objs = scatter_object_input_list
+        if not isinstance(objs, list) or len(objs) != w:
+            got = len(objs) if isinstance(objs, list) else type(objs).__name__
+            err = ValueError(
+                f"scatter_object_input_list on the source must be a list with one object per "
+                f"rank ({w}), got {got}"
+            )
+            head[0] = _BAD_LIST
+        else:
+            for o in objs:
+                data, err = _pickled(o, dev)
+                if data is None:
+                    head[0] = _CANNOT_PICKLE
+                    break
+                chunks.append(data)
+            else:
+                head[0] = max(c.numel() for c in chunks)
+    head = head.to(dev)
+    comm.broadcast(head, src, group, log_name=BYPASS)
+    top = int(head.item())
+    if err is not None:
+        raise err
+    if top < 0:
+        raise _peers_failed("scatter_object_list", {src: top})
+    # Each rank's part: its byte count (8 bytes, little-endian int64), then the bytes.
+    parts = None
+    if me:
+        parts = []
+        for c in chunks:
+            part = torch.zeros(8 + top, dtype=torch.uint8, device=dev)
+            part[:8] = torch.tensor([c.numel()], dtype=torch.int64).view(torch.uint8).to(dev)
+            part[8 : 8 + c.numel()] = c
+            parts.append(part)
+    out = torch.empty(8 + top, dtype=torch.uint8, device=dev)
+    comm.scatter(out, parts, src, group, log_name=BYPASS)
+    if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
+        raise ValueError(
+            "scatter_object_output_list must be a non-empty list (its first element receives "
+            f"this rank's object), got {scatter_object_output_list!r}; the scatter was taken "
+            "and dropped. Pass [None]"
+        )
+    host = out.cpu()
+    n = int(host[:8].view(torch.int64).item())
+    scatter_object_output_list[0] = pickle.loads(host[8 : 8 + n].numpy().tobytes())

@@ -118,6 +118,24 @@ def objects() -> None:
     except ValueError as exc:
         assert r != 0 and "same length" in str(exc) and mine == [1, 2], (r, exc)
     comm.barrier()  # every rank got through: none is left in the broadcast
+    # torch's gather_object / scatter_object_list, to the last rank and from it
+    gathered: list[Any] | None = [None] * w if r == src else None
+    comm.gather_object({"rank": r, "t": torch.tensor([r])}, gathered, dst=src)
+    if r == src:
+        assert gathered is not None and [g["rank"] for g in gathered] == list(range(w))
+        assert [int(g["t"]) for g in gathered] == list(range(w))
+    out: list[Any] = [None]
+    comm.scatter_object_list(out, [f"to{k}" * k for k in range(w)] if r == src else None, src)
+    assert out == [f"to{r}" * r], out
+    # on a group of the odd ranks (its global ranks as roots), when there are some
+    odd = comm.new_group(list(range(1, w, 2)))
+    if r % 2:
+        n = len(range(1, w, 2))
+        got_odd: list[Any] | None = [None] * n if r == 1 else None
+        comm.gather_object(r * 10, got_odd, dst=1, group=odd)
+        assert r != 1 or got_odd == [k * 10 for k in range(1, w, 2)], got_odd
+        comm.scatter_object_list(out, list(range(n)) if r == 1 else None, src=1, group=odd)
+        assert out == [r // 2], out
 
 
 def groups_and_queries() -> None:

@@ -541,6 +541,18 @@ def object_collectives_fail_on_every_rank() -> dict[str, str]:
         lambda: comm.broadcast_object_list([threading.Lock()] if r == 0 else [None], src=0),
     )
     case("broadcast_not_a_list", lambda: comm.broadcast_object_list("x" if r == 0 else [1], src=0))
+    lock = threading.Lock()
+    case("gather_unpicklable", lambda: comm.gather_object(lock if r == 0 else r, [None] * w, dst=1))
+    case("gather_bad_list", lambda: comm.gather_object(r, [None] * (w + 1), dst=0))
+    case(
+        "scatter_unpicklable",
+        lambda: comm.scatter_object_list([None], [lock] * w if r == 0 else None, src=0),
+    )
+    case("scatter_not_a_list", lambda: comm.scatter_object_list([None], "xy", src=0))
+    # only the receiver's own list is wrong: it alone raises, after the scatter
+    case("scatter_bad_output", lambda: comm.scatter_object_list([] if r else [None], [1] * w))
+    # a root outside the group: every rank raises before anything moves
+    case("gather_no_such_rank", lambda: comm.gather_object(r, [None] * w, dst=w))
     got = [None] * w
     comm.all_gather_object(got, {"rank": r})
     out["after"] = "ok" if got == [{"rank": q} for q in range(w)] else repr(got)

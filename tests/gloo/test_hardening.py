@@ -180,18 +180,35 @@ def check_object_failures(r: int, out: dict[str, str]) -> None:
         "bad_list": "ValueError: object_list must be a list with one slot per rank",
         "broadcast_unpicklable": "TypeError: cannot pickle list",
         "broadcast_not_a_list": "TypeError: object_list must be a list, got str",
+        "gather_unpicklable": "TypeError: cannot pickle lock",
+        "gather_bad_list": "ValueError: object_gather_list on the destination must be a list",
+        "scatter_unpicklable": "TypeError: cannot pickle lock",
+        "scatter_not_a_list": "ValueError: scatter_object_input_list on the source must be",
     }
     theirs = {
         "unpicklable": "rank 0 could not pickle its object",
         "bad_list": "rank 0 passed an object_list of the wrong kind or length",
         "broadcast_unpicklable": "rank 0 could not pickle its object",
         "broadcast_not_a_list": "rank 0 passed an object_list of the wrong kind or length",
+        "gather_unpicklable": "rank 0 could not pickle its object",
+        "gather_bad_list": "rank 0 passed an object_list of the wrong kind or length",
+        "scatter_unpicklable": "rank 0 could not pickle its object",
+        "scatter_not_a_list": "rank 0 passed an object_list of the wrong kind or length",
     }
     for name in mine:
         if r == 0:
             assert out[name].startswith(mine[name]), (name, out[name])
         else:
             assert out[name].startswith("CommError: ") and theirs[name] in out[name], (name, out)
+    if r == 0:
+        assert out["scatter_bad_output"] == "no error", out["scatter_bad_output"]
+    else:
+        assert out["scatter_bad_output"].startswith(
+            "ValueError: scatter_object_output_list must be a non-empty list"
+        ), out["scatter_bad_output"]
+    assert out["gather_no_such_rank"].startswith("ValueError: gather_object: ") and (
+        "is not a rank of the group" in out["gather_no_such_rank"]
+    ), out["gather_no_such_rank"]
 
 
 def test_a_rank_refuses_another_ranks_error_feedback(pools: Callable[[int], RankPool]) -> None:
