@@ -100,6 +100,19 @@ _ALLTOALL_OPTS = _C10D.AllToAllOptions()
 NO_DIRECT: set[str] = set()
 
 
+def stacked(big: torch.Tensor, part: torch.Tensor, size: int) -> torch.Tensor:
+    """``big`` (``size`` x ``part``'s elements, contiguous) as the concatenation of ``size``
+    tensors shaped as ``part`` along dim 0, the one shape torch's gloo takes for the
+    gathered output of all_gather_into_tensor and the input of reduce_scatter_tensor.
+
+    Overlap's contract (NCCL's and MPI's) is the element count: the stacked form (``size``,
+    then ``part``'s shape), which torch documents, and a flat tensor are accepted as well;
+    gloo refused them ("invalid tensor size", "Check failed: outputShape[0] * worldSize ==
+    inputShape[0]") where MPI and NCCL gave the result. A view costs no copy."""
+    want = (size * part.shape[0], *part.shape[1:])
+    return big if big.shape == want else big.view(want)
+
+
 def _direct_first(kind: str, direct: Callable[[], Any], wrapper: Callable[[], Any]) -> Any:
     """``direct()``, the process group's own call, unless this torch refused it as missing
     (then, from the first refusal on, which comes at issue on every rank alike, before
@@ -499,6 +512,7 @@ class TorchBackend:
         inp = self._t(input_tensor, "tensor")
         info = resolve_group(group)
         check_gathered_size(out, inp, info.size)
+        out = stacked(out, inp, info.size)
         inp = apart(inp, out, info.rank * nbytes_of(inp))
         wrapper = partial(_all_gather_single, out, inp, group=info.pg, async_op=True)
         issue: Callable[[], Any] = wrapper
@@ -526,12 +540,16 @@ class TorchBackend:
         if isinstance(input, torch.Tensor):
             inp = self._t(input, "input_list")
             check_reduce_scatter_flat(out, inp, info.size)
-            data = apart(inp, out, -info.rank * nbytes_of(out))
+            data = apart(stacked(inp, out, info.size), out, -info.rank * nbytes_of(out))
             kind, torch_op = "reduce_scatter_flat", _reduce_scatter_single
         else:
             data = self._ts(input, "input_list", info.size)
             check_reduce_scatter_list(out, data)
-            data = apart_list(data, [out])
+            # the contract is each chunk's element count (as on MPI); gloo takes only
+            # chunks shaped as the output ("Check failed: outputs[0].sizes() == ...")
+            data = apart_list(
+                [x if x.shape == out.shape else x.reshape(out.shape) for x in data], [out]
+            )
             kind, torch_op = "reduce_scatter", dist.reduce_scatter
         if first:  # float16: the shares are summed, in scratch (the input stays the user's)
             data = (

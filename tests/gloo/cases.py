@@ -278,6 +278,31 @@ def case_reduce_scatter(mode: str) -> None:
     _allclose(out3, want / w)
 
 
+def case_shapes_by_element_count(mode: str) -> None:
+    """all_gather_into_tensor's output and reduce_scatter's input may be stacked
+    (world, *shape), concatenated (world * rows, ...) or flat, and reduce_scatter's chunks
+    any shape with the output's element count, as NCCL and MPI take them (torch documents
+    the stacked form). Before, gloo refused all but the concatenation ("invalid tensor
+    size", "Check failed: outputShape[0] * worldSize == inputShape[0]")."""
+    r, w = rw()
+    x = torch.arange(4.0).reshape(2, 2) + 10 * r
+    want = torch.cat([torch.arange(4.0) + 10 * k for k in range(w)])
+    for shape in ((w, 2, 2), (2 * w, 2), (4 * w,), (2, 2 * w)):
+        out = torch.empty(shape)
+        assert go(lambda a, out=out: comm.all_gather_into_tensor(out, x, async_op=a), mode) is out
+        _allclose(out.flatten(), want)
+    grid = torch.arange(4.0 * w).reshape(w, 2, 2) + r  # rank j gets grid[j] summed
+    summed = torch.arange(4.0 * w).reshape(w, 2, 2)[r] * w + w * (w - 1) / 2
+    for data in (grid, grid.flatten(), list(grid.reshape(w, 4))):
+        out = torch.empty(2, 2)
+        go(lambda a, out=out, d=data: comm.reduce_scatter(out, d, async_op=a), mode)
+        _allclose(out, summed)
+    out = torch.empty(2, 2)
+    go(lambda a: comm.reduce_scatter_tensor(out, grid, op="max", async_op=a), mode)
+    _allclose(out, torch.arange(4.0 * w).reshape(w, 2, 2)[r] + w - 1)
+    assert torch.equal(grid, torch.arange(4.0 * w).reshape(w, 2, 2) + r)  # input left alone
+
+
 def case_all_to_all_single(mode: str) -> None:
     r, w = rw()
     inp = torch.arange(2.0 * w) + 100 * r
