@@ -58,11 +58,45 @@ def _setup(tensor: Any, op: Any, group: Any) -> tuple[torch.Tensor, ReduceOp, li
         raise ValueError("tensor is not contiguous; pass tensor.contiguous()")
     rop = parse_op(op)
     check_reducible(rop, tensor.dtype)
+    _check_local(rop, tensor.dtype, tensor.device)
     w = comm.get_world_size(group)
     ranks = [comm.get_global_rank(group, i) for i in range(w)]
     # detached, as the native path's: a Parameter's in-place sums failed half way through
     # the exchanges ("a view of a leaf Variable that requires grad"), the peer left waiting
     return tensor.detach().view(-1), rop, ranks, comm.get_rank(group)
+
+
+_LOCAL_OK: dict[tuple[ReduceOp, torch.dtype, torch.device], str | None] = {}
+
+
+def _check_local(rop: ReduceOp, dtype: torch.dtype, device: torch.device) -> None:
+    """TypeError unless torch can apply ``rop`` to ``dtype`` tensors here, as the ring's
+    and the naive root's local reductions do (on the ordered keys for a float max or min).
+
+    Torch has no add or multiply for uint16/32/64 or float8 on the CPU. Before, the ring
+    failed with torch's NotImplementedError ('"add_stub" not implemented for UInt16') in
+    its first step, and with naive the root failed after its receives, leaving every
+    other rank waiting for the result until the job timeout. Now every rank refuses the
+    call before anything is sent. Tried once per (op, dtype, device)."""
+    key = (rop, dtype, device)
+    if key not in _LOCAL_OK:
+        kd = _ordered.key_dtype(dtype) if _ordered.keyed(rop, dtype) else dtype
+        try:
+            a, b = torch.zeros(1, dtype=kd, device=device), torch.ones(1, dtype=kd, device=device)
+            _REDUCE[rop](a, b)
+            if rop is ReduceOp.AVG:
+                a.div_(2)
+            _LOCAL_OK[key] = None
+        except (NotImplementedError, RuntimeError) as exc:
+            _LOCAL_OK[key] = str(exc).splitlines()[0]
+    why = _LOCAL_OK[key]
+    if why is not None:
+        raise TypeError(
+            f"op={rop.value!r} on {dtype} tensors cannot run with algorithm='ring' or "
+            f"'naive': torch cannot reduce them on {device.type} ({why}); convert the tensor "
+            "to a dtype torch reduces (e.g. .to(torch.int64) or .to(torch.float16)), or use "
+            "the backend's own all_reduce (algorithm='native') where it takes the dtype"
+        )
 
 
 def check_algorithm_args(tensor: Any, op: Any, group: Any) -> None:

@@ -100,6 +100,11 @@ _ALLTOALL_OPTS = _C10D.AllToAllOptions()
 NO_DIRECT: set[str] = set()
 
 
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real pairs (a view); any other tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def stacked(big: torch.Tensor, part: torch.Tensor, size: int) -> torch.Tensor:
     """``big`` (``size`` x ``part``'s elements, contiguous) as the concatenation of ``size``
     tensors shaped as ``part`` along dim 0, the one shape torch's gloo takes for the
@@ -259,35 +264,52 @@ class TorchBackend:
             time.sleep(_DRAIN_S)
 
     # ------------------------------------------------------------------------- helpers
-    def _t(self, t: Any, name: str) -> torch.Tensor:
+    def _t(self, t: Any, name: str, moves: bool = False) -> torch.Tensor:
         """The tensor to hand to torch: ``t`` itself, or a detached view of it when it
         requires grad (in-place collectives on a leaf that requires grad would fail half
         way). The common case is checked in a few attribute reads; anything unusual takes
-        the full check, which raises with the problem and its fix."""
+        the full check, which raises with the problem and its fix.
+
+        ``moves``: the op only moves the tensor's bytes, so a dtype gloo lacks is accepted
+        (the op hands torch :meth:`_wire`'s byte view of it)."""
         if (
             isinstance(t, _Tensor)
             and (t.is_cpu if self._cpu else t.is_cuda)
             and t.layout is _strided
             and t.is_contiguous()
-            and t.dtype not in self._bad_dtypes
+            and (moves or t.dtype not in self._bad_dtypes)
         ):
             return t.detach() if t.requires_grad else t
         checked = check_tensor(t, name, self.device_type, self.name)
-        self._check_dtype(checked, name)
+        if not moves:
+            self._check_dtype(checked, name)
         return checked.detach() if checked.requires_grad else checked
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """What an op that only moves bytes hands torch for checked tensor ``t``: ``t``, or,
+        for a dtype gloo lacks (int16, the unsigned ints, float8), a uint8 view of it with
+        its element's bytes as a new last dimension. Every other dimension is kept, so
+        all_to_all_single's split sizes (rows of dim 0) and the gathered tensors' shapes
+        mean what they meant. MPI and NCCL move these dtypes as they are; before, gloo
+        refused them even for a broadcast or a send."""
+        if t.dtype in self._bad_dtypes:
+            return t.unsqueeze(-1).view(torch.uint8)
+        return t
 
     def _check_dtype(self, t: torch.Tensor, name: str) -> None:
         if t.dtype in self._bad_dtypes:
             wider = "torch.int32" if "int" in str(t.dtype) else "torch.float16"
             raise TypeError(
-                f"{name} is {t.dtype}, which gloo cannot send or reduce; convert it "
-                f"({name}.to({wider}), or .view(torch.uint8) for ops that only move bytes), "
-                "or use the MPI backend"
+                f"{name} is {t.dtype}, which gloo cannot reduce (it moves it as bytes in the "
+                f"ops that only move data); convert it ({name}.to({wider})), or use the MPI "
+                "backend"
             )
 
-    def _ts(self, ts: Any, name: str, length: int | None = None) -> list[torch.Tensor]:
+    def _ts(
+        self, ts: Any, name: str, length: int | None = None, moves: bool = False
+    ) -> list[torch.Tensor]:
         out = check_tensor_list(ts, name, self.device_type, self.name, length)
-        if self._bad_dtypes:
+        if self._bad_dtypes and not moves:
             for i, t in enumerate(out):
                 self._check_dtype(t, f"{name}[{i}]")
         return out
@@ -409,7 +431,7 @@ class TorchBackend:
     def broadcast(
         self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
     ) -> Any:
-        t = self._t(tensor, "tensor")
+        t = self._t(tensor, "tensor", moves=True)
         info = resolve_group(group)
         root = self._group_rank(src, "src", info)
         if t.is_complex():
@@ -417,7 +439,7 @@ class TorchBackend:
                 dist.broadcast, t, src=src, group=info.pg, async_op=True
             )
         else:
-            issue = partial(info.pg.broadcast, [t], self._broadcast_options(root))
+            issue = partial(info.pg.broadcast, [self._wire(t)], self._broadcast_options(root))
         return self._launch("broadcast", info, issue, tensor, t.nbytes, async_op)
 
     def _broadcast_options(self, root: int) -> Any:
@@ -483,19 +505,20 @@ class TorchBackend:
     ) -> Any:
         if isinstance(tensor_list, torch.Tensor) and tensor is None:
             # Convenience form: all_gather(tensor) -> list of every rank's tensor.
-            t = self._t(tensor_list, "tensor")
+            t = self._t(tensor_list, "tensor", moves=True)
             info = resolve_group(group)
             outs = [torch.empty_like(t) for _ in range(info.size)]
         else:
-            t = self._t(tensor, "tensor")
+            t = self._t(tensor, "tensor", moves=True)
             info = resolve_group(group)
-            outs = self._ts(tensor_list, "tensor_list", info.size)
+            outs = self._ts(tensor_list, "tensor_list", info.size, moves=True)
             check_like(outs, t, "tensor_list", "tensor")
             check_distinct(outs, "tensor_list")
+        into = [self._wire(o) for o in writable(outs)]
         return self._launch(
             "all_gather",
             info,
-            lambda: dist.all_gather(writable(outs), t, group=info.pg, async_op=True),
+            lambda: dist.all_gather(into, self._wire(t), group=info.pg, async_op=True),
             outs,
             nbytes_of(t),
             async_op,
@@ -508,12 +531,12 @@ class TorchBackend:
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
-        out = self._t(output_tensor, "output_tensor")
-        inp = self._t(input_tensor, "tensor")
+        out = self._t(output_tensor, "output_tensor", moves=True)
+        inp = self._t(input_tensor, "tensor", moves=True)
         info = resolve_group(group)
         check_gathered_size(out, inp, info.size)
-        out = stacked(out, inp, info.size)
-        inp = apart(inp, out, info.rank * nbytes_of(inp))
+        out = self._wire(stacked(out, inp, info.size))
+        inp = self._wire(apart(inp, out, info.rank * nbytes_of(inp)))
         wrapper = partial(_all_gather_single, out, inp, group=info.pg, async_op=True)
         issue: Callable[[], Any] = wrapper
         if not (out.is_complex() or inp.is_complex()):  # torch's wrapper views them as real
@@ -638,15 +661,15 @@ class TorchBackend:
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
-        out = self._t(output, "output")
-        inp = self._t(input, "tensor")
+        out = self._t(output, "output", moves=True)
+        inp = self._t(input, "tensor", moves=True)
         info = resolve_group(group)
         # as plain lists: torch takes no tensor or array of split sizes
         ins = check_splits(inp, input_split_sizes, "input", info.size)
         outs = check_splits(out, output_split_sizes, "output", info.size)
         in_sp = None if input_split_sizes is None else ins
         out_sp = None if output_split_sizes is None else outs
-        inp = apart(inp, out)
+        out, inp = self._wire(out), self._wire(apart(inp, out))
         wrapper = partial(
             dist.all_to_all_single, out, inp, out_sp, in_sp, group=info.pg, async_op=True
         )
@@ -667,9 +690,10 @@ class TorchBackend:
         async_op: bool = False,
     ) -> Any:
         info = resolve_group(group)
-        outs = self._ts(output_tensor_list, "output_tensor_list", info.size)
+        outs = self._ts(output_tensor_list, "output_tensor_list", info.size, moves=True)
         check_distinct(outs, "output_tensor_list")
-        ins = apart_list(self._ts(input_tensor_list, "input_tensor_list", info.size), outs)
+        ins = self._ts(input_tensor_list, "input_tensor_list", info.size, moves=True)
+        ins = apart_list(ins, outs)
         nbytes = nbytes_of(ins)
         into = writable(outs)  # outs stays the result: the caller's own list
 
@@ -702,9 +726,12 @@ class TorchBackend:
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
-        t = self._t(tensor, "tensor")
+        t = self._t(tensor, "tensor", moves=True)
         info = resolve_group(group)
         check_peer(dst, "dst", info.ranks, info.name)
+        # gloo's gather has no complex type ("Invalid scalar type") and torch's wrapper,
+        # unlike all_gather's, does not view complex tensors as real pairs: do it here
+        real = self._wire(_as_real(t))
         outs: list[torch.Tensor] | None = None
         if dist.get_rank() == dst:
             outs = checked_root_list(
@@ -715,15 +742,14 @@ class TorchBackend:
                 dst,
                 info.size,
                 t,
-                self._ts,
-                lambda: dist.gather(t, scratch_like(t, info.size), dst=dst, group=info.pg),
+                partial(self._ts, moves=True),
+                lambda: dist.gather(real, scratch_like(real, info.size), dst=dst, group=info.pg),
             )
+        into = None if outs is None else [self._wire(_as_real(o)) for o in writable(outs)]
         return self._launch(
             "gather",
             info,
-            lambda: dist.gather(
-                t, None if outs is None else writable(outs), dst=dst, group=info.pg, async_op=True
-            ),
+            lambda: dist.gather(real, into, dst=dst, group=info.pg, async_op=True),
             outs,
             nbytes_of(t),
             async_op,
@@ -737,7 +763,7 @@ class TorchBackend:
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
-        t = self._t(tensor, "tensor")
+        t = self._t(tensor, "tensor", moves=True)
         info = resolve_group(group)
         check_peer(src, "src", info.ranks, info.name)
         ins: list[torch.Tensor] | None = None
@@ -750,16 +776,21 @@ class TorchBackend:
                 src,
                 info.size,
                 t,
-                self._ts,
+                partial(self._ts, moves=True),
                 lambda: dist.scatter(
-                    torch.empty_like(t), scratch_like(t, info.size), src=src, group=info.pg
+                    self._wire(torch.empty_like(t)),
+                    [self._wire(x) for x in scratch_like(t, info.size)],
+                    src=src,
+                    group=info.pg,
                 ),
             )
             ins = apart_list(ins, [t])  # gloo lands the source's own part before sending
+        wire = self._wire(t)
+        parts = None if ins is None else [self._wire(x) for x in ins]
         return self._launch(
             "scatter",
             info,
-            lambda: dist.scatter(t, ins, src=src, group=info.pg, async_op=True),
+            lambda: dist.scatter(wire, parts, src=src, group=info.pg, async_op=True),
             tensor,
             nbytes_of(ins),
             async_op,
@@ -829,6 +860,7 @@ class TorchBackend:
             and t is tensor
             and type(peer) is int
             and not t.is_complex()
+            and t.dtype not in self._bad_dtypes
             and not _debug._enabled
         ):
             return None
@@ -850,7 +882,7 @@ class TorchBackend:
         if self._last_p2p(m, tensor, dst, group):
             assert m is not None
             return self._post_p2p("isend", tensor, m, tag)
-        t = self._t(tensor, "tensor")
+        t = self._t(tensor, "tensor", moves=True)
         info = resolve_group(group)
         peer = self._p2p_check(dst, "dst", info)
         if _debug._enabled and _p2p_debug.is_framed(t):
@@ -867,8 +899,7 @@ class TorchBackend:
 
     def _isend(self, t: torch.Tensor, result: Any, info: GroupInfo, peer: int, tag: int) -> Handle:
         """Issue the send of checked tensor ``t`` to group rank ``peer``."""
-        if t.is_complex():
-            t = torch.view_as_real(t)
+        t = self._wire(_as_real(t))
         h: Handle = self._launch(
             "isend", info, partial(info.pg.send, [t], peer, tag), result, t.nbytes, True,
             future=False,
@@ -889,7 +920,7 @@ class TorchBackend:
     ) -> Handle:
         """irecv, through debug mode's headers when it is on (overlap.comm.p2p_debug);
         ``sender`` (debug mode) gets the sending rank."""
-        t = self._t(tensor, "tensor")
+        t = self._t(tensor, "tensor", moves=True)
         info = resolve_group(group)
         peer = None if src is None else self._p2p_check(src, "src", info)
         if _debug._enabled and _p2p_debug.is_framed(t):
@@ -916,8 +947,7 @@ class TorchBackend:
         self, t: torch.Tensor, result: Any, peer: int | None, info: GroupInfo, tag: int
     ) -> Handle:
         """Post the receive of checked tensor ``t`` from group rank ``peer`` (None: any)."""
-        if t.is_complex():
-            t = torch.view_as_real(t)
+        t = self._wire(_as_real(t))
         if peer is not None:
             issue = partial(info.pg.recv, [t], peer, tag)
             h: Handle = self._launch("irecv", info, issue, result, t.nbytes, True, future=False)
@@ -944,12 +974,12 @@ class TorchBackend:
             sender: list[int] = []
             self._checked_irecv(tensor, src, group, tag, sender).wait()
             return sender[0]
-        t = self._t(tensor, "tensor")
+        t = self._t(tensor, "tensor", moves=True)
         info = resolve_group(group)
         if src is not None:
             self._p2p_check(src, "src", info)
         try:
-            work: Any = dist.irecv(t, src=src, group=info.pg, tag=tag)
+            work: Any = dist.irecv(self._wire(t), src=src, group=info.pg, tag=tag)
             work.wait()
         except Exception as exc:
             raise CommError(f"recv on rank {info.global_rank} failed: {exc}") from exc
@@ -968,11 +998,11 @@ class TorchBackend:
             if not isinstance(p, P2POp):
                 raise TypeError(f"p2p_op_list[{i}] must be a P2POp, got {type(p).__name__}")
             kind = p.kind
-            t = self._t(p.tensor, f"p2p_op_list[{i}].tensor")
+            t = self._t(p.tensor, f"p2p_op_list[{i}].tensor", moves=True)
             info = resolve_group(p.group)
             self._p2p_check(p.peer, f"p2p_op_list[{i}].peer", info)
             fn = dist.isend if kind == "isend" else dist.irecv
-            op = dist.P2POp(fn, t, p.peer, info.pg, p.tag)
+            op = dist.P2POp(fn, self._wire(t), p.peer, info.pg, p.tag)
             torch_ops.append((kind, p.tensor, t.nbytes, info, op))
         if _debug._enabled and all(_p2p_debug.is_framed(op.tensor) for *_, op in torch_ops):
             # gloo runs a batch as its sends and receives one by one anyway

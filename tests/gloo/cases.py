@@ -415,6 +415,70 @@ def case_scatter(mode: str) -> None:
     _allclose(t, torch.full((3,), float(r * r)))
 
 
+def case_any_dtype_moves(mode: str) -> None:
+    """Ops that only move data take every dtype on every backend: gloo has no int16,
+    unsigned 16/32/64-bit or float8 type, and refused them even for a broadcast or a send,
+    where MPI moved them (gloo now moves their bytes); gloo's gather refused complex tensors
+    ("Invalid scalar type"). A reduction of a dtype torch cannot add on the CPU is refused on
+    every rank before anything is sent with ring and naive: with naive, the root failed
+    after its receives and the other ranks waited for the result until the job timeout."""
+    from overlap.dtypes import float8_dtypes, present
+
+    r, w = rw()
+    for dt in [*present("int16", "uint16", "uint32", "uint64"), *float8_dtypes(), torch.complex64]:
+
+        def mk(n: int, base: int, dt: torch.dtype = dt) -> torch.Tensor:
+            x = torch.arange(n, dtype=torch.float32) + base
+            return (x + 1j * x).to(dt) if dt.is_complex else x.to(dt)
+
+        def same(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype = dt) -> None:
+            assert a.dtype == b.dtype == dt and a.shape == b.shape, (dt, a, b)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (dt, a, b)
+
+        t = mk(3, 10 * r)
+        go(lambda a, t=t: comm.broadcast(t, src=w - 1, async_op=a), mode)
+        same(t, mk(3, 10 * (w - 1)))
+        out = torch.empty(w, 3, dtype=dt)
+        go(lambda a, out=out: comm.all_gather_into_tensor(out, mk(3, 10 * r), async_op=a), mode)
+        same(out, torch.stack([mk(3, 10 * k) for k in range(w)]))
+        outs = [torch.empty(3, dtype=dt) for _ in range(w)]
+        go(lambda a, outs=outs: comm.all_gather(outs, mk(3, 10 * r), async_op=a), mode)
+        for k in range(w):
+            same(outs[k], mk(3, 10 * k))
+        # rows of 2: the split sizes count rows, as for any other dtype
+        rows = torch.empty(w, 2, dtype=dt)
+        ins = mk(2 * w, 10 * r).view(w, 2)
+        go(lambda a, rows=rows, ins=ins: comm.all_to_all_single(rows, ins, async_op=a), mode)
+        same(rows, torch.stack([mk(2 * w, 10 * k).view(w, 2)[r] for k in range(w)]))
+        gl = [torch.empty(2, dtype=dt) for _ in range(w)] if r == 0 else None
+        go(lambda a, gl=gl: comm.gather(mk(2, 10 * r), gl, dst=0, async_op=a), mode)
+        if gl is not None:
+            for k in range(w):
+                same(gl[k], mk(2, 10 * k))
+        got = torch.empty(2, dtype=dt)
+        sl = [mk(2, 10 * k) for k in range(w)] if r == 0 else None
+        go(lambda a, got=got, sl=sl: comm.scatter(got, sl, src=0, async_op=a), mode)
+        same(got, mk(2, 10 * r))
+        if w > 1:  # a pair around the ring, blocking (the other modes await p2p elsewhere)
+            back = torch.empty(3, dtype=dt)
+            hs = [comm.irecv(back, (r - 1) % w), comm.isend(mk(3, 10 * r), (r + 1) % w)]
+            for h in hs:
+                h.wait(timeout=60)
+            same(back, mk(3, 10 * ((r - 1) % w)))
+    for dt in present("uint16"):
+        for algorithm in ("ring", "naive"):
+            t = torch.ones(4, dtype=dt)
+            try:
+                go(lambda a, t=t, g=algorithm: comm.all_reduce(t, algorithm=g, async_op=a), mode)
+                raise AssertionError(f"{algorithm} all_reduce of {dt} was accepted")
+            except TypeError as exc:
+                assert "torch cannot reduce them" in str(exc), exc
+            assert torch.equal(t, torch.ones(4, dtype=dt))
+    t = torch.ones(2)
+    go(lambda a: comm.all_reduce(t, async_op=a), mode)  # the group is still in step
+    _allclose(t, torch.full((2,), float(w)))
+
+
 def case_in_flight_same_memory(mode: str) -> None:
     """Ops issued on memory that a collective in flight writes (or reads, when they write
     it) run after it, as NCCL's stream gives (overlap.comm.claims): before, gloo's thread

@@ -294,9 +294,10 @@ def call_errors() -> dict[str, str]:
 
     r = comm.get_rank()
     catch("int16", lambda: comm.all_reduce(torch.ones(2, dtype=torch.int16)))
+    # (gloo moves these dtypes' bytes in the ops that only move data: any_dtype_moves)
     if hasattr(torch, "uint32"):  # torch 2.3 and later
-        catch("uint32_list", lambda: comm.all_gather(torch.ones(2, dtype=torch.uint32)))
-    catch("float8", lambda: comm.broadcast(torch.zeros(2, dtype=torch.float8_e4m3fn), src=0))
+        catch("uint32_reduce", lambda: comm.reduce(torch.ones(2, dtype=torch.uint32), dst=0))
+    catch("float8", lambda: comm.all_reduce(torch.zeros(2, dtype=torch.float8_e4m3fn)))
     catch(
         "scalar_gather",
         lambda: comm.all_gather_into_tensor(torch.zeros(2), torch.tensor(1.0)),

@@ -108,7 +108,7 @@ def test_errors_name_the_call_and_the_group_stays_in_step(
     for out in pools(2).run(hc.call_errors, timeout=120):
         assert out["int16"].startswith("TypeError: tensor is torch.int16, which gloo cannot"), out
         if hasattr(torch, "uint32"):  # torch 2.3 and later
-            assert out["uint32_list"].startswith("TypeError: tensor is torch.uint32"), out
+            assert out["uint32_reduce"].startswith("TypeError: tensor is torch.uint32"), out
         assert out["float8"].startswith("TypeError: tensor is torch.float8_e4m3fn"), out
         assert out["scalar_gather"].startswith(
             "ValueError: all_gather_into_tensor: tensor is a 0-dim tensor"
