@@ -273,6 +273,30 @@ class Handle:
         or failed, never blocking."""
         return self.done()
 
+    def get_future(self) -> Any:
+        """A ``torch.futures.Future`` that completes with this op, under torch ``Work``'s
+        name, so code written for ``torch.distributed``'s async handles runs unchanged: DDP
+        comm hooks return ``all_reduce(..., async_op=True).get_future().then(...)``.
+
+        Its value is what torch's holds: a list of the op's tensors (``[tensor]`` for an
+        in-place op, the output list for a gather, ``[]`` for barrier and send). A failed op
+        sets the future's exception: ``wait()`` / ``value()`` raise the CommError (inside a
+        ``then`` callback torch wraps it in a RuntimeError). As with
+        :meth:`add_done_callback`, the future completes, and its ``then`` callbacks run, on
+        whatever thread completes the op: keep them quick and non-blocking."""
+        import torch  # here: handle.py stays free of torch for its per-op cost
+
+        fut: Any = torch.futures.Future()
+
+        def settle(h: Handle) -> None:
+            if h._exc is not None:
+                fut.set_exception(h._exc)
+            else:
+                fut.set_result(_future_value(h._result))
+
+        self.add_done_callback(settle)
+        return fut
+
     @property
     def state(self) -> HandleState:
         return self._state
@@ -400,3 +424,14 @@ class Handle:
             f"<Handle {self.op} {_format_bytes(self.nbytes)} group={self.group} "
             f"backend={self.backend or '?'} state={self._state.value}>"
         )
+
+
+def _future_value(result: Any) -> list[Any]:
+    """A Handle's result as torch's Work future holds it: a list of tensors."""
+    if result is None:
+        return []
+    if isinstance(result, list):
+        return result
+    if isinstance(result, tuple):
+        return list(result)
+    return [result]

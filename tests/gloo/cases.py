@@ -479,6 +479,32 @@ def case_any_dtype_moves(mode: str) -> None:
     _allclose(t, torch.full((2,), float(w)))
 
 
+def case_get_future(mode: str) -> None:
+    """A handle's ``get_future()`` (torch Work's) completes with the op; ``then`` chains,
+    as a DDP comm hook does, including one that issues the next collective from the
+    callback (PowerSGD's hook): it raised AttributeError."""
+    r, w = rw()
+    t = torch.full((3,), float(r + 1))
+    fut = comm.all_reduce(t, async_op=True).get_future()
+    mean = fut.then(lambda f: f.value()[0] / w)
+    want = torch.full((3,), (w + 1) / 2)
+    _allclose(mean.wait(), want)
+    u = torch.full((2,), float(r))
+    second: list[Any] = []
+
+    def chain(f: Any) -> Any:
+        h = comm.all_reduce(u, op="max", async_op=True)
+        second.append(h)
+        return f.value()[0].sum()
+
+    total = comm.all_reduce(torch.ones(4), async_op=True).get_future().then(chain)
+    assert float(total.wait()) == 4.0 * w
+    go(lambda a: second[0] if a else second[0].wait(timeout=60), mode)
+    _allclose(u, torch.full((2,), float(w - 1)))
+    got = comm.all_gather(torch.tensor([float(r)]), async_op=True).get_future().wait()
+    assert [g.tolist() for g in got] == [[float(k)] for k in range(w)]
+
+
 def case_in_flight_same_memory(mode: str) -> None:
     """Ops issued on memory that a collective in flight writes (or reads, when they write
     it) run after it, as NCCL's stream gives (overlap.comm.claims): before, gloo's thread

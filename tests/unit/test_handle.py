@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from overlap import CommError, CommTimeoutError
 from overlap.comm.handle import Handle, HandleState
@@ -71,6 +72,27 @@ def test_is_completed_is_done_under_torchs_name() -> None:
     h._finish(CommError("failed"))
     assert h.is_completed() is True  # failed counts as completed, as torch's does
     assert Handle.completed("barrier", None).is_completed() is True
+
+
+def test_get_future_is_a_torch_future_of_the_ops_tensors() -> None:
+    # torch Work's get_future(): DDP comm hooks return all_reduce(...).get_future().then(...)
+    t = torch.ones(2)
+    h = Handle("all_reduce", result=t)
+    fut = h.get_future()
+    assert isinstance(fut, torch.futures.Future) and not fut.done()
+    halved = fut.then(lambda f: f.value()[0] / 2)
+    h._finish(None)
+    assert fut.value() == [t] and fut.value()[0] is t
+    assert torch.equal(halved.wait(), torch.full((2,), 0.5))
+    assert Handle.completed("barrier", None).get_future().wait() == []  # done: at once
+    outs = [torch.zeros(1), torch.ones(1)]
+    assert Handle.completed("all_gather", outs).get_future().value() is outs
+    failed = Handle("all_reduce", result=t)
+    fut = failed.get_future()
+    err = CommError("peer gone")
+    failed._finish(err)
+    with pytest.raises(CommError, match="peer gone"):
+        fut.wait()
 
 
 def test_failure_reaches_waiter_with_cause() -> None:
