@@ -15,11 +15,13 @@ can run code.
 
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any
 
 import torch
 
+from overlap.dtypes import float8_dtypes, present
 from overlap.errors import CommError
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
@@ -47,8 +49,35 @@ _WHY = {
 }
 
 
+# Tensors whose own pickling torch cannot load back (torch 2.13: "type object
+# 'torch.storage.UntypedStorage' has no attribute 'dtype'" in pickle.loads), for which the
+# object collectives failed on every receiver; they travel as their bytes instead.
+_UNPICKLABLE = frozenset(present("uint16", "uint32", "uint64") + float8_dtypes())
+
+
+def _tensor_from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """Rebuild what :class:`_Pickler` took apart (importable: the receiver unpickles it)."""
+    return raw.view(dtype).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """pickle, with the tensors torch cannot unpickle sent as a uint8 view of their bytes."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.dtype in _UNPICKLABLE:
+            raw = obj.detach().contiguous().reshape(-1, 1).view(torch.uint8).clone()
+            return _tensor_from_bytes, (raw, obj.dtype, list(obj.shape))
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf).dump(obj)
+    return buf.getvalue()
+
+
 def _bytes(obj: Any, dev: torch.device) -> torch.Tensor:
-    data = pickle.dumps(obj)
+    data = _dumps(obj)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
 
 

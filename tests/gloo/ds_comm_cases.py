@@ -118,6 +118,19 @@ def objects() -> None:
     except ValueError as exc:
         assert r != 0 and "same length" in str(exc) and mine == [1, 2], (r, exc)
     comm.barrier()  # every rank got through: none is left in the broadcast
+    # tensors of the dtypes torch pickles but cannot unpickle (uint16/32/64, float8): every
+    # receiver failed ("'UntypedStorage' has no attribute 'dtype'"); they travel as bytes
+    from overlap.dtypes import float8_dtypes, present
+
+    rare = {str(dt): torch.arange(3).to(dt).reshape(3, 1) for dt in present("uint16", "uint64")}
+    rare.update({str(dt): torch.tensor(1.5).to(dt) for dt in float8_dtypes()})
+    rare["empty"] = torch.empty(0, 2).to(float8_dtypes()[0])
+    got_rare: list[Any] = [None] * w
+    comm.all_gather_object(got_rare, rare)
+    for name, t in rare.items():
+        back = got_rare[(r + 1) % w][name]
+        assert back.dtype == t.dtype and back.shape == t.shape, (name, back)
+        assert torch.equal(back.view(torch.uint8), t.view(torch.uint8)), (name, back)
     # torch's gather_object / scatter_object_list, to the last rank and from it
     gathered: list[Any] | None = [None] * w if r == src else None
     comm.gather_object({"rank": r, "t": torch.tensor([r])}, gathered, dst=src)
