@@ -99,6 +99,39 @@ def _peers_failed(op: str, codes: dict[int, int]) -> CommError:
     )
 
 
+def _sized(
+    op: str, obj: Any, bad: BaseException | None, group: Any, dev: torch.device
+) -> tuple[torch.Tensor, list[int]]:
+    """The size exchange every gathering object collective starts with: each rank's pickled
+    byte count, all-gathered, with an error code in its place where this rank's list is
+    ``bad`` (that error) or ``obj`` does not pickle. Raises this rank's own error, or a
+    CommError naming the ranks that failed, on every rank alike. Returns this rank's bytes
+    padded to the largest count, and every rank's count in group-rank order."""
+    from overlap import comm
+    from overlap.comm.comms_logger import BYPASS
+
+    mine: torch.Tensor | None = None
+    err: BaseException | None = bad
+    if bad is not None:
+        code = _BAD_LIST
+    else:
+        mine, err = _pickled(obj, dev)
+        code = _CANNOT_PICKLE if mine is None else mine.numel()
+    sizes = torch.zeros(comm.get_world_size(group), dtype=torch.int64, device=dev)
+    local = torch.tensor([code], dtype=torch.int64, device=dev)
+    comm.all_gather_into_tensor(sizes, local, group, log_name=BYPASS)
+    counts = [int(n) for n in sizes.tolist()]
+    if err is not None:
+        raise err
+    failed = {comm.get_global_rank(group, i): c for i, c in enumerate(counts) if c < 0}
+    if failed:
+        raise _peers_failed(op, failed)
+    assert mine is not None
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=dev)
+    padded[: mine.numel()] = mine
+    return padded, counts
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """Fill ``object_list`` (one slot per rank of the group) with every rank's ``obj``.
 
@@ -110,31 +143,15 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 
     w = comm.get_world_size(group)
     dev = _device()
-    err: BaseException | None = None
-    mine: torch.Tensor | None = None
+    bad = None
     if not isinstance(object_list, list) or len(object_list) != w:
-        err = ValueError(
+        bad = ValueError(
             f"object_list must be a list with one slot per rank ({w}), got "
             f"{len(object_list) if isinstance(object_list, list) else type(object_list).__name__}"
             f"; pass [None] * get_world_size(group)"
         )
-        code = _BAD_LIST
-    else:
-        mine, err = _pickled(obj, dev)
-        code = _CANNOT_PICKLE if mine is None else mine.numel()
-    sizes = torch.zeros(w, dtype=torch.int64, device=dev)
-    local = torch.tensor([code], dtype=torch.int64, device=dev)
-    comm.all_gather_into_tensor(sizes, local, group, log_name=BYPASS)
-    counts = [int(n) for n in sizes.tolist()]
-    if err is not None:
-        raise err
-    failed = {comm.get_global_rank(group, i): c for i, c in enumerate(counts) if c < 0}
-    if failed:
-        raise _peers_failed("all_gather_object", failed)
-    assert mine is not None
-    top = max(counts)
-    padded = torch.zeros(top, dtype=torch.uint8, device=dev)
-    padded[: mine.numel()] = mine
+    padded, counts = _sized("all_gather_object", obj, bad, group, dev)
+    top = padded.numel()
     every = torch.empty(w * top, dtype=torch.uint8, device=dev)
     comm.all_gather_into_tensor(every, padded, group, log_name=BYPASS)
     host = every.cpu().numpy()
@@ -222,35 +239,19 @@ def gather_object(
     w = comm.get_world_size(group)
     dev = _device()
     me = comm.get_rank() == dst
-    mine: torch.Tensor | None = None
-    err: BaseException | None = None
+    bad = None
     if me and (not isinstance(object_gather_list, list) or len(object_gather_list) != w):
         got = (
             len(object_gather_list)
             if isinstance(object_gather_list, list)
             else type(object_gather_list).__name__
         )
-        err = ValueError(
+        bad = ValueError(
             f"object_gather_list on the destination must be a list with one slot per rank "
             f"({w}), got {got}; pass [None] * get_world_size(group)"
         )
-        code = _BAD_LIST
-    else:
-        mine, err = _pickled(obj, dev)
-        code = _CANNOT_PICKLE if mine is None else mine.numel()
-    sizes = torch.zeros(w, dtype=torch.int64, device=dev)
-    local = torch.tensor([code], dtype=torch.int64, device=dev)
-    comm.all_gather_into_tensor(sizes, local, group, log_name=BYPASS)
-    counts = [int(n) for n in sizes.tolist()]
-    if err is not None:
-        raise err
-    failed = {comm.get_global_rank(group, i): c for i, c in enumerate(counts) if c < 0}
-    if failed:
-        raise _peers_failed("gather_object", failed)
-    assert mine is not None
-    top = max(counts)
-    padded = torch.zeros(top, dtype=torch.uint8, device=dev)
-    padded[: mine.numel()] = mine
+    padded, counts = _sized("gather_object", obj, bad, group, dev)
+    top = padded.numel()
     parts = [torch.empty(top, dtype=torch.uint8, device=dev) for _ in range(w)] if me else None
     comm.gather(padded, parts, dst, group, log_name=BYPASS)
     if parts is None:
