@@ -135,6 +135,7 @@ __all__ = [
     "mpi_discovery",
     "new_group",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_comm_off",
     "reduce_scatter",
@@ -145,6 +146,7 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
     "set_backend",
     "timed_op",
     *_constants,
@@ -613,6 +615,36 @@ def gather_object(
         "gather_object", False, "gather_object", None, group,
         lambda: impl(obj, object_gather_list, dst, group),
     )  # fmt: skip
+
+
+def send_object_list(
+    object_list: list[Any], dst: int, group: Any = None, device: Any = None
+) -> None:
+    """Send ``object_list``'s picklable objects to rank ``dst`` for its
+    :func:`recv_object_list` (torch's ``send_object_list``). Blocking; uses pickle
+    (:mod:`overlap.comm.objects`)."""
+    from overlap.comm.objects import send_object_list as impl
+
+    _maybe_timed(
+        "send_object_list", False, "send_object_list", None, group,
+        lambda: impl(object_list, dst, group, device),
+    )  # fmt: skip
+
+
+def recv_object_list(
+    object_list: list[Any], src: int | None = None, group: Any = None, device: Any = None
+) -> int:
+    """Receive rank ``src``'s :func:`send_object_list` (any rank's if None) into
+    ``object_list`` (one slot per object sent); returns the sender's rank (torch's
+    ``recv_object_list``). Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
+    from overlap.comm.objects import recv_object_list as impl
+
+    got: list[int] = []
+    _maybe_timed(
+        "recv_object_list", False, "recv_object_list", None, group,
+        lambda: got.append(impl(object_list, src, group, device)),
+    )  # fmt: skip
+    return got[0]
 
 
 def scatter_object_list(

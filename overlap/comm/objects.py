@@ -24,7 +24,14 @@ import torch
 from overlap.dtypes import float8_dtypes, present
 from overlap.errors import CommError
 
-__all__ = ["all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"]
+__all__ = [
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "recv_object_list",
+    "scatter_object_list",
+    "send_object_list",
+]
 
 
 def _device(device: Any = None) -> torch.device:
@@ -331,3 +338,82 @@ def scatter_object_list(
     host = out.cpu()
     n = int(host[:8].view(torch.int64).item())
     scatter_object_output_list[0] = pickle.loads(host[8 : 8 + n].numpy().tobytes())
+
+
+def send_object_list(
+    object_list: list[Any], dst: int, group: Any = None, device: Any = None
+) -> None:
+    """Send the picklable objects of ``object_list`` to rank ``dst`` (a global rank), for its
+    :func:`recv_object_list` (torch's ``send_object_list``).
+
+    Two messages: a header (the object count and the payload's byte count), then the
+    payload (each object's byte count, then the bytes). A list that is not a list, or an
+    object that does not pickle, sends an error code in the header and raises here
+    (TypeError); the receiver raises CommError naming this rank: it is not left waiting."""
+    from overlap import comm
+    from overlap.comm.comms_logger import BYPASS
+
+    dev = _device(device)
+    err: BaseException | None = None
+    parts: list[torch.Tensor] = []
+    if not isinstance(object_list, list):
+        err = TypeError(f"object_list must be a list, got {type(object_list).__name__}")
+        head = [_BAD_LIST, 0]
+    else:
+        for o in object_list:
+            data, err = _pickled(o, dev)
+            if data is None:
+                break
+            parts.append(data)
+        if err is not None:
+            head = [_CANNOT_PICKLE, 0]
+        else:
+            sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=dev)
+            parts.insert(0, sizes.view(torch.uint8))
+            head = [len(object_list), sum(p.numel() for p in parts)]
+    comm.send(torch.tensor(head, dtype=torch.int64, device=dev), dst, group, log_name=BYPASS)
+    if err is not None:
+        raise err
+    if head[1]:
+        comm.send(torch.cat(parts), dst, group, log_name=BYPASS)
+
+
+def recv_object_list(
+    object_list: list[Any], src: int | None = None, group: Any = None, device: Any = None
+) -> int:
+    """Receive a :func:`send_object_list` from rank ``src`` (a global rank; None: any rank)
+    into ``object_list``, which must have as many slots as the sender sent objects;
+    returns the sender's global rank (torch's ``recv_object_list``).
+
+    The whole message is taken before the list is checked, so a list of another length
+    raises ValueError with the list unchanged and nothing left in flight between the two
+    ranks. A sender that could not pickle its objects makes this raise CommError."""
+    from overlap import comm
+    from overlap.comm.comms_logger import BYPASS
+
+    dev = _device(device)
+    head = torch.zeros(2, dtype=torch.int64, device=dev)
+    sender = comm.recv(head, src, group, log_name=BYPASS)
+    n, total = (int(x) for x in head.tolist())
+    if n < 0:
+        raise CommError(
+            f"recv_object_list: rank {sender} {_WHY.get(n, 'failed')} in its send_object_list "
+            "(it raised there), so nothing was sent; fix the call on that rank"
+        )
+    payload = torch.empty(total, dtype=torch.uint8, device=dev)
+    if total:
+        comm.recv(payload, sender, group, log_name=BYPASS)  # from the same rank, in order
+    if not isinstance(object_list, list) or len(object_list) != n:
+        got = len(object_list) if isinstance(object_list, list) else type(object_list).__name__
+        raise ValueError(
+            f"recv_object_list: rank {sender} sent {n} objects, and object_list must be a list "
+            f"with a slot for each, got {got} (the message was taken and dropped, the list "
+            "left unchanged); pass [None] * n"
+        )
+    host = payload.cpu()
+    counts = host[: 8 * n].view(torch.int64).tolist()
+    at = 8 * n
+    for i, c in enumerate(counts):
+        object_list[i] = pickle.loads(host[at : at + c].numpy().tobytes())
+        at += c
+    return int(sender)

@@ -131,6 +131,29 @@ def objects() -> None:
         back = got_rare[(r + 1) % w][name]
         assert back.dtype == t.dtype and back.shape == t.shape, (name, back)
         assert torch.equal(back.view(torch.uint8), t.view(torch.uint8)), (name, back)
+    # torch's send_object_list / recv_object_list: around the ring, then to rank 0 from any
+    sent = [{"from": r}, torch.arange(r + 1), rare]
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    into: list[Any] = [None] * 3
+    if r % 2 == 0:
+        comm.send_object_list(sent, nxt)
+        assert comm.recv_object_list(into, prv) == prv
+    else:
+        assert comm.recv_object_list(into, prv) == prv
+        comm.send_object_list(sent, nxt)
+    assert into[0] == {"from": prv} and torch.equal(into[1], torch.arange(prv + 1)), into
+    assert set(into[2]) == set(rare)
+    if r == 0:
+        senders = set()
+        for _ in range(w - 1):
+            one: list[Any] = [None]
+            who = comm.recv_object_list(one)
+            assert one == [f"hello from {who}"], (who, one)
+            senders.add(who)
+        assert senders == set(range(1, w)), senders
+    else:
+        comm.send_object_list([f"hello from {r}"], 0)
+    comm.barrier()
     # torch's gather_object / scatter_object_list, to the last rank and from it
     gathered: list[Any] | None = [None] * w if r == src else None
     comm.gather_object({"rank": r, "t": torch.tensor([r])}, gathered, dst=src)

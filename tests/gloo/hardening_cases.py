@@ -552,6 +552,21 @@ def object_collectives_fail_on_every_rank() -> dict[str, str]:
     case("scatter_not_a_list", lambda: comm.scatter_object_list([None], "xy", src=0))
     # only the receiver's own list is wrong: it alone raises, after the scatter
     case("scatter_bad_output", lambda: comm.scatter_object_list([] if r else [None], [1] * w))
+    # send_object_list (rank 0 to 1): an unpicklable object, then a receiving list of the
+    # wrong length; the pair is still in step after each
+    if r < 2:
+        if r == 0:
+            case("send_unpicklable", lambda: comm.send_object_list([1, lock], 1))
+            case("send_then_short_list", lambda: comm.send_object_list([1, 2], 1))
+        else:
+            case("send_unpicklable", lambda: comm.recv_object_list([None, None], 0))
+            case("send_then_short_list", lambda: comm.recv_object_list([None], 0))
+        got_pair: list[Any] = [None]
+        if r == 0:
+            comm.send_object_list(["after"], 1)
+        else:
+            comm.recv_object_list(got_pair, 0)
+            out["pair_after"] = repr(got_pair)
     # a root outside the group: every rank raises before anything moves
     case("gather_no_such_rank", lambda: comm.gather_object(r, [None] * w, dst=w))
     got = [None] * w

@@ -206,6 +206,15 @@ def check_object_failures(r: int, out: dict[str, str]) -> None:
         assert out["scatter_bad_output"].startswith(
             "ValueError: scatter_object_output_list must be a non-empty list"
         ), out["scatter_bad_output"]
+    if r == 0:
+        assert out["send_unpicklable"].startswith("TypeError: cannot pickle lock"), out
+        assert out["send_then_short_list"] == "no error", out
+    elif r == 1:
+        assert out["send_unpicklable"].startswith("CommError: recv_object_list: rank 0 could"), out
+        assert out["send_then_short_list"].startswith(
+            "ValueError: recv_object_list: rank 0 sent 2 objects"
+        ), out
+        assert out["pair_after"] == "['after']", out
     assert out["gather_no_such_rank"].startswith("ValueError: gather_object: ") and (
         "is not a rank of the group" in out["gather_no_such_rank"]
     ), out["gather_no_such_rank"]
