@@ -458,13 +458,12 @@ def _steps_op(name: str, make: Any, group: Any, async_op: bool, nbytes: int, dev
 
 def _maybe_timed(
     name: str, prof: bool, log_name: str, debug: str | None, group: Any, call: Any
-) -> None:
+) -> Any:
     """Run a blocking op that moves no tensor of the caller's (the object collectives,
-    monitored_barrier), timed by the comms logger when it wants this call."""
+    monitored_barrier), timed by the comms logger when it wants this call; its result."""
     if _LOG.enabled and _LOG.wants(prof, log_name):
-        _LOG.timed_call(name, log_name, debug, call, 0, get_world_size(group), depth=4)
-    else:
-        call()
+        return _LOG.timed_call(name, log_name, debug, call, 0, get_world_size(group), depth=4)
+    return call()
 
 
 def broadcast(
@@ -639,12 +638,11 @@ def recv_object_list(
     ``recv_object_list``). Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
     from overlap.comm.objects import recv_object_list as impl
 
-    got: list[int] = []
-    _maybe_timed(
+    sender: int = _maybe_timed(
         "recv_object_list", False, "recv_object_list", None, group,
-        lambda: got.append(impl(object_list, src, group, device)),
+        lambda: impl(object_list, src, group, device),
     )  # fmt: skip
-    return got[0]
+    return sender
 
 
 def scatter_object_list(
