@@ -98,6 +98,25 @@ def _pickled(obj: Any, dev: torch.device) -> tuple[torch.Tensor | None, BaseExce
         )
 
 
+def _pickled_each(
+    objs: list[Any], dev: torch.device
+) -> tuple[list[torch.Tensor], BaseException | None]:
+    """Each object's pickled bytes, in order; at the first that does not pickle, the ones
+    before it and that error."""
+    out: list[torch.Tensor] = []
+    for o in objs:
+        data, err = _pickled(o, dev)
+        if data is None:
+            return out, err
+        out.append(data)
+    return out, None
+
+
+def _what(x: Any) -> Any:
+    """What a bad list argument was, for the error: its length, or its type's name."""
+    return len(x) if isinstance(x, list) else type(x).__name__
+
+
 def _peers_failed(op: str, codes: dict[int, int]) -> CommError:
     detail = "; ".join(f"rank {r} {_WHY.get(c, 'failed')}" for r, c in sorted(codes.items()))
     return CommError(
@@ -154,8 +173,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     if not isinstance(object_list, list) or len(object_list) != w:
         bad = ValueError(
             f"object_list must be a list with one slot per rank ({w}), got "
-            f"{len(object_list) if isinstance(object_list, list) else type(object_list).__name__}"
-            f"; pass [None] * get_world_size(group)"
+            f"{_what(object_list)}; pass [None] * get_world_size(group)"
         )
     padded, counts = _sized("all_gather_object", obj, bad, group, dev)
     top = padded.numel()
@@ -248,14 +266,9 @@ def gather_object(
     me = comm.get_rank() == dst
     bad = None
     if me and (not isinstance(object_gather_list, list) or len(object_gather_list) != w):
-        got = (
-            len(object_gather_list)
-            if isinstance(object_gather_list, list)
-            else type(object_gather_list).__name__
-        )
         bad = ValueError(
             f"object_gather_list on the destination must be a list with one slot per rank "
-            f"({w}), got {got}; pass [None] * get_world_size(group)"
+            f"({w}), got {_what(object_gather_list)}; pass [None] * get_world_size(group)"
         )
     padded, counts = _sized("gather_object", obj, bad, group, dev)
     top = padded.numel()
@@ -296,21 +309,14 @@ def scatter_object_list(
     if me:
         objs = scatter_object_input_list
         if not isinstance(objs, list) or len(objs) != w:
-            got = len(objs) if isinstance(objs, list) else type(objs).__name__
             err = ValueError(
                 f"scatter_object_input_list on the source must be a list with one object per "
-                f"rank ({w}), got {got}"
+                f"rank ({w}), got {_what(objs)}"
             )
             head[0] = _BAD_LIST
         else:
-            for o in objs:
-                data, err = _pickled(o, dev)
-                if data is None:
-                    head[0] = _CANNOT_PICKLE
-                    break
-                chunks.append(data)
-            else:
-                head[0] = max(c.numel() for c in chunks)
+            chunks, err = _pickled_each(objs, dev)
+            head[0] = _CANNOT_PICKLE if err is not None else max(c.numel() for c in chunks)
     head = head.to(dev)
     comm.broadcast(head, src, group, log_name=BYPASS)
     top = int(head.item())
@@ -360,11 +366,7 @@ def send_object_list(
         err = TypeError(f"object_list must be a list, got {type(object_list).__name__}")
         head = [_BAD_LIST, 0]
     else:
-        for o in object_list:
-            data, err = _pickled(o, dev)
-            if data is None:
-                break
-            parts.append(data)
+        parts, err = _pickled_each(object_list, dev)
         if err is not None:
             head = [_CANNOT_PICKLE, 0]
         else:
@@ -404,11 +406,10 @@ def recv_object_list(
     if total:
         comm.recv(payload, sender, group, log_name=BYPASS)  # from the same rank, in order
     if not isinstance(object_list, list) or len(object_list) != n:
-        got = len(object_list) if isinstance(object_list, list) else type(object_list).__name__
         raise ValueError(
             f"recv_object_list: rank {sender} sent {n} objects, and object_list must be a list "
-            f"with a slot for each, got {got} (the message was taken and dropped, the list "
-            "left unchanged); pass [None] * n"
+            f"with a slot for each, got {_what(object_list)} (the message was taken and "
+            "dropped, the list left unchanged); pass [None] * n"
         )
     host = payload.cpu()
     counts = host[: 8 * n].view(torch.int64).tolist()
