@@ -72,6 +72,17 @@ from overlap.comm.handle import Handle, HandleState
 from overlap.comm.init import destroy_process_group, init_distributed, mpi_discovery
 from overlap.comm.p2p import P2POp, check_tag
 from overlap.comm.reduce_op import ReduceOp, parse_op
+from overlap.comm.torch_names import (
+    get_group_rank,
+    get_node_local_rank,
+    get_process_group_ranks,
+    is_gloo_available,
+    is_mpi_available,
+    is_nccl_available,
+    is_torchelastic_launched,
+    new_subgroups,
+    new_subgroups_by_enumeration,
+)
 from overlap.comm.validate import check_batch_buffers, check_splits
 
 __all__ = [
@@ -88,6 +99,7 @@ __all__ = [
     "all_gather_comm_off",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "all_reduce_comm_off",
@@ -110,10 +122,13 @@ __all__ = [
     "get_backend",
     "get_comm_operation_count",
     "get_global_rank",
+    "get_group_rank",
     "get_local_rank",
     "get_local_world_size",
     "get_logged_comm_ops",
+    "get_node_local_rank",
     "get_node_rank",
+    "get_process_group_ranks",
     "get_rank",
     "get_world_group",
     "get_world_size",
@@ -128,12 +143,18 @@ __all__ = [
     "initialize_mesh_device",
     "irecv",
     "is_available",
+    "is_gloo_available",
     "is_initialized",
+    "is_mpi_available",
+    "is_nccl_available",
+    "is_torchelastic_launched",
     "isend",
     "log_summary",
     "monitored_barrier",
     "mpi_discovery",
     "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv",
     "recv_object_list",
     "reduce",
@@ -141,6 +162,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_comm_off",
     "reduce_scatter_fn",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "reset_log",
     "scatter",
@@ -803,6 +825,12 @@ def reduce_scatter_fn(
     """:func:`reduce_scatter_tensor` (DeepSpeed's helper, which falls back to a list
     reduce_scatter on torch builds without it; every overlap backend has it)."""
     return reduce_scatter_tensor(output_tensor, tensor, op, group, async_op, prof, debug=debug)
+
+
+# torch's newer names (torch.distributed.all_gather_single / reduce_scatter_single) for the
+# same ops, with the same arguments
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
 
 
 def all_to_all_single(

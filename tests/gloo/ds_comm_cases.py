@@ -356,6 +356,75 @@ def deepspeed_test_dist() -> None:
             assert "[0]" in str(exc), exc
 
 
+def _raises(kind: type[Exception], words: str, f: Callable[[], Any]) -> None:
+    try:
+        f()
+    except kind as exc:
+        assert words in str(exc), exc
+        return
+    raise AssertionError(f"no {kind.__name__} ({words!r})")
+
+
+def torch_group_helpers() -> None:
+    """torch.distributed's group helpers and queries (overlap/comm/torch_names.py), with
+    groups named in reverse order and a rank outside them (3 ranks)."""
+    r, w = _ranks()
+    assert comm.get_process_group_ranks() == comm.get_process_group_ranks(None) == list(range(w))
+    assert comm.get_group_rank(None, r) == r
+    g = comm.new_group([w - 1, 0])
+    assert comm.get_process_group_ranks(g) == [0, w - 1]  # on non-members too
+    assert comm.get_group_rank(g, w - 1) == 1 and comm.get_group_rank(g, 0) == 0
+    if w > 2:
+        _raises(
+            ValueError, "not part of the group of ranks [0, 2]", lambda: comm.get_group_rank(g, 1)
+        )
+    _raises(TypeError, "global_rank must be an int", lambda: comm.get_group_rank(g, "0"))
+    # one subgroup per rank, then the default: this host's processes (all of them here)
+    cur, subs = comm.new_subgroups(1)
+    assert len(subs) == w and comm.get_world_size(cur) == 1 and comm.get_rank(cur) == 0
+    t = torch.tensor([float(r + 1)])
+    comm.all_reduce(t, group=cur)
+    assert t.item() == r + 1
+    cur, subs = comm.new_subgroups()
+    assert len(subs) == 1 and comm.get_process_group_ranks(cur) == list(range(w))
+    comm.all_reduce(t, group=cur)
+    assert t.item() == w * (w + 1) / 2
+    # refused on every rank before any group is made, and the ranks stay in step
+    _raises(ValueError, "must be positive and divide", lambda: comm.new_subgroups(w + 1))
+    _raises(ValueError, "must be positive and divide", lambda: comm.new_subgroups(0))
+    _raises(ValueError, "rank 0 is in both subgroup [0] and [1, 0]",
+            lambda: comm.new_subgroups_by_enumeration([[0], [1, 0]]))  # fmt: skip
+    _raises(ValueError, f"{w} in subgroup [0, {w}] is not a global rank",
+            lambda: comm.new_subgroups_by_enumeration([[0, w]]))  # fmt: skip
+    _raises(ValueError, "is empty", lambda: comm.new_subgroups_by_enumeration([]))
+    # the last rank alone, the rest together
+    cur, subs = comm.new_subgroups_by_enumeration([list(range(w - 1)), [w - 1]])
+    assert len(subs) == 2 and cur is subs[r == w - 1]
+    t = torch.tensor([float(r + 1)])
+    comm.all_reduce(t, group=cur)
+    assert t.item() == (w if r == w - 1 else (w - 1) * w / 2)
+    # a group's own subgroups: its non-members call too, and get none
+    cur, subs = comm.new_subgroups(1, group=g)
+    assert len(subs) == 2
+    if r in (0, w - 1):
+        assert comm.get_process_group_ranks(cur) == [r]
+    else:
+        assert cur is None
+    # only subgroups of a list: ranks outside every list get None
+    cur, subs = comm.new_subgroups_by_enumeration([[0]])
+    assert (cur is subs[0]) if r == 0 else cur is None
+    # torch's newer names of the tensor gathers
+    out = torch.zeros(w)
+    comm.all_gather_single(out, torch.tensor([float(r)]))
+    assert out.tolist() == [float(i) for i in range(w)]
+    red = torch.zeros(1)
+    comm.reduce_scatter_single(red, torch.ones(w) * (r + 1))
+    assert red.item() == w * (w + 1) / 2
+    assert comm.get_node_local_rank() == comm.get_local_rank() == r  # one host
+    assert comm.is_gloo_available() and comm.is_mpi_available()  # the test install has both
+    assert not comm.is_torchelastic_launched()  # RankPool and mpiexec, not torchrun
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "inference_all_reduce": inference_all_reduce,
     "all_reduce_coalesced": all_reduce_coalesced,
@@ -363,6 +432,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "gather_and_scatter_fns": gather_and_scatter_fns,
     "objects": objects,
     "groups_and_queries": groups_and_queries,
+    "torch_group_helpers": torch_group_helpers,
     "monitored_barrier_passes": monitored_barrier_passes,
     "comms_logger": comms_logger_end_to_end,
     "comm_off_switches": comm_off_switches,
