@@ -315,6 +315,39 @@ class Handle:
         src = getattr(self, "_source", None)
         return src() if callable(src) else src
 
+    def source_rank(self) -> int:
+        """:attr:`source` under torch ``Work``'s name, for code written for
+        ``torch.distributed``'s ``irecv(src=None)``: the sender's global rank. Raises
+        RuntimeError while the receive is in flight (wait or await it first), after it
+        failed, and for any op that is not a receive, as torch's does for a non-receive."""
+        src = self.source
+        if src is None:
+            what = (
+                "still in flight"
+                if self._state is PENDING
+                else ("failed" if self._exc is not None else "not a receive")
+            )
+            raise RuntimeError(
+                f"source_rank(): {self!r} is {what}; it names the sender of a completed "
+                "receive (irecv or a receive of batch_isend_irecv): wait() or await it first"
+            )
+        return src
+
+    def is_success(self) -> bool:
+        """True once the op has completed without error (torch ``Work``'s name). False
+        while it is in flight, where torch's answers "no error yet", which reads as done."""
+        return self.done() and self._exc is None
+
+    def synchronize(self) -> None:
+        """Wait for the op, raising its error (torch ``Work``'s name). torch's makes only
+        the current CUDA stream wait on NCCL and does nothing on gloo; this waits on the
+        host, which orders every later use of the op's tensors, on any stream."""
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        """:meth:`synchronize` under torch ``Work``'s newer name (the same host wait)."""
+        self.wait()
+
     def exception(self) -> BaseException | None:
         """The op's error, or None if it succeeded. Raises InvalidStateError while pending."""
         if self._state is PENDING:

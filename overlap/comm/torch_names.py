@@ -4,9 +4,9 @@
 ``new_subgroups_by_enumeration``, ``get_node_local_rank`` and the ``is_*_available`` queries
 carry torch's names and signatures, so code written for ``torch.distributed`` (FSDP's hybrid
 sharding, per-host groups, a backend picked by what is installed) runs on gloo, NCCL and MPI
-alike, also the ``all_gather_single`` / ``reduce_scatter_single`` aliases in
-:mod:`overlap.comm`. They sit on :func:`overlap.comm.new_group`, so their groups get the job's timeout, a
-debug twin, and the non-member object that names the members.
+alike (the ``all_gather_single`` / ``reduce_scatter_single`` aliases are in
+:mod:`overlap.comm`). They sit on :func:`overlap.comm.new_group`, so their groups get the
+job's timeout, a debug twin, and the non-member object that names the members.
 
 Two differences from torch:
 

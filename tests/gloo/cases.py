@@ -612,6 +612,14 @@ def case_irecv_source(mode: str) -> None:
     for b in bufs:
         _allclose(b, torch.full((2,), float(prv)))
     assert [h.source for h in handles] == [prv, prv, prv, None, None, None], handles
+    # torch Work's names: the sender, and success
+    assert [h.source_rank() for h in handles[:3]] == [prv, prv, prv]
+    assert all(h.is_success() for h in handles)
+    try:
+        handles[3].source_rank()  # a send names no sender
+        raise AssertionError("source_rank() of a send answered")
+    except RuntimeError as exc:
+        assert "not a receive" in str(exc), exc
 
 
 def case_collect_all(mode: str) -> None:

@@ -95,6 +95,30 @@ def test_get_future_is_a_torch_future_of_the_ops_tensors() -> None:
         fut.wait()
 
 
+def test_torch_work_names_source_rank_is_success_synchronize() -> None:
+    # torch Work's source_rank(), is_success(), synchronize() and block_current_stream()
+    recv = Handle("irecv", result="buf")
+    recv._source = 3
+    with pytest.raises(RuntimeError, match="still in flight"):
+        recv.source_rank()
+    assert not recv.is_success()  # torch's says True here: "no error yet"
+    finish_later(recv, 0.02)
+    recv.synchronize()
+    assert recv.done() and recv.is_success() and recv.source_rank() == 3
+    with pytest.raises(RuntimeError, match="not a receive"):
+        Handle.completed("all_reduce", None).source_rank()
+    failed = Handle("irecv", result=None)
+    failed._source = 1
+    failed._finish(CommError("peer gone"))
+    assert not failed.is_success()
+    with pytest.raises(RuntimeError, match="failed"):
+        failed.source_rank()
+    with pytest.raises(CommError, match="peer gone"):
+        failed.synchronize()
+    with pytest.raises(CommError, match="peer gone"):
+        failed.block_current_stream()
+
+
 def test_failure_reaches_waiter_with_cause() -> None:
     h = Handle("all_reduce", result=None)
     cause = RuntimeError("Connection closed by peer")
