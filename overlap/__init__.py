@@ -33,6 +33,7 @@ from overlap.errors import (
 from overlap.optim import DiLoCo, OneBitAdam
 from overlap.runtime import new_event_loop, run
 from overlap.scheduler import BucketScheduler
+from overlap.state_broadcast import broadcast_optimizer_state, broadcast_parameters
 from overlap.trace import OverlapReport, Tracer
 
 __version__ = "0.1.0"
@@ -64,6 +65,8 @@ __all__ = [
     "Tracer",
     "ReduceOp",
     "__version__",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
     "comm",
     "compression",
     "destroy_process_group",

@@ -150,3 +150,12 @@ def test_diloco_example_under_mpiexec() -> None:
     out = mpiexec(2, "examples/diloco.py", "--backend", "mpi", "--steps", "60")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every rank the same model: True" in out.stdout, out.stdout
+
+
+def test_horovod_port_example_under_torchrun() -> None:
+    # without broadcast_optimizer_state rank 1's Adam starts empty while rank 0's holds
+    # three steps of moments, and the weights part at the first step
+    out = _torchrun("examples/from_horovod.py", "--steps", "6")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gloo: 6 steps on 2 ranks" in out.stdout, out.stdout
+    assert "same weights on every rank: True" in out.stdout, out.stdout

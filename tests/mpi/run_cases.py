@@ -24,6 +24,7 @@ from tests.gloo import ds_comm_cases as ds
 from tests.gloo import hardening_cases as hc
 from tests.gloo import onebit_adam_cases as oc
 from tests.gloo import reliability_cases as rc
+from tests.gloo import state_broadcast_cases as sb
 from tests.mpi import mpi_cases
 
 MODES = ["blocking", "wait", "uvloop", "asyncio"]
@@ -75,6 +76,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     if comm.get_world_size() == 2:
         out["diloco/late_landings"] = _late_landings
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
+    out.update({f"state_broadcast/{k}": v for k, v in sb.CHECKS.items()})
     return out
 
 

@@ -48,6 +48,9 @@ def test_every_op_and_contract_on_mpi(n: int) -> None:
     from tests.gloo import ds_comm_cases
 
     assert {f"ds_comm/{k}" for k in ds_comm_cases.CHECKS} <= set(names)  # deepspeed.comm's
+    from tests.gloo import state_broadcast_cases
+
+    assert {f"state_broadcast/{k}" for k in state_broadcast_cases.CHECKS} <= set(names)
     assert all(d["backend"] == "mpi" and d["world"] == n for d in results)
 
 

@@ -1,0 +1,129 @@
+"""Rank-side checks of overlap.broadcast_parameters / broadcast_optimizer_state (Horovod's
+start-up pair), run on 3 gloo ranks (tests/gloo/test_state_broadcast.py) and under mpiexec
+(tests/mpi/run_cases.py). Each asserts on every rank and returns nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import overlap
+from overlap import comm
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.LazyLinear(4))
+    m(torch.randn(2, 2, 5, 5))  # the lazy layer takes its shape; BatchNorm its statistics
+    # a weight that is not contiguous (channels_last), kept so
+    m[0].weight.data = m[0].weight.data.to(memory_format=torch.channels_last)
+    return m
+
+
+def _raises(words: str, f: Callable[[], Any], kind: type[Exception] = ValueError) -> str:
+    try:
+        f()
+    except kind as exc:
+        assert words in str(exc), exc
+        return str(exc)
+    raise AssertionError(f"no {kind.__name__} ({words!r})")
+
+
+def _same_everywhere(tensors: list[torch.Tensor]) -> bool:
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    lo, hi = flat.clone(), flat.clone()
+    comm.all_reduce(lo, op="min")
+    comm.all_reduce(hi, op="max")
+    return bool(torch.equal(lo, hi))
+
+
+def parameters() -> None:
+    r, w = comm.get_rank(), comm.get_world_size()
+    src = w - 1
+    m = _model(r)  # seeded apart
+    want = {k: v.clone() for k, v in _model(src).state_dict().items()}
+    overlap.broadcast_parameters(m.state_dict(), src=src)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, want[k]), k  # buffers too (num_batches_tracked included)
+    assert m[0].weight.is_contiguous(memory_format=torch.channels_last)
+    # named_parameters() and bare tensors, from rank 0
+    m2 = _model(10 + r)
+    overlap.broadcast_parameters(m2.named_parameters())
+    assert _same_everywhere(list(m2.parameters()))
+    m3 = _model(20 + r)
+    overlap.broadcast_parameters(m3.parameters(), src=0)
+    assert _same_everywhere(list(m3.parameters()))
+    # a layout that differs on the last rank: every rank refuses, nothing is overwritten
+    m4 = _model(30 + r) if r != w - 1 else nn.Sequential(nn.Linear(3, 3))
+    before = [p.clone() for p in m4.parameters()]
+    said = _raises(f"rank {w - 1}: ", lambda: overlap.broadcast_parameters(m4.state_dict()))
+    assert "Nothing was sent" in said, said
+    assert all(torch.equal(a, b) for a, b in zip(before, m4.parameters(), strict=True))
+    # a name that differs on one rank only
+    sd = {"a": torch.full((2,), float(r)), ("b" if r != 1 else "c"): torch.zeros(1)}
+    _raises("rank 1: ('c', (1,), torch.float32) here", lambda: overlap.broadcast_parameters(sd))
+    assert sd["a"].tolist() == [float(r)] * 2
+    # not tensors, a bad root, the module itself
+    _raises("['x'] are not tensors", lambda: overlap.broadcast_parameters({"x": 1}))
+    _raises("is not a global rank", lambda: overlap.broadcast_parameters(sd, src=w))
+    _raises("not the module", lambda: overlap.broadcast_parameters(m), TypeError)
+    # a sub-group, its root given by global rank
+    g = comm.new_group([0, w - 1])
+    if r in (0, w - 1):
+        t = torch.full((3,), float(r))
+        overlap.broadcast_parameters([t], src=w - 1, group=g)
+        assert t.tolist() == [float(w - 1)] * 3
+
+
+def optimizer_state() -> None:
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)  # the same start everywhere
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3 * (r + 1))
+    if r == 0:  # only rank 0 trained (or loaded a checkpoint)
+        for _ in range(3):
+            m(torch.randn(5, 4)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    overlap.broadcast_parameters(m.parameters())
+    overlap.broadcast_optimizer_state(opt)
+    st = opt.state_dict()
+    assert opt.param_groups[0]["lr"] == 1e-3  # rank 0's settings
+    assert all(float(s["step"]) == 3.0 for s in st["state"].values()), st["state"]
+    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert len(moments) == 4 and _same_everywhere(moments)
+    # the same gradient from here on: the same weights after the step
+    x = torch.arange(8.0).reshape(2, 4)
+    m(x).square().sum().backward()
+    opt.step()
+    assert _same_everywhere(list(m.parameters()))
+    # other parameter groups on one rank: every rank refuses, no state changes
+    groups = [{"params": [m.weight]}, {"params": [m.bias]}] if r == 1 else [m.weight, m.bias]
+    opt2 = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    said = _raises("rank 1: parameter groups of [1, 1] parameters here, [2] on rank 0",
+                   lambda: overlap.broadcast_optimizer_state(opt2))  # fmt: skip
+    assert "Nothing was sent" in said and not opt2.state, said
+    # rank 0's still empty state empties the others' (SGD with momentum after a step)
+    torch.manual_seed(1)
+    m3 = nn.Linear(2, 2)
+    opt3 = torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9)
+    if r != 0:
+        m3(torch.ones(1, 2)).sum().backward()
+        opt3.step()
+        assert opt3.state
+    overlap.broadcast_optimizer_state(opt3)
+    assert not any(opt3.state.values()), opt3.state
+    _raises(
+        "takes a torch.optim.Optimizer", lambda: overlap.broadcast_optimizer_state(m), TypeError
+    )
+    onebit = overlap.OneBitAdam(nn.Linear(2, 2).parameters(), lr=1e-3)
+    _raises("each rank's own", lambda: overlap.broadcast_optimizer_state(onebit), TypeError)
+
+
+CHECKS: dict[str, Callable[[], None]] = {
+    "parameters": parameters,
+    "optimizer_state": optimizer_state,
+}
