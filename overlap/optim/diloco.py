@@ -119,6 +119,27 @@ def split(sizes: list[int], fragments: int) -> list[list[int]]:
     return out
 
 
+def _nested_error(sched: Any, group: Any) -> str | None:
+    """None when ``sched`` (a BucketScheduler over the same parameters) averages inside this
+    rank's DiLoCo worker: its group and the DiLoCo's ``group`` meet only in this rank, so
+    each averages what the other does not (hierarchical DiLoCo: a worker of several ranks
+    trains as one, and the workers sync every H steps). Else why not: the two would
+    average some ranks twice over."""
+    inner = comm.get_all_ranks_from_group(sched.group)
+    outer = comm.get_all_ranks_from_group(group)
+    both = sorted(set(inner) & set(outer))
+    if both == [comm.get_rank()]:
+        return None
+    return (
+        f"this model's gradients are averaged by a BucketScheduler over ranks {inner}, and "
+        f"this DiLoCo's group (ranks {outer}) shares ranks {both} with it: they would average "
+        "the same ranks twice. To average inside each DiLoCo worker and sync across workers, "
+        "give the BucketScheduler the ranks of this rank's worker and the DiLoCo one rank per "
+        'worker, so that the two groups meet only in this rank (docs/diloco.md, "Workers of '
+        'several ranks"); otherwise remove() the BucketScheduler'
+    )
+
+
 class DiLoCo:
     """Low-communication data parallelism: sync every ``sync_every`` inner steps.
 
@@ -238,11 +259,16 @@ class DiLoCo:
         if outer_optimizer is inner_optimizer:
             raise ValueError("outer_optimizer must be a separate optimizer from inner_optimizer")
         held = next((h for p in self.params if (h := holder_of(p)) is not None), None)
+        nested: str | None = None  # why a BucketScheduler under it may not be (see _start)
         if held is not None:
-            raise ValueError(
-                f"this model's parameters are already averaged by a {type(held).__name__}: "
-                "DiLoCo replaces per-step gradient averaging; remove() the other one first"
-            )
+            from overlap.scheduler.scheduler import BucketScheduler
+
+            if not isinstance(held, BucketScheduler):
+                raise ValueError(
+                    f"this model's parameters are already synced by a {type(held).__name__}: "
+                    "remove() it first"
+                )
+            nested = _nested_error(held, group)
         if compression is not None and (held := holder_of(compression)) is not None:
             raise ValueError(
                 f"this {type(compression).__name__} is already used by a {type(held).__name__}: "
@@ -295,7 +321,7 @@ class DiLoCo:
         self._passes: ThreadPoolExecutor | None = None
         # seconds the training thread waited for such a pass (at the inner optimizer's step)
         self.pass_wait_s = 0.0
-        self._start(module_state(model, self._selection))
+        self._start(module_state(model, self._selection), nested)
         self.globals = [p.detach().clone() for p in self.params]
         self._prepare()
         claim([*self.params, self.compression], self)
@@ -305,18 +331,25 @@ class DiLoCo:
             tracer.attach_if_none()
 
     # ------------------------------------------------------------------ set-up
-    def _start(self, state: list[torch.Tensor]) -> None:
+    def _start(self, state: list[torch.Tensor], nested: str | None = None) -> None:
         """Check every rank has the same parameters, buffers and schedule, then take rank
-        0's parameters (frozen ones too) and buffers (overlap.initial_sync)."""
+        0's parameters (frozen ones too) and buffers (overlap.initial_sync).
+
+        ``nested``: why this rank's BucketScheduler may not sit under the DiLoCo (None: it
+        may, or there is none). Agreed with the others before anything else, so a layout
+        refused on some ranks only stops every rank here, not in a later collective."""
         g = self.group
         sig = param_signature(self.params)
         conf = [len(self.params), sig, self.sync_every, self.fragments, self.delay]
-        conf += [len(state), param_signature(state)]
+        conf += [len(state), param_signature(state), int(nested is not None)]
         ranks = differing_ranks(conf, g, self._ctrl())
+        if nested is not None:
+            raise ValueError(nested)
         if ranks:
             raise ValueError(
                 f"DiLoCo differs across ranks: ranks {ranks} have other parameter or buffer "
-                f"shapes or dtypes, or another sync_every/fragments/delay, than rank "
+                f"shapes or dtypes, another sync_every/fragments/delay, or a BucketScheduler "
+                f"over ranks that this DiLoCo's group shares, unlike rank "
                 f"{comm.get_global_rank(g, 0)}; build the same model and DiLoCo everywhere"
             )
         driver.ensure_twin(g)  # every rank is here now; a sync later may find a peer gone

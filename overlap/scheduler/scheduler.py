@@ -39,6 +39,7 @@ from overlap.argcheck import positive_real
 from overlap.comm import debug as _debug
 from overlap.comm import state as comm_state
 from overlap.comm.handle import Handle
+from overlap.comm.siblings import groups_like
 from overlap.comm.steps import Steps, run, run_async
 from overlap.compression.base import Compressor, NoCompression
 from overlap.errors import CommError, IncompleteBackwardError, OutOfStepError
@@ -246,10 +247,17 @@ class BucketScheduler:
             optimizer._attach(self)  # raises: it names the scheduler that already holds it
         held = next((h for p in self.params if (h := holder_of(p)) is not None), None)
         if held is not None:
+            under = (
+                ". To average gradients inside each DiLoCo worker, build the BucketScheduler "
+                "first (over the worker's ranks), then the DiLoCo (one rank per worker; "
+                'docs/diloco.md, "Workers of several ranks")'
+                if type(held).__name__ == "DiLoCo"
+                else ""
+            )
             raise ValueError(
                 f"these parameters are already reduced by a {type(held).__name__} that was "
                 "not removed: call remove() on it before building a BucketScheduler (both "
-                "would average every gradient)"
+                f"would average every gradient){under}"
             )
         if isinstance(compression, str):
             if compression != "auto":
@@ -280,8 +288,9 @@ class BucketScheduler:
         self._ctrl_device = self.device if backend == "nccl" else torch.device("cpu")
         ranks = [comm.get_global_rank(group, i) for i in range(comm.get_world_size(group))]
         self.world = len(ranks)
-        self.group = comm.new_group(ranks)  # the buckets' collectives
-        self.ctrl = comm.new_group(ranks)  # the per-step used-parameter mask, the rebuild
+        # the buckets' collectives, and the per-step used-parameter mask and the rebuild
+        # (every rank of the job builds one at once: overlap.comm.siblings)
+        self.group, self.ctrl = groups_like(ranks, 2, "BucketScheduler")
         self._groups_owned = [self.group, self.ctrl]  # freed by remove()
         self.reduce_dtype = reduce_dtype
         self.optimizer = optimizer

@@ -54,10 +54,18 @@ def _grads(params: list[torch.Tensor], rank: int, t: int) -> list[torch.Tensor]:
 
 
 class Reference:
-    """DiLoCo / Streaming DiLoCo for W simulated ranks, from the math."""
+    """DiLoCo / Streaming DiLoCo for W simulated ranks, from the math. ``grads``: simulated
+    rank r's gradients at step t (:func:`_grads` by default)."""
 
     def __init__(
-        self, w: int, h: int, frags: list[list[int]], delay: int, alpha: float, offs: list[int]
+        self,
+        w: int,
+        h: int,
+        frags: list[list[int]],
+        delay: int,
+        alpha: float,
+        offs: list[int],
+        grads: Any = None,
     ) -> None:
         self.w, self.h, self.frags, self.delay, self.alpha, self.offs = (
             w,
@@ -67,6 +75,7 @@ class Reference:
             alpha,
             offs,
         )
+        self.grads = grads or _grads
         base = [p.detach().clone() for p in Params().ps]
         self.local = [[nn.Parameter(b.clone()) for b in base] for _ in range(w)]
         self.inner = [torch.optim.AdamW(ps, lr=LR_IN) for ps in self.local]
@@ -78,7 +87,7 @@ class Reference:
     def step(self) -> None:
         self.t += 1
         for r in range(self.w):
-            for p, g in zip(self.local[r], _grads(list(self.local[r]), r, self.t), strict=True):
+            for p, g in zip(self.local[r], self.grads(list(self.local[r]), r, self.t), strict=True):
                 p.grad = g
             self.inner[r].step()
         for i in sorted(i for i, (at, _) in self.pending.items() if at == self.t):
@@ -136,6 +145,58 @@ def _build(
     outer = torch.optim.SGD(model.parameters(), lr=LR_OUT, momentum=MOM, nesterov=True)
     d = DiLoCo(model, inner, outer, sync_every=h, fragments=frags, delay=delay, **kw)
     return model, inner, d
+
+
+def workers_of_several_ranks(h: int = 3, steps: int = 8) -> dict[str, Any]:
+    """Hierarchical DiLoCo on 4 ranks, 2 workers of 2: a BucketScheduler averages each
+    worker's gradients (ranks [0, 1] and [2, 3]) and a DiLoCo syncs one rank per worker
+    ([0, 2] and [1, 3]), the ranks seeded apart. Against the 2-rank reference whose worker
+    w takes the mean of its two ranks' gradients, step by step; then the refusals around
+    it. Returns what was refused."""
+    from overlap.topology import ProcessTopology
+
+    r = comm.get_rank()
+    topo = ProcessTopology(["worker", "local"], [2, 2])
+    groups = {}
+    for axis in ("local", "worker"):  # every rank makes every group, in one order
+        for ranks in topo.get_axis_comm_lists(axis):
+            g = comm.new_group(ranks)
+            if r in ranks:
+                groups[axis] = g
+    model = Params(seed=r)
+    sched = BucketScheduler(model, group=groups["local"])
+    inner = torch.optim.AdamW(model.parameters(), lr=LR_IN)
+    outer = torch.optim.SGD(model.parameters(), lr=LR_OUT, momentum=MOM, nesterov=True)
+    d = DiLoCo(model, inner, outer, sync_every=h, group=groups["worker"])
+
+    def worker_grads(ps: list[torch.Tensor], w: int, t: int) -> list[torch.Tensor]:
+        pairs = zip(_grads(ps, 2 * w, t), _grads(ps, 2 * w + 1, t), strict=True)
+        return [(a + b) / 2 for a, b in pairs]
+
+    ref = Reference(2, h, d.frags, 0, d.alpha, d.offsets, worker_grads)
+    for t in range(1, steps + 1):
+        ps = list(model.ps)
+        g = torch.Generator().manual_seed(1000 * r + t)  # _grads' targets, through backward
+        loss = sum(0.5 * (p - torch.randn(p.shape, generator=g)).square().sum() for p in ps)
+        loss.backward()
+        sched.synchronize()
+        inner.step()
+        inner.zero_grad()
+        d.step()
+        ref.step()
+        _close(list(model.ps), [p.detach() for p in ref.local[r // 2]], f"step {t} local")
+        _close(d.globals, ref.glob, f"step {t} global")
+    out: dict[str, Any] = {"syncs": d.syncs}
+    catch = catcher(out)
+    catch("scheduler_on_top", lambda: BucketScheduler(model, group=groups["local"]))
+    d.remove()  # the scheduler holds the parameters again
+    catch("second_scheduler", lambda: BucketScheduler(model, group=groups["local"]))
+    inner2 = torch.optim.AdamW(model.parameters(), lr=LR_IN)
+    # the DiLoCo over the scheduler's own ranks: every rank refuses
+    catch("same_ranks", lambda: DiLoCo(model, inner2, group=groups["local"]))
+    sched.remove()
+    DiLoCo(model, inner2, group=groups["worker"]).remove()  # nothing holds them now
+    return out
 
 
 def _inner_step(model: Params, inner: Any, t: int) -> None:

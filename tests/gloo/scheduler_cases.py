@@ -1524,3 +1524,44 @@ def create_graph_backward() -> dict[str, Any]:
     )
     sched.remove()
     return out
+
+
+def schedulers_per_subgroup(compression: str = "none") -> dict[str, Any]:
+    """Every rank builds a BucketScheduler over its own group of two consecutive ranks (the
+    last alone when the world is odd), as over the data-parallel groups of a topology: each
+    averages inside its group only, for two steps (the buckets rebuilt in between). Then the
+    ranks disagree on the groups (the first two pass their pair, the rest the world): every
+    rank refuses. Returns what was refused."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    lists = [list(range(i, min(i + 2, w))) for i in range(0, w, 2)]
+    mine: Any = None
+    for ranks in lists:  # every rank makes every group, in one order
+        g = comm.new_group(ranks)
+        if r in ranks:
+            mine = g
+    mates = lists[r // 2]
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    comp = {"none": NoCompression(), "onebit": OneBit(warmup_steps=0)}[compression]
+    sched = BucketScheduler(m, group=mine, compression=comp, bucket_cap_mb=0.00002)
+    x = torch.full((1, 3), float(r + 1))
+    for _ in range(2):
+        m.zero_grad()
+        m(x).sum().backward()
+        sched.synchronize()
+    # the last layer's weight gradient is the first layer's output: the mates' mean of it
+    with torch.no_grad():
+        outs = [m[0](torch.full((1, 3), float(k + 1))) for k in mates]
+    want = (sum(outs) / len(outs)).expand(2, 4)
+    assert m[1].weight.grad is not None
+    if compression == "none":
+        assert torch.allclose(m[1].weight.grad, want, atol=1e-6), (m[1].weight.grad, want)
+    grads = torch.cat([p.grad.reshape(-1) for p in m.parameters()])  # type: ignore[union-attr]
+    got = [torch.zeros_like(grads) for _ in range(w)]
+    comm.all_gather(got, grads)
+    assert all(torch.equal(got[k], grads) for k in mates), "a group's ranks differ"
+    sched.remove()
+    out: dict[str, Any] = {}
+    catch = catcher(out)
+    catch("disagree", lambda: BucketScheduler(m, group=mine if r < 2 else None))
+    return out

@@ -308,8 +308,9 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "lazy": "ValueError: 0.weight is not initialised yet (a lazy module such as "
         "nn.LazyLinear has no shape before its first forward): run one forward pass, then "
         "build the DiLoCo",
-        "after_scheduler": "ValueError: this model's parameters are already averaged by a "
-        "BucketScheduler",
+        "after_scheduler": "ValueError: this model's gradients are averaged by a "
+        "BucketScheduler over ranks [0, 1], and this DiLoCo's group (ranks [0, 1]) shares "
+        "ranks [0, 1] with it",
         "scheduler_after": "ValueError: these parameters are already reduced by a DiLoCo",
         "load_other": "ValueError: this state has sync_every=8 but this DiLoCo has sync_every=16",
         "load_outer_groups": "ValueError: this state's outer optimizer has parameter groups "
@@ -363,3 +364,27 @@ def test_a_model_cast_after_building_is_refused_at_its_sync(
             "this DiLoCo was built"
         ), out
         assert out[3] == "2", out  # the refused step was not counted
+
+
+def test_workers_of_several_ranks_average_inside_and_sync_across(
+    pools: Callable[[int], RankPool],
+) -> None:
+    # hierarchical DiLoCo: a BucketScheduler per worker of 2 ranks, a DiLoCo per rank
+    # position across the 2 workers; against the reference step by step (2 syncs in 8
+    # steps at H = 3). Before: the DiLoCo was refused ("already averaged"), and the
+    # schedulers over the two workers' groups hung every rank on gloo.
+    out = pools(4).run(dc.workers_of_several_ranks, timeout=120)
+    for r, got in enumerate(out):
+        assert got["syncs"] == 2, (r, got)
+        assert got["scheduler_on_top"].startswith(
+            "ValueError: these parameters are already reduced by a DiLoCo"
+        ), (r, got)
+        assert "build the BucketScheduler first" in got["scheduler_on_top"], (r, got)
+        assert got["second_scheduler"].startswith(
+            "ValueError: these parameters are already reduced by a BucketScheduler"
+        ), (r, got)
+        mates = [0, 1] if r < 2 else [2, 3]
+        assert got["same_ranks"].startswith(
+            f"ValueError: this model's gradients are averaged by a BucketScheduler over "
+            f"ranks {mates}, and this DiLoCo's group (ranks {mates}) shares"
+        ), (r, got)

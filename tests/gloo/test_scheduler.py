@@ -464,3 +464,18 @@ def test_backward_with_create_graph_is_refused_with_the_fix(
         # which the next synchronize() reports as such on every rank, readying the scheduler
         assert out["after"].startswith("IncompleteBackwardError: the backward of ranks 0, 1"), out
         assert out["penalty_exact"] is True, out
+
+
+@pytest.mark.parametrize("compression", ["none", "onebit"])
+def test_a_scheduler_per_data_parallel_group_averages_inside_it(
+    pools: Callable[[int], RankPool], compression: str
+) -> None:
+    # 4 ranks, groups [0, 1] and [2, 3], each rank building its scheduler over its own at
+    # once. Before: each rank made its scheduler's groups alone (new_group with its own
+    # group's ranks, while the other group's ranks passed theirs) and every rank hung
+    out = pools(4).run(sc.schedulers_per_subgroup, compression, timeout=120)
+    for got in out:
+        assert got["disagree"].startswith(
+            "ValueError: BucketScheduler: the ranks disagree on their groups: ranks [0, 1, 2, "
+            "3] are one group for some of them, but rank 0 gave ranks [0, 1]"
+        ), got

@@ -24,6 +24,7 @@ from tests.gloo import ds_comm_cases as ds
 from tests.gloo import hardening_cases as hc
 from tests.gloo import onebit_adam_cases as oc
 from tests.gloo import reliability_cases as rc
+from tests.gloo import scheduler_cases as sc
 from tests.gloo import state_broadcast_cases as sb
 from tests.mpi import mpi_cases
 
@@ -77,7 +78,16 @@ def checks() -> dict[str, Callable[[], Any]]:
         out["diloco/late_landings"] = _late_landings
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
     out.update({f"state_broadcast/{k}": v for k, v in sb.CHECKS.items()})
+    if comm.get_world_size() == 3:  # groups [0, 1] and [2]
+        out["schedulers_per_subgroup"] = lambda: _disagree(sc.schedulers_per_subgroup())
     return out
+
+
+def _disagree(out: dict[str, str]) -> None:
+    assert out["disagree"].startswith(
+        "ValueError: BucketScheduler: the ranks disagree on their groups: ranks [0, 1, 2] "
+        "are one group for some of them, but rank 0 gave ranks [0, 1]"
+    ), out
 
 
 def _true(ok: bool) -> None:
