@@ -11,8 +11,9 @@ overlap.comm. Behaviour is DeepSpeed's, except where DeepSpeed is broken:
 * A topology without a ``'pipe'`` (or ``'data'``) axis works: that axis counts as size 1.
 * ``PipelineParallelGrid(process_group=...)`` is honoured: the grid spans that group's ranks
   (DeepSpeed ignores the argument).
-* Each rank creates only the groups it belongs to, one per axis (DeepSpeed creates a
-  one-rank group for every rank of the world when there is no model axis).
+* A one-rank group is made by its member alone (DeepSpeed makes every rank's one-rank
+  group on every rank when there is no model axis); a grid over a ``process_group`` makes
+  each group by its members alone.
 * ``get_slice_parallel_world_size`` returns the size (DeepSpeed's returns None).
 """
 
@@ -218,19 +219,26 @@ class PipelineParallelGrid:
             else list(range(self.world_size))
         )
         self.ds_model_ranks = [self._members[r] for r in ds_model]
-        self.ds_model_proc_group = self._group(self.ds_model_ranks)
+        ds_lists = (
+            [sorted(topology.get_axis_list("data", d)) for d in range(self.data_parallel_size)]
+            if "data" in topology.axes
+            else [list(range(self.world_size))]
+        )
+        self.ds_model_proc_group = self._group(
+            [[self._members[r] for r in lst] for lst in ds_lists]
+        )
         self.ds_model_world_size = len(ds_model)
         self.ds_model_rank = ds_model.index(self._rank)
 
         self.dp_groups = self._lists("data")
         self.dp_group = self._mine(self.dp_groups)
-        self.dp_proc_group = self._group(self.dp_group)
+        self.dp_proc_group = self._group(self.dp_groups)
         self.pipe_groups = self._lists("pipe")
         self.pp_group = self._mine(self.pipe_groups)
-        self.pp_proc_group = self._group(self.pp_group)
+        self.pp_proc_group = self._group(self.pipe_groups)
         self.model_groups = self._lists("model")
         self.slice_group = self._mine(self.model_groups)
-        self.slice_proc_group = self._group(self.slice_group)
+        self.slice_proc_group = self._group(self.model_groups)
         self.p2p_groups = self.build_p2p_groups()
 
     # ------------------------------------------------------------------------- helpers
@@ -244,11 +252,28 @@ class PipelineParallelGrid:
     def _mine(self, lists: list[list[int]]) -> list[int]:
         return next(lst for lst in lists if self.global_rank in lst)
 
-    def _group(self, ranks: list[int]) -> Any:
-        """This rank's group, created by its members only (one creation per axis)."""
+    def _group(self, lists: list[list[int]]) -> Any:
+        """This rank's group of one axis's ``lists`` (global ranks).
+
+        A grid over the world makes every list's group on every rank, in one order, as
+        DeepSpeed's does: groups that every rank made get their private twin and debug group
+        (overlap.comm.new_group), so a DiLoCo, an async ring all_reduce or a 1-bit
+        ``Compressor.reduce`` runs on them. A grid over a ``process_group`` cannot ask the
+        ranks outside it to take part: its groups are made by their members alone
+        (``use_local_synchronization=True``), which those ops refuse. Groups of one are made
+        by their member alone either way (no peer; DeepSpeed made every rank's on every
+        rank)."""
+        ranks = self._mine(lists)
         if len(ranks) == comm.get_world_size() and self.process_group is None:
             return None  # the world
-        return comm.new_group(ranks, use_local_synchronization=True)
+        if self.process_group is not None or len(ranks) == 1:
+            return comm.new_group(ranks, use_local_synchronization=True)
+        own = None
+        for lst in lists:
+            g = comm.new_group(lst)
+            if self.global_rank in lst:
+                own = g
+        return own
 
     def _coord(self) -> Any:
         return self._topo.get_coord(self._rank)

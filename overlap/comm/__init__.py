@@ -327,12 +327,15 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     group = backend.new_group(ranks, **kwargs)
     world = backend.get_world_size()
     members = sorted(range(world) if ranks is None else {int(r) for r in ranks})
+    # Its debug group and its private twin for async multi-phase ops (overlap.comm.driver)
+    # are made now, while every rank is here. A member-only group
+    # (use_local_synchronization=True) gets neither: torch names such a group by its ranks
+    # alone, so a second one of the same ranks would share the first one's name (and its
+    # store keys).
     if _debug.enabled() and not kwargs.get("use_local_synchronization"):
         # debug mode's own group for this one, made now while every rank is here
         _debug.make_group(group, lambda: backend.new_group(members, **kwargs))
     if len(members) < world and not kwargs.get("use_local_synchronization"):
-        # its private twin for async multi-phase ops (overlap.comm.driver), made now while
-        # every rank is here
         from overlap.comm import driver
 
         driver.make_twin(group, members, lambda: backend.new_group(members, **kwargs))

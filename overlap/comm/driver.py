@@ -65,9 +65,11 @@ IDLE_S = 10.0  # a driver thread with nothing to do for this long exits (a new j
 class _Driver:
     """One private group's FIFO of jobs and the thread that runs them."""
 
-    def __init__(self, group: Any, name: str) -> None:
+    def __init__(self, group: Any, name: str, borrowed: bool = False) -> None:
         self.group = group
         self.name = name
+        # the group is the caller's own (a group of one, _twin): not ours to destroy
+        self.borrowed = borrowed
         self.jobs: deque[tuple[Callable[[Any], Steps], Handle, Any]] = deque()
         self.cv = threading.Condition()
         self.thread: threading.Thread | None = None
@@ -155,14 +157,24 @@ def _twin(group: Any) -> _Driver:
     if d is not None:
         return d
     size = comm.get_world_size(group)
+    ranks = [comm.get_global_rank(group, i) for i in range(size)]
+    if size == 1:
+        # a group of one: no peer whose op order a job could cross, so it runs on the group
+        # itself (a one-rank group made by its member alone has no twin, and needs none)
+        with _lock:
+            d = _drivers.get(key)
+            if d is None:
+                d = _drivers[key] = _Driver(group, _name(ranks), borrowed=True)
+        return d
     if size != comm.get_world_size():
         raise ValueError(
             "async multi-phase ops (compressed_allreduce, Compressor.reduce, ring/naive "
-            "all_reduce with async_op=True) on a subgroup need a group from "
-            "overlap.comm.new_group (it makes the subgroup's private twin): make the group "
-            "with it, or pass async_op=False"
+            "all_reduce with async_op=True, a DiLoCo) on a subgroup need a group that every "
+            "rank made with overlap.comm.new_group (it makes the subgroup's private twin "
+            "then); this one was not (one made with use_local_synchronization=True, as "
+            "PipelineParallelGrid(process_group=...) makes its groups, has none): make the "
+            "group with overlap.comm.new_group(ranks) on every rank, or pass async_op=False"
         )
-    ranks = [comm.get_global_rank(group, i) for i in range(size)]
     with _lock:
         d = _drivers.get(key)
         if d is None:
@@ -233,7 +245,7 @@ def clear() -> list[Any]:
         _drivers.clear()
     for d in drivers:
         d.close(join=5.0)
-    return [d.group for d in drivers]
+    return [d.group for d in drivers if not d.borrowed]
 
 
 def forget(group: Any) -> Any:
@@ -244,4 +256,4 @@ def forget(group: Any) -> Any:
     if d is None:
         return None
     d.close(join=5.0)
-    return d.group
+    return None if d.borrowed else d.group

@@ -24,8 +24,9 @@ def test_pipe_data_grid_matches_deepspeed(pools: Callable[[int], RankPool]) -> N
     assert res[0]["p2p"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
     assert [x["next_stage"] for x in res] == [2, 3, 2, 3]
     assert res[3]["mpu"] == [1, 2, 1, 2, 1, 2, 0, 1]
-    # one group per axis (model-parallel, data, pipe, slice), never one per rank
-    assert all(x["groups_created"] <= 4 for x in res), [x["groups_created"] for x in res]
+    # every group of more than one rank on every rank (model-parallel, data and pipe: two
+    # each, as DeepSpeed's), and only its own one-rank slice group, never one per rank
+    assert [x["groups_created"] for x in res] == [7] * 4, [x["groups_created"] for x in res]
 
 
 def test_grid_without_a_pipe_axis(pools: Callable[[int], RankPool]) -> None:
@@ -53,3 +54,14 @@ def test_ring_and_naive_equal_native(
 @pytest.mark.parametrize("algorithm", ["ring", "naive"])
 def test_ring_and_naive_async(pools: Callable[[int], RankPool], algorithm: str, mode: str) -> None:
     assert pools(3).run(tc.allreduce_algorithms, algorithm, mode, timeout=120) == [35] * 3
+
+
+def test_grid_groups_take_async_multi_phase_ops_diloco_and_schedulers(
+    pools: Callable[[int], RankPool],
+) -> None:
+    res = pools(4).run(tc.grid_groups_take_every_op, timeout=120)
+    # data-parallel groups [0, 1] and [2, 3]: sums 1 and 5, 1-bit means 1.5 and 3.5
+    assert [x[0] for x in res] == [1.0, 1.0, 5.0, 5.0], res
+    assert [x[1] for x in res] == [1.5, 1.5, 3.5, 3.5], res
+    assert [x[2] for x in res] == [[0.5, 0.5]] * 2 + [[2.5, 2.5]] * 2, res
+    assert all(x[3] for x in res), res

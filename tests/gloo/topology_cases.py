@@ -118,3 +118,44 @@ def allreduce_algorithms(algorithm: str, mode: str) -> int:
     comm.all_reduce(m, algorithm=algorithm)
     assert m.shape == (3, 4) and float(m[0, 0]) == w * (w - 1) / 2
     return checked
+
+
+def grid_groups_take_every_op() -> list[Any]:
+    """The grid's data-parallel group (made by its members alone) carries what needs a
+    private twin: an async ring all_reduce, an async 1-bit Compressor.reduce, a DiLoCo;
+    and a BucketScheduler per data-parallel group. 4 ranks, 2 stages x 2 replicas. Before:
+    the first three refused the group ("need a group from overlap.comm.new_group"), the
+    schedulers hung every rank."""
+    import overlap
+    from overlap.compression import OneBit
+
+    r = comm.get_rank()
+    grid = PipelineParallelGrid(PipeDataParallelTopology(num_pp=2, num_dp=2))
+    dp = grid.get_data_parallel_group()
+    out: list[Any] = []
+    t = torch.full((5,), float(r))
+    comm.all_reduce(t, group=dp, algorithm="ring", async_op=True).wait(timeout=60)
+    out.append(t[0].item())
+    x = torch.full((64,), float(r + 1))
+    OneBit().reduce("grid", x, group=dp, async_op=True).wait(timeout=60)
+    out.append(round(x[0].item(), 4))  # the 1-bit average of equal values is exact
+    torch.manual_seed(r)
+    m = torch.nn.Linear(2, 1)
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    d = overlap.DiLoCo(m, inner, sync_every=1, group=dp)
+    m(torch.full((1, 2), float(r))).sum().backward()
+    inner.step()
+    d.step()
+    w = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    d.remove()
+    sched = overlap.BucketScheduler(m, group=dp)
+    m.zero_grad()
+    m(torch.full((1, 2), float(r))).sum().backward()
+    sched.synchronize()
+    out.append(m.weight.grad[0].tolist() if m.weight.grad is not None else None)
+    sched.remove()
+    every = [torch.zeros_like(w) for _ in range(4)]
+    comm.all_gather(every, w)
+    mates = grid.dp_group
+    out.append(all(torch.equal(every[k], w) for k in mates))  # one model per replica group
+    return out
