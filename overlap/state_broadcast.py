@@ -26,6 +26,7 @@ import torch
 
 from overlap import comm
 from overlap.comm.objects import _device
+from overlap.initial_sync import broadcast_state
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 
@@ -74,20 +75,8 @@ def _agree(what: str, error: str | None, group: Any) -> None:
 
 
 def _send(tensors: list[torch.Tensor], src: int, group: Any) -> None:
-    """Overwrite each tensor with ``src``'s, one broadcast each (a copy for a tensor the
-    backend cannot move where it is, written back)."""
-    device = _device()
-    with torch.no_grad():
-        for t in tensors:
-            if t.numel() == 0:
-                continue
-            data = t.detach()
-            if data.is_contiguous() and data.device == device:
-                comm.broadcast(data, src=src, group=group)
-            else:
-                moved = data.to(device).contiguous()
-                comm.broadcast(moved, src=src, group=group)
-                data.copy_(moved)
+    """Overwrite each tensor with global rank ``src``'s, one broadcast each."""
+    broadcast_state(tensors, group, _device(), root=comm.get_group_rank(group, src))
 
 
 def _root_layout(src: int, group: Any, layout: Any) -> Any:
