@@ -236,3 +236,16 @@ def test_bench_ops_on_mpi_with_a_job_timeout() -> None:
     for r in rows:
         assert min(r["torch_us"], r["blocking_us"], r["wait_us"], r["await_us"]) > 0, r
         assert r["job_timeout_s"] == 30.0, r  # the timeout the ranks' backend held
+
+
+def test_sub_groups_of_a_four_rank_job_on_mpi() -> None:
+    # a BucketScheduler per data-parallel group, hierarchical DiLoCo, and a grid's groups
+    # under a DiLoCo, async ring and 1-bit reductions (the gloo tests' checks, on MPI)
+    out = mpiexec(4, "-m", "tests.mpi.groups_4")
+    results = [json.loads(x[7:]) for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert out.returncode == 0 and len(results) == 4, out.stdout[-3000:] + out.stderr[-6000:]
+    from tests.mpi.groups_4 import CHECKS
+
+    for d in results:
+        for name in CHECKS:
+            assert d[name] == "ok", f"rank {d['rank']} {name}:\n{d[name]}"
