@@ -26,6 +26,7 @@ from tests.gloo import onebit_adam_cases as oc
 from tests.gloo import reliability_cases as rc
 from tests.gloo import scheduler_cases as sc
 from tests.gloo import state_broadcast_cases as sb
+from tests.gloo import topology_cases as tc
 from tests.mpi import mpi_cases
 
 MODES = ["blocking", "wait", "uvloop", "asyncio"]
@@ -80,6 +81,8 @@ def checks() -> dict[str, Callable[[], Any]]:
     out.update({f"state_broadcast/{k}": v for k, v in sb.CHECKS.items()})
     if comm.get_world_size() == 3:  # groups [0, 1] and [2]
         out["schedulers_per_subgroup"] = lambda: _disagree(sc.schedulers_per_subgroup())
+    if comm.get_world_size() == 4:  # the sub-group checks that need 2 x 2 ranks
+        out.update(FOUR_RANKS)
     return out
 
 
@@ -88,6 +91,32 @@ def _disagree(out: dict[str, str]) -> None:
         "ValueError: BucketScheduler: the ranks disagree on their groups: ranks [0, 1, 2] "
         "are one group for some of them, but rank 0 gave ranks [0, 1]"
     ), out
+
+
+def _schedulers_2x2() -> None:
+    out = sc.schedulers_per_subgroup("onebit")
+    assert out["disagree"].startswith("ValueError: BucketScheduler: the ranks disagree"), out
+
+
+def _workers_2x2() -> None:
+    out = dl.workers_of_several_ranks()
+    assert out["syncs"] == 2 and out["same_ranks"].startswith("ValueError: this model's"), out
+
+
+def _grid_2x2() -> None:
+    r = comm.get_rank()
+    got = tc.grid_groups_take_every_op()
+    assert got[0] == (1.0 if r < 2 else 5.0) and got[1] == (1.5 if r < 2 else 3.5), got
+    assert got[3], got
+
+
+# 4 ranks: a scheduler per data-parallel group, hierarchical DiLoCo, a grid's groups under
+# every op (run alone: `mpiexec -n 4 python -m tests.mpi.run_cases mpi --only four`)
+FOUR_RANKS: dict[str, Callable[[], Any]] = {
+    "schedulers_per_subgroup/2x2": _schedulers_2x2,
+    "workers_of_several_ranks": _workers_2x2,
+    "grid_groups_take_every_op": _grid_2x2,
+}
 
 
 def _true(ok: bool) -> None:
@@ -191,7 +220,9 @@ def main() -> None:
         "backend": comm.get_backend(),
     }
     threads_before = threading.active_count()
-    for name, fn in checks().items():
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    todo = FOUR_RANKS if only == "four" else checks()
+    for name, fn in todo.items():
         # A case stuck past WATCHDOG_S prints every thread's stack (the case's frames
         # name it) before a peer's barrier reaches the job timeout and mpiexec kills all.
         faulthandler.dump_traceback_later(WATCHDOG_S)
@@ -208,7 +239,7 @@ def main() -> None:
             faulthandler.cancel_dump_traceback_later()
     results["threads_before"] = threads_before
     results["threads_after"] = threading.active_count()
-    if comm.get_world_size() == 3:
+    if comm.get_world_size() == 3 and only is None:
         results["bad_input"] = bad_input_cases.bad_calls()
     sys.stdout.write("RESULT " + json.dumps(results) + "\n")
     sys.stdout.flush()

@@ -241,11 +241,11 @@ def test_bench_ops_on_mpi_with_a_job_timeout() -> None:
 def test_sub_groups_of_a_four_rank_job_on_mpi() -> None:
     # a BucketScheduler per data-parallel group, hierarchical DiLoCo, and a grid's groups
     # under a DiLoCo, async ring and 1-bit reductions (the gloo tests' checks, on MPI)
-    out = mpiexec(4, "-m", "tests.mpi.groups_4")
+    out = mpiexec(4, "-m", "tests.mpi.run_cases", "mpi", "--only", "four")
     results = [json.loads(x[7:]) for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert out.returncode == 0 and len(results) == 4, out.stdout[-3000:] + out.stderr[-6000:]
-    from tests.mpi.groups_4 import CHECKS
+    from tests.mpi.run_cases import FOUR_RANKS
 
     for d in results:
-        for name in CHECKS:
+        for name in FOUR_RANKS:
             assert d[name] == "ok", f"rank {d['rank']} {name}:\n{d[name]}"
