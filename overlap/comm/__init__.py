@@ -627,18 +627,22 @@ def all_gather_object(
     )
 
 
+def _objects(name: str, group: Any, *args: Any) -> Any:
+    """Run :mod:`overlap.comm.objects`' ``name`` on ``args`` through the comms logger, for
+    torch's object calls (their signatures take none of DeepSpeed's logger options)."""
+    from overlap.comm import objects
+
+    impl = getattr(objects, name)
+    return _maybe_timed(name, False, name, None, group, lambda: impl(*args))
+
+
 def gather_object(
     obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, group: Any = None
 ) -> None:
     """Fill ``object_gather_list`` (``[None] * world_size``) on rank ``dst`` with every
     rank's picklable ``obj`` (torch's ``gather_object``). Blocking; uses pickle
     (:mod:`overlap.comm.objects`)."""
-    from overlap.comm.objects import gather_object as impl
-
-    _maybe_timed(
-        "gather_object", False, "gather_object", None, group,
-        lambda: impl(obj, object_gather_list, dst, group),
-    )  # fmt: skip
+    _objects("gather_object", group, obj, object_gather_list, dst, group)
 
 
 def send_object_list(
@@ -647,12 +651,7 @@ def send_object_list(
     """Send ``object_list``'s picklable objects to rank ``dst`` for its
     :func:`recv_object_list` (torch's ``send_object_list``). Blocking; uses pickle
     (:mod:`overlap.comm.objects`)."""
-    from overlap.comm.objects import send_object_list as impl
-
-    _maybe_timed(
-        "send_object_list", False, "send_object_list", None, group,
-        lambda: impl(object_list, dst, group, device),
-    )  # fmt: skip
+    _objects("send_object_list", group, object_list, dst, group, device)
 
 
 def recv_object_list(
@@ -661,12 +660,7 @@ def recv_object_list(
     """Receive rank ``src``'s :func:`send_object_list` (any rank's if None) into
     ``object_list`` (one slot per object sent); returns the sender's rank (torch's
     ``recv_object_list``). Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
-    from overlap.comm.objects import recv_object_list as impl
-
-    sender: int = _maybe_timed(
-        "recv_object_list", False, "recv_object_list", None, group,
-        lambda: impl(object_list, src, group, device),
-    )  # fmt: skip
+    sender: int = _objects("recv_object_list", group, object_list, src, group, device)
     return sender
 
 
@@ -679,11 +673,9 @@ def scatter_object_list(
     """Put rank ``src``'s ``scatter_object_input_list[i]`` into
     ``scatter_object_output_list[0]`` on group rank i (torch's ``scatter_object_list``).
     Blocking; uses pickle (:mod:`overlap.comm.objects`)."""
-    from overlap.comm.objects import scatter_object_list as impl
-
-    _maybe_timed(
-        "scatter_object_list", False, "scatter_object_list", None, group,
-        lambda: impl(scatter_object_output_list, scatter_object_input_list, src, group),
+    _objects(
+        "scatter_object_list", group,
+        scatter_object_output_list, scatter_object_input_list, src, group,
     )  # fmt: skip
 
 
