@@ -109,6 +109,45 @@ class Cluster(list[Host]):
             for h in self
         ]
 
+    def srun_env(self, procs_per_host: int, job_id: int = 4242) -> list[dict[str, str]]:
+        """The environment srun gives each task of a step of ``procs_per_host`` tasks on
+        every host (srun(1), "OUTPUT ENVIRONMENT VARIABLES"), in rank order, block
+        distribution: what ``srun python train.py`` would start, less srun itself (a
+        cluster's slurmd). The node list is a hostlist expression, as SLURM writes it."""
+        n, tag = len(self), self[0].netns.rsplit("-", 1)[0]
+        nodes = f"{tag}-[0-{n - 1}]" if n > 1 else self[0].netns
+        step = {
+            "SLURM_JOB_ID": str(job_id),
+            "SLURM_STEP_ID": "0",
+            "SLURM_NTASKS": str(n * procs_per_host),
+            "SLURM_JOB_NODELIST": nodes,
+            "SLURM_STEP_NODELIST": nodes,
+            "SLURM_STEP_NUM_NODES": str(n),
+            "SLURM_STEP_NUM_TASKS": str(n * procs_per_host),
+            "SLURM_STEP_TASKS_PER_NODE": f"{procs_per_host}(x{n})",
+        }
+        return [
+            {
+                **step,
+                "SLURM_PROCID": str(h.index * procs_per_host + local),
+                "SLURM_LOCALID": str(local),
+                "SLURM_NODEID": str(h.index),
+            }
+            for h in self
+            for local in range(procs_per_host)
+        ]
+
+    def srun(
+        self, argv: list[str], procs_per_host: int, env: dict[str, str], **popen: Any
+    ) -> list[subprocess.Popen[str]]:
+        """Start ``argv`` as every task of one srun step (:meth:`srun_env`), each on its
+        host with ``env`` plus its SLURM variables; the Popen keywords apply to each."""
+        tasks = self.srun_env(procs_per_host)
+        return [
+            self[i // procs_per_host].popen(argv, env={**env, **task}, **popen)
+            for i, task in enumerate(tasks)
+        ]
+
     def mpiexec_args(self, procs_per_host: int) -> list[str]:
         """mpiexec's arguments for ``procs_per_host`` ranks on every host (run mpiexec on host
         0): hydra starts its proxies through :attr:`launcher`, as it would through ssh."""

@@ -7,23 +7,29 @@ Where rank, world size and the master address come from, first match wins:
 3. Explicit ``rank``/``world_size`` arguments (with ``init_method`` or MASTER_ADDR/PORT).
 4. Under mpiexec (PMI_*, OMPI_COMM_WORLD_*, PMIX_* in the environment) with mpi4py installed:
    discover them from MPI, as DeepSpeed's ``mpi_discovery`` does. Ranks that all run on one
-   host use 127.0.0.1 as the master address.
-5. Nothing at all: a single rank (world size 1) on a free local port.
+   host use 127.0.0.1 as the master address. (Under ``srun --mpi=pmi2`` without mpi4py, the
+   SLURM step's own variables serve when they agree with MPI's.)
+5. Started by SLURM's srun (its step variables: overlap.comm.slurm): rank, world size, local
+   rank and node from them, the master the step's first node.
+6. Nothing at all: a single rank (world size 1) on a free local port; with a warning naming
+   srun when this process runs inside a SLURM allocation of several tasks.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from overlap.comm import debug as _debug
-from overlap.comm import driver, state
+from overlap.comm import driver, slurm, state
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from overlap.comm.netif import advertised_address, set_socket_ifname
@@ -96,6 +102,80 @@ def mpi_discovery(
         port,
     )
     return rank, size, local_rank
+
+
+def _srun_instead_of_mpi(env: Mapping[str, str] | None = None, mpi4py: bool | None = None) -> bool:
+    """True under ``srun --mpi=pmi2`` (or pmix) without mpi4py (``mpi4py``: whether it is
+    installed; looked up by default), when the SLURM step's variables agree with MPI's rank
+    and size: they then describe the ranks themselves, and the job needs no MPI to start.
+    Under ``mpiexec`` inside an allocation they describe hydra's proxies (one task per node)
+    and disagree, so MPI discovery keeps its error that names mpi4py."""
+    env = os.environ if env is None else env
+    if mpi4py is None:
+        mpi4py = importlib.util.find_spec("mpi4py") is not None
+    if mpi4py:
+        return False
+    try:
+        srun = slurm.srun_placement(env)
+    except ValueError:
+        return False
+    rank = env.get("PMI_RANK", env.get("PMIX_RANK", env.get("OMPI_COMM_WORLD_RANK")))
+    size = env.get("PMI_SIZE", env.get("OMPI_COMM_WORLD_SIZE"))
+    return srun is not None and rank == str(srun.rank) and (size is None or size == str(srun.world))
+
+
+def _srun_discovery(
+    srun: slurm.SrunPlacement, distributed_port: int, verbose: bool
+) -> tuple[int, int, int]:
+    """Rank, world size and local rank of an srun task; sets torchrun's variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) as
+    :func:`mpi_discovery` does, keeping a MASTER_ADDR or MASTER_PORT already set."""
+    env = os.environ
+    if srun.world > 1 and not env.get("MASTER_ADDR") and not srun.nodes:
+        raise ValueError(
+            "srun started this process but neither SLURM_STEP_NODELIST nor "
+            "SLURM_JOB_NODELIST names the step's nodes: set MASTER_ADDR to task 0's host"
+        )
+    addr = env.get("MASTER_ADDR") or (srun.nodes[0] if srun.nodes else "127.0.0.1")
+    given = distributed_port if distributed_port != TORCH_DISTRIBUTED_DEFAULT_PORT else None
+    port = slurm.srun_port(env, given)
+    env.update(
+        RANK=str(srun.rank),
+        WORLD_SIZE=str(srun.world),
+        LOCAL_RANK=str(srun.local_rank),
+        LOCAL_WORLD_SIZE=str(srun.local_world),
+        GROUP_RANK=str(srun.node),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+    (log.info if verbose else log.debug)(
+        "init_distributed: started by srun: rank %d of %d, local rank %d of %d on node %d, "
+        "master %s:%d",
+        srun.rank,
+        srun.world,
+        srun.local_rank,
+        srun.local_world,
+        srun.node,
+        addr,
+        port,
+    )
+    return srun.rank, srun.world, srun.local_rank
+
+
+def _cuda_device(local_rank: int, visible: int) -> int:
+    """The CUDA device of the rank with ``local_rank`` when ``visible`` devices are visible
+    to it: its local rank, or device 0 when each rank sees one device of its own (``srun
+    --gpus-per-task=1``, or a CUDA_VISIBLE_DEVICES per rank), where ``set_device(local_rank)``
+    failed with CUDA's "invalid device ordinal" on every rank but the first of a node."""
+    if 0 <= local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ValueError(
+        f"local rank {local_rank} but this process sees {visible} CUDA devices: start at most "
+        "as many ranks a node as it has GPUs, or give each rank one GPU of its own "
+        "(srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank)"
+    )
 
 
 def _env_placement() -> tuple[int | None, int]:
@@ -263,16 +343,27 @@ def init_distributed(
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     elif rank >= 0 and world_size > 0:
         pass
-    elif auto_mpi_discovery and in_mpi_env():
+    elif rank >= 0 or world_size > 0:
+        raise ValueError(
+            f"rank={rank} and world_size={world_size}: pass both (rank >= 0, world_size > 0) "
+            "or neither"
+        )
+    elif auto_mpi_discovery and in_mpi_env() and not _srun_instead_of_mpi():
         rank, world_size, local_rank = mpi_discovery(distributed_port, verbose)
+    elif (srun := slurm.srun_placement()) is not None:
+        rank, world_size, local_rank = _srun_discovery(srun, distributed_port, verbose)
     else:
-        if rank >= 0 or world_size > 0:
-            raise ValueError(
-                f"rank={rank} and world_size={world_size}: pass both (rank >= 0, world_size > 0) "
-                "or neither"
-            )
         rank, world_size = 0, 1
-        info("init_distributed: no launcher environment found; running as a single rank")
+        tasks = slurm.unlaunched_tasks()
+        if tasks is not None:
+            log.warning(
+                "init_distributed: this process runs in a SLURM allocation of %d tasks but "
+                "was not started by srun, so it runs as a single rank; start every rank with "
+                "`srun python ...` (or torchrun, or mpiexec)",
+                tasks,
+            )
+        else:
+            info("init_distributed: no launcher environment found; running as a single rank")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     if init_method is None:
@@ -290,7 +381,7 @@ def init_distributed(
             master = urlparse(init_method).hostname
         set_socket_ifname(master)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(_cuda_device(local_rank, torch.cuda.device_count()))
     kwargs: dict[str, Any] = {
         "backend": backend,
         "init_method": init_method,

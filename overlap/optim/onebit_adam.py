@@ -83,8 +83,11 @@ class OneBitAdam(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups (floating point; the group keys are
             ``lr``, ``betas``, ``eps``, ``weight_decay`` and DeepSpeed's ``exp_avg_mask``).
-        lr, betas, eps, weight_decay: as DeepSpeed's (weight decay is added to the update,
-            so it is decoupled from the momentum, as in AdamW).
+        lr: as DeepSpeed's.
+        betas: as DeepSpeed's.
+        eps: as DeepSpeed's.
+        weight_decay: as DeepSpeed's (added to the update, so it is decoupled from the
+            momentum, as in AdamW).
         freeze_step: uncompressed warm-up steps (>= 1: the frozen variance must have been
             estimated at least once). DeepSpeed suggests 15-25% of training.
         on_nonfinite: a NaN/Inf gradient on any rank makes every rank ``"raise"``

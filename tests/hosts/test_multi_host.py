@@ -136,6 +136,33 @@ def test_mpiexec_across_hosts_runs_the_same_script(backend: str) -> None:
     assert _ours() == []
 
 
+def test_srun_alone_runs_the_same_script() -> None:
+    """Every task started as srun starts it (its step's SLURM variables, the node list a
+    hostlist expression of the hosts' names), no torchrun, no MPI: before overlap read them,
+    each of the 4 ranks found no launcher and trained alone as rank 0 of 1, with no error."""
+    from overlap.bench.hosts import namespace_hosts
+
+    with namespace_hosts(2, link="1gbit") as hosts:
+        procs = hosts.srun(
+            [sys.executable, SCRIPT],
+            2,
+            _env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+        )
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert [p.returncode for p in procs] == [0] * 4, "\n".join(o[-3000:] for o in outs)
+        got = _result(outs)
+    assert {k: got[k] for k in WANT} == WANT
+    assert got["backend"] == "gloo"
+    assert _ours() == []
+
+
 def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
     from overlap.bench.hosts import namespace_hosts, sweep_stale
 
