@@ -9,10 +9,14 @@ Where rank, world size and the master address come from, first match wins:
    discover them from MPI, as DeepSpeed's ``mpi_discovery`` does. Ranks that all run on one
    host use 127.0.0.1 as the master address. (Under ``srun --mpi=pmi2`` without mpi4py, the
    SLURM step's own variables serve when they agree with MPI's.)
-5. Started by SLURM's srun (its step variables: overlap.comm.slurm): rank, world size, local
+5. Started by horovodrun in its gloo mode (HOROVOD_RANK, ...: overlap.comm.horovodrun).
+6. Started by SLURM's srun (its step variables: overlap.comm.slurm): rank, world size, local
    rank and node from them, the master the step's first node.
-6. Nothing at all: a single rank (world size 1) on a free local port; with a warning naming
+7. Nothing at all: a single rank (world size 1) on a free local port; with a warning naming
    srun when this process runs inside a SLURM allocation of several tasks.
+
+The innermost launcher wins: torchrun, mpiexec or horovodrun started inside an srun step
+(or an allocation) see SLURM's variables too, which then describe the outer launch.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.comm import debug as _debug
-from overlap.comm import driver, slurm, state
+from overlap.comm import driver, horovodrun, slurm, state
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from overlap.comm.netif import advertised_address, set_socket_ifname
@@ -83,15 +87,7 @@ def mpi_discovery(
     else:  # several hosts: rank 0's address that the others reach (tests/hosts)
         addr = comm.bcast(advertised_address() if rank == 0 else None)
     port = int(os.environ.get("MASTER_PORT", distributed_port))
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(size),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(local_size),
-        GROUP_RANK=str(node),
-        MASTER_ADDR=addr,
-        MASTER_PORT=str(port),
-    )
+    _export(rank, size, local_rank, local_size, node, addr, port)
     (log.info if verbose else log.debug)(
         "Discovered MPI settings of world_rank=%d, local_rank=%d, world_size=%d, "
         "master_addr=%s, master_port=%d",
@@ -102,6 +98,49 @@ def mpi_discovery(
         port,
     )
     return rank, size, local_rank
+
+
+def _export(
+    rank: int, world: int, local_rank: int, local_world: int, node: int, addr: str, port: int
+) -> None:
+    """Put a launcher's placement into torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), which the rest of the job
+    reads, whoever started it."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_world),
+        GROUP_RANK=str(node),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+
+
+def _horovod_discovery(
+    hvd: horovodrun.HorovodPlacement, distributed_port: int, verbose: bool
+) -> tuple[int, int, int]:
+    """Rank, world size and local rank of a horovodrun worker (overlap.comm.horovodrun);
+    sets torchrun's variables, keeping a MASTER_PORT already set."""
+    if hvd.master is None:
+        raise ValueError(
+            f"horovodrun started this process as rank {hvd.rank} of {hvd.world} on several "
+            "hosts, and overlap cannot join horovodrun's own rendezvous: set MASTER_ADDR to "
+            "rank 0's host (MASTER_ADDR=host0 horovodrun ...), or launch with torchrun or "
+            "mpiexec (docs/cluster.md)"
+        )
+    port = int(os.environ.get("MASTER_PORT", distributed_port))
+    _export(hvd.rank, hvd.world, hvd.local_rank, hvd.local_world, hvd.node, hvd.master, port)
+    (log.info if verbose else log.debug)(
+        "init_distributed: started by horovodrun: rank %d of %d, local rank %d of %d, master %s:%d",
+        hvd.rank,
+        hvd.world,
+        hvd.local_rank,
+        hvd.local_world,
+        hvd.master,
+        port,
+    )
+    return hvd.rank, hvd.world, hvd.local_rank
 
 
 def _srun_instead_of_mpi(env: Mapping[str, str] | None = None, mpi4py: bool | None = None) -> bool:
@@ -139,15 +178,7 @@ def _srun_discovery(
     addr = env.get("MASTER_ADDR") or (srun.nodes[0] if srun.nodes else "127.0.0.1")
     given = distributed_port if distributed_port != TORCH_DISTRIBUTED_DEFAULT_PORT else None
     port = slurm.srun_port(env, given)
-    env.update(
-        RANK=str(srun.rank),
-        WORLD_SIZE=str(srun.world),
-        LOCAL_RANK=str(srun.local_rank),
-        LOCAL_WORLD_SIZE=str(srun.local_world),
-        GROUP_RANK=str(srun.node),
-        MASTER_ADDR=addr,
-        MASTER_PORT=str(port),
-    )
+    _export(srun.rank, srun.world, srun.local_rank, srun.local_world, srun.node, addr, port)
     (log.info if verbose else log.debug)(
         "init_distributed: started by srun: rank %d of %d, local rank %d of %d on node %d, "
         "master %s:%d",
@@ -350,6 +381,8 @@ def init_distributed(
         )
     elif auto_mpi_discovery and in_mpi_env() and not _srun_instead_of_mpi():
         rank, world_size, local_rank = mpi_discovery(distributed_port, verbose)
+    elif (hvd := horovodrun.horovod_placement()) is not None:
+        rank, world_size, local_rank = _horovod_discovery(hvd, distributed_port, verbose)
     elif (srun := slurm.srun_placement()) is not None:
         rank, world_size, local_rank = _srun_discovery(srun, distributed_port, verbose)
     else:

@@ -1,0 +1,148 @@
+"""Processes started as SLURM's srun or horovodrun (gloo mode) start them join one job with
+no torchrun and no MPI (overlap.comm.slurm, overlap.comm.horovodrun); one started by a batch
+script itself runs alone and says so. Real processes on this host talking through gloo; the
+launcher's part, its environment, is written out as srun(1) and horovodrun's gloo_run.py
+set it (tests/hosts runs srun's across two namespace hosts)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from overlap.comm.init import _free_port
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, torch, overlap
+    from overlap import comm
+    overlap.init_distributed(timeout=60)
+    r, w = comm.get_rank(), comm.get_world_size()
+    t = torch.tensor([float(r + 1)])
+    comm.all_reduce(t)
+    place = [r, w, comm.get_local_rank(), comm.get_local_world_size(), comm.get_node_rank()]
+    sys.stdout.write("PLACE " + json.dumps(place + [t.item()]) + "\\n")
+    comm.destroy_process_group()
+    """
+)
+
+# what a launcher may have left in this process's environment
+LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")  # fmt: skip
+
+
+def _clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCH and not k.startswith(("SLURM_", "HOROVOD_"))
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _place(out: str) -> list[float]:
+    lines = [x for x in out.splitlines() if x.startswith("PLACE ")]
+    assert len(lines) == 1, out
+    import json
+
+    got: list[float] = json.loads(lines[0][6:])
+    return got
+
+
+def _run_all(script: Path, envs: list[dict[str, str]]) -> list[list[float]]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**_clean_env(), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * len(envs), [o[1][-2000:] for o in outs]
+    return [_place(o[0]) for o in outs]
+
+
+def test_srun_tasks_on_one_node_join_one_job(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    step = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "3",
+        "SLURM_STEP_NUM_TASKS": "3",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_TASKS_PER_NODE": "3",
+        "SLURM_NODEID": "0",
+        "MASTER_PORT": str(_free_port()),
+    }
+    envs = [{**step, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(3)]
+    # rank, world, local rank, local world, node, and the sum 1 + 2 + 3 over the job
+    assert _run_all(script, envs) == [[r, 3, r, 3, 0, 6.0] for r in range(3)]
+
+
+def _horovod(rank: int, size: int = 3, **extra: str) -> dict[str, str]:
+    return {
+        "HOROVOD_RANK": str(rank),
+        "HOROVOD_SIZE": str(size),
+        "HOROVOD_LOCAL_RANK": str(rank),
+        "HOROVOD_LOCAL_SIZE": str(size),
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
+        "HOROVOD_HOSTNAME": "localhost",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": "1",
+        **extra,
+    }
+
+
+def test_horovodrun_workers_join_one_job_inside_an_srun_step(tmp_path: Path) -> None:
+    """``srun -n 1 horovodrun -np 3 python train.py``: the workers see the srun step of one
+    task as well; horovodrun, the inner launcher, decides."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    port = str(_free_port())
+    outer = {"SLURM_JOB_ID": "79", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+             "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+             "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
+    envs = [{**outer, **_horovod(r), "MASTER_PORT": port} for r in range(3)]
+    assert _run_all(script, envs) == [[r, 3, r, 3, 0, 6.0] for r in range(3)]
+
+
+def test_horovodrun_over_several_hosts_needs_a_master(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {**_clean_env(), **_horovod(2, size=4, HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="2")}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0
+    assert "set MASTER_ADDR to rank 0's host (MASTER_ADDR=host0 horovodrun" in out.stderr
+
+
+def test_a_batch_script_without_srun_runs_alone_and_says_so(tmp_path: Path) -> None:
+    """Inside an allocation of 4 tasks, a process the batch script starts itself (no srun)
+    has no step: it must not wait for 3 peers nobody started, and must not be silent."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    allocation = {"SLURM_JOB_ID": "78", "SLURM_NTASKS": "4", "SLURM_PROCID": "0",
+                  "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env={**_clean_env(), **allocation},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _place(out.stdout) == [0, 1, 0, 1, 0, 1.0]
+    assert "SLURM allocation of 4 tasks but was not started by srun" in out.stderr
