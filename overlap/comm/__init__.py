@@ -264,14 +264,16 @@ def get_local_rank() -> int:
 
 
 def get_local_world_size() -> int:
-    """How many processes of the job run on this host: LOCAL_WORLD_SIZE from torchrun, the
-    processor names under MPI, else the world size (one host assumed)."""
+    """How many processes of the job run on this host: LOCAL_WORLD_SIZE from torchrun (or
+    LOCAL_SIZE from the DeepSpeed launcher), srun's or horovodrun's own, the processor names
+    under MPI, else the world size (one host assumed)."""
     return state.local_world_size()
 
 
 def get_node_rank() -> int:
     """This host's index in the job (0 for the host of rank 0): GROUP_RANK (or NODE_RANK)
-    from torchrun, the processor names under MPI, else 0."""
+    from torchrun (CROSS_RANK from the DeepSpeed launcher), srun's or horovodrun's own, the
+    processor names under MPI, else 0."""
     return state.node_rank()
 
 

@@ -211,10 +211,14 @@ def _cuda_device(local_rank: int, visible: int) -> int:
 
 def _env_placement() -> tuple[int | None, int]:
     """(processes on this host, this host's index) from torchrun's LOCAL_WORLD_SIZE and
-    GROUP_RANK (or NODE_RANK); (None, 0) when the launcher set neither: one host."""
+    GROUP_RANK (or NODE_RANK), or the DeepSpeed launcher's LOCAL_SIZE and CROSS_RANK; (None,
+    0) when the launcher set neither: one host. Before the forty-third session the DeepSpeed
+    launcher's two were not read, and on several hosts every rank said it was on host 0 of
+    one (``get_node_rank()``, ``get_local_world_size()``; ``hierarchy="auto"`` then chose a
+    flat reduction)."""
     env = os.environ
-    size = env.get("LOCAL_WORLD_SIZE")
-    node = env.get("GROUP_RANK", env.get("NODE_RANK", "0"))
+    size = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
+    node = env.get("GROUP_RANK") or env.get("NODE_RANK") or env.get("CROSS_RANK") or "0"
     return (int(size) if size else None), int(node)
 
 

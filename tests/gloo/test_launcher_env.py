@@ -29,8 +29,9 @@ SCRIPT = textwrap.dedent(
 )
 
 # what a launcher may have left in this process's environment
-LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")  # fmt: skip
+LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+          "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+          "OMPI_COMM_WORLD_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")  # fmt: skip
 
 
 def _clean_env() -> dict[str, str]:
@@ -88,6 +89,22 @@ def test_srun_tasks_on_one_node_join_one_job(tmp_path: Path) -> None:
     envs = [{**step, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(3)]
     # rank, world, local rank, local world, node, and the sum 1 + 2 + 3 over the job
     assert _run_all(script, envs) == [[r, 3, r, 3, 0, 6.0] for r in range(3)]
+
+
+def test_the_deepspeed_launchers_placement_is_read(tmp_path: Path) -> None:
+    """DeepSpeed's launcher (deepspeed/launcher/launch.py) gives RANK, LOCAL_RANK, WORLD_SIZE
+    and MASTER_* as torchrun does, but the host as CROSS_RANK and its process count as
+    LOCAL_SIZE: two "hosts" of two ranks each here, on one machine. Before, every rank said
+    host 0 of one (local world size 4)."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    common = {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+              "CROSS_SIZE": "2", "LOCAL_SIZE": "2"}  # fmt: skip
+    envs = [
+        {**common, "RANK": str(r), "LOCAL_RANK": str(r % 2), "CROSS_RANK": str(r // 2)}
+        for r in range(4)
+    ]
+    assert _run_all(script, envs) == [[r, 4, r % 2, 2, r // 2, 10.0] for r in range(4)]
 
 
 def _horovod(rank: int, size: int = 3, **extra: str) -> dict[str, str]:
