@@ -7,6 +7,7 @@ names used most are re-exported here.
 from __future__ import annotations
 
 from overlap import comm, compression
+from overlap.buffer_sync import sync_buffers
 from overlap.comm import Handle, ReduceOp, destroy_process_group, init_distributed
 from overlap.compression import (
     BF16,
@@ -73,4 +74,5 @@ __all__ = [
     "init_distributed",
     "new_event_loop",
     "run",
+    "sync_buffers",
 ]

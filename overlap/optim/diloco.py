@@ -43,6 +43,13 @@ from torch import nn
 from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
 from overlap.argcheck import count
+from overlap.buffer_sync import (
+    issue_buffer_sync,
+    layout_error,
+    layout_signature,
+    layouts_agree,
+    module_buffers,
+)
 from overlap.comm import driver
 from overlap.comm import state as comm_state
 from overlap.compression.base import Compressor, NoCompression
@@ -207,6 +214,7 @@ class DiLoCo:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # the frozen parameters are skipped, and checked at each step() (params.py)
         self._selection = select(model, "DiLoCo")
+        self._model = model  # its buffers agree at finish() (overlap.buffer_sync)
         self.params = self._selection.params
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad) to sync")
@@ -549,7 +557,11 @@ class DiLoCo:
 
         Lands every fragment in flight (as :meth:`flush`), then syncs once more each
         fragment whose local weights differ from its global ones on any rank, and lands it
-        with no merge: afterwards every rank's weights are the new global weights. Plain
+        with no merge: afterwards every rank's weights are the new global weights. Then the
+        model's buffers agree as well: floating-point ones (BatchNorm's running statistics)
+        averaged over the group, the others group rank 0's (:func:`overlap.sync_buffers`);
+        ranks whose buffer layouts differ raise ValueError, every one, before anything is
+        synced. Plain
         DiLoCo that ends on a sync step has nothing left to sync (then this is
         :meth:`flush`); Streaming DiLoCo usually has, since its fragments land at different
         steps (and with ``alpha`` > 0 a landing keeps the local weights apart).
@@ -563,18 +575,23 @@ class DiLoCo:
         rank.
 
         A collective: every rank of the group calls it at the same step (one MAX all-reduce
-        of a float per fragment agrees on what to sync, then one reduction per fragment
-        synced, counted in :meth:`statistics`). Training may go on afterwards; the schedule
+        of a float per fragment, and two for the buffer layout, agrees on what to sync, then
+        one reduction per fragment synced, counted in :meth:`statistics`, then one per
+        buffer dtype). Training may go on afterwards; the schedule
         continues where it was. Refused inside :meth:`global_weights`, while an astep()
         runs, after :meth:`remove`. A reduction that fails leaves that fragment's global
         weights as they were (the others synced by then keep their new ones).
         """
         self.flush()
-        votes = self._apart()
+        votes, buffers = self._finish_votes()
         comm.all_reduce(votes, op="max", group=self.group)
         due = self._issue_apart(votes)
         for i in due:
             self._land(i, self._wait(i), alpha=0.0)
+        handles, write_back = issue_buffer_sync(buffers, self.group)
+        for h in handles:
+            h.wait()
+        write_back()
 
     async def afinish(self) -> None:
         """:meth:`finish` in an event loop: each reduction awaited, the loop free meanwhile.
@@ -588,10 +605,21 @@ class DiLoCo:
         self._settle()
         for i in sorted(self._inflight):
             self._land(i, await self._await(i))
-        votes = self._apart()
+        votes, buffers = self._finish_votes()
         await comm.all_reduce(votes, op="max", group=self.group, async_op=True)
         for i in self._issue_apart(votes):
             self._land(i, await self._await(i), alpha=0.0)
+        handles, write_back = issue_buffer_sync(buffers, self.group)
+        await comm.collect_all(handles)
+        write_back()
+
+    def _finish_votes(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """finish()'s one MAX vote: :meth:`_apart` per fragment, then the model's buffer
+        layout as ``[sig, -sig]`` (overlap.buffer_sync); and the buffers to sync."""
+        named = module_buffers(self._model)
+        sig = float(layout_signature(named))
+        tail = torch.tensor([sig, -sig], dtype=torch.float32, device=self._ctrl())
+        return torch.cat([self._apart(), tail]), [b for _, b in named]
 
     def _apart(self) -> torch.Tensor:
         """This rank's vote, per fragment: 1 where its local weights differ from the
@@ -604,8 +632,14 @@ class DiLoCo:
         return torch.tensor(apart, dtype=torch.float32, device=self._ctrl())
 
     def _issue_apart(self, votes: torch.Tensor) -> list[int]:
-        """Issue the reduction of every fragment the reduced ``votes`` name; those."""
-        due = [i for i, x in enumerate(votes.tolist()) if x]
+        """Issue the reduction of every fragment the reduced ``votes`` name; those. Raises
+        ValueError on every rank, before anything is issued, when the vote's buffer layouts
+        (:meth:`_finish_votes`) differ."""
+        if not layouts_agree(votes):
+            raise ValueError(
+                "DiLoCo.finish(): " + layout_error(comm.get_all_ranks_from_group(self.group))
+            )
+        due = [i for i, x in enumerate(votes[: len(self.frags)].tolist()) if x]
         for i in due:
             self._issue(i)
         return due

@@ -1,6 +1,7 @@
-"""Rank-side checks of overlap.broadcast_parameters / broadcast_optimizer_state (Horovod's
-start-up pair), run on 3 gloo ranks (tests/gloo/test_state_broadcast.py) and under mpiexec
-(tests/mpi/run_cases.py). Each asserts on every rank and returns nothing."""
+"""Rank-side checks of what makes the ranks' state alike: overlap.broadcast_parameters /
+broadcast_optimizer_state (Horovod's start-up pair), overlap.sync_buffers, and the buffers
+at DiLoCo.finish(); run on 3 gloo ranks (tests/gloo/test_state_broadcast.py) and under
+mpiexec (tests/mpi/run_cases.py). Each asserts on every rank and returns nothing."""
 
 from __future__ import annotations
 
@@ -123,7 +124,82 @@ def optimizer_state() -> None:
     _raises("each rank's own", lambda: overlap.broadcast_optimizer_state(onebit), TypeError)
 
 
+def _bn_model(rank: int) -> nn.Module:
+    """A model with BatchNorm (float running statistics, an int64 counter), its statistics
+    trained on this rank's own batches for 1 + rank forwards."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(1 + rank):
+        m(torch.randn(8, 4, generator=g) * (rank + 1) + rank)
+    return m
+
+
+def _expected(m: nn.Module) -> list[torch.Tensor]:
+    """Every rank's buffers averaged where floating, rank 0's otherwise (the contract)."""
+    w = comm.get_world_size()
+    out = []
+    for b in m.buffers():
+        every = [torch.empty_like(b) for _ in range(w)]
+        comm.all_gather(every, b.contiguous())
+        out.append(torch.stack(every).mean(0) if b.is_floating_point() else every[0])
+    return out
+
+
+def _close_to(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a, b)
+
+
+def buffers() -> None:
+    """sync_buffers: floating buffers averaged, the counter rank 0's, every rank the same;
+    a rank with another buffer layout makes every rank raise, nothing changed."""
+    r = comm.get_rank()
+    m = _bn_model(r)
+    assert int(m[1].num_batches_tracked) == 1 + r
+    want = _expected(m)
+    overlap.sync_buffers(m)
+    _close_to(list(m.buffers()), want)
+    assert int(m[1].num_batches_tracked) == 1  # rank 0's
+    assert _same_everywhere(list(m.buffers()))
+    before = [b.clone() for b in m.buffers()]
+    if r == 1:
+        m[0].register_buffer("extra", torch.zeros(3))
+    _raises("hold buffers of different names, shapes or dtypes", lambda: overlap.sync_buffers(m))
+    mine = [b for n, b in m.named_buffers() if n != "0.extra"]
+    assert all(torch.equal(a, b) for a, b in zip(mine, before, strict=True))
+    _raises("takes a torch.nn.Module", lambda: overlap.sync_buffers([]), TypeError)  # type: ignore[arg-type]
+    overlap.sync_buffers(nn.Linear(2, 2))  # no buffers: nothing to do, no error
+
+
+def diloco_finish_buffers() -> None:
+    """DiLoCo.finish() (and afinish()) ends every rank on one model, BatchNorm statistics
+    included; a layout that differs is refused on every rank."""
+    r = comm.get_rank()
+    for mode in ("blocking", "async"):
+        m = _bn_model(0)  # the same start everywhere (DiLoCo broadcasts rank 0's anyway)
+        inner = torch.optim.SGD(m.parameters(), lr=0.05)
+        d = overlap.DiLoCo(m, inner, sync_every=3, fragments=2, delay=1)
+        g = torch.Generator().manual_seed(r)
+        for _ in range(4):
+            inner.zero_grad()
+            m(torch.randn(8, 4, generator=g) * (r + 1) + r).pow(2).mean().backward()
+            inner.step()
+            d.step()
+        want = _expected(m)
+        d.finish() if mode == "blocking" else overlap.run(d.afinish())
+        _close_to(list(m.buffers()), want)
+        assert _same_everywhere([*m.parameters(), *m.buffers()]), mode
+        if r == comm.get_world_size() - 1:
+            m[2].register_buffer("extra", torch.zeros(1))
+        ranks = list(range(comm.get_world_size()))
+        _raises(f"DiLoCo.finish(): the ranks {ranks} hold buffers", d.finish)
+        d.remove()
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "parameters": parameters,
     "optimizer_state": optimizer_state,
+    "buffers": buffers,
+    "diloco_finish_buffers": diloco_finish_buffers,
 }
