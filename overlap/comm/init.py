@@ -385,9 +385,11 @@ def init_distributed(
         )
     elif auto_mpi_discovery and in_mpi_env() and not _srun_instead_of_mpi():
         rank, world_size, local_rank = mpi_discovery(distributed_port, verbose)
-    elif (hvd := horovodrun.horovod_placement()) is not None:
+    elif (hvd := horovodrun.horovod_placement()) is not None and hvd.world > 1:
         rank, world_size, local_rank = _horovod_discovery(hvd, distributed_port, verbose)
-    elif (srun := slurm.srun_placement()) is not None:
+    elif (srun := slurm.srun_placement()) is not None and srun.world > 1:
+        # a step of one task (an interactive `srun --pty bash`) runs as below: a free local
+        # port, not the step's derived one, which two such runs on a node would share
         rank, world_size, local_rank = _srun_discovery(srun, distributed_port, verbose)
     else:
         rank, world_size = 0, 1

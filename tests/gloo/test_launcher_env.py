@@ -146,6 +146,23 @@ def test_horovodrun_over_several_hosts_needs_a_master(tmp_path: Path) -> None:
     assert "set MASTER_ADDR to rank 0's host (MASTER_ADDR=host0 horovodrun" in out.stderr
 
 
+def test_two_one_task_steps_on_a_node_each_run_alone(tmp_path: Path) -> None:
+    """Two runs of ``python train.py`` in interactive steps of one task (``srun --pty
+    bash``) on one node, at once: each is a single rank on a port of its own (the step's
+    derived port would be the same for both, and the second could not listen on it)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        SCRIPT.replace(
+            "comm.destroy_process_group()",
+            "comm.barrier()\nimport time; time.sleep(1); comm.destroy_process_group()",
+        )
+    )
+    one = {"SLURM_JOB_ID": "80", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+           "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+           "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "1"}  # fmt: skip
+    assert _run_all(script, [one, one]) == [[0, 1, 0, 1, 0, 1.0]] * 2
+
+
 def test_a_batch_script_without_srun_runs_alone_and_says_so(tmp_path: Path) -> None:
     """Inside an allocation of 4 tasks, a process the batch script starts itself (no srun)
     has no step: it must not wait for 3 peers nobody started, and must not be silent."""
