@@ -20,6 +20,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from overlap.comm.launch_vars import launcher_ints
+
 __all__ = ["HorovodPlacement", "horovod_placement"]
 
 _VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE")
@@ -38,24 +40,14 @@ class HorovodPlacement:
     master: str | None
 
 
-def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
-    value = env.get(name, default)
-    try:
-        return int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not an integer (set by horovodrun)") from None
-
-
 def horovod_placement(env: Mapping[str, str] | None = None) -> HorovodPlacement | None:
     """This worker's placement when horovodrun started it (its four rank variables set),
     else None; ValueError when they contradict each other."""
     env = os.environ if env is None else env
-    if not all(v in env for v in _VARS):
+    got = launcher_ints(env, _VARS, "horovodrun")
+    if got is None:
         return None
-    rank, world = _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE")
-    local, local_world = _int(env, "HOROVOD_LOCAL_RANK"), _int(env, "HOROVOD_LOCAL_SIZE")
-    if not 0 <= rank < world:
-        raise ValueError(f"HOROVOD_RANK={rank} is outside HOROVOD_SIZE={world}")
+    rank, world, local, local_world = got
     if not 0 <= local < local_world <= world:
         raise ValueError(
             f"HOROVOD_LOCAL_RANK={local} and HOROVOD_LOCAL_SIZE={local_world} do not fit "
@@ -63,7 +55,10 @@ def horovod_placement(env: Mapping[str, str] | None = None) -> HorovodPlacement 
         )
     # the host's index: HOROVOD_CROSS_RANK is the rank among the workers of this local
     # rank, one a host, which is the host's index when the hosts hold as many workers each
-    node = _int(env, "HOROVOD_CROSS_RANK", "0")
+    cross = env.get("HOROVOD_CROSS_RANK", "0")
+    if not cross.isdigit():
+        raise ValueError(f"HOROVOD_CROSS_RANK={cross!r} is not an integer (set by horovodrun)")
+    node = int(cross)
     one_host = local_world == world
     master = env.get("MASTER_ADDR") or ("127.0.0.1" if one_host else None)
     return HorovodPlacement(rank, world, local, local_world, node, master)

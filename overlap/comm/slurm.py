@@ -35,6 +35,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from overlap.comm.launch_vars import launcher_ints
+
 __all__ = [
     "SrunPlacement",
     "expand_hostlist",
@@ -132,23 +134,14 @@ def tasks_per_node(expr: str) -> list[int]:
     return out
 
 
-def _int(env: Mapping[str, str], name: str) -> int:
-    try:
-        return int(env[name])
-    except ValueError:
-        raise ValueError(f"{name}={env[name]!r} is not an integer (set by srun)") from None
-
-
 def srun_placement(env: Mapping[str, str] | None = None) -> SrunPlacement | None:
     """This task's placement when srun started it (every step variable of the module
     docstring is set), else None. ValueError when they contradict each other."""
     env = os.environ if env is None else env
-    if not all(v in env for v in _STEP_VARS):
+    got = launcher_ints(env, _STEP_VARS, "srun")
+    if got is None:
         return None
-    rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS")
-    local, node = _int(env, "SLURM_LOCALID"), _int(env, "SLURM_NODEID")
-    if not 0 <= rank < world:
-        raise ValueError(f"SLURM_PROCID={rank} is outside SLURM_STEP_NUM_TASKS={world}")
+    rank, world, local, node = got
     nodes_expr = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
     nodes = tuple(expand_hostlist(nodes_expr)) if nodes_expr else ()
     counts = (
