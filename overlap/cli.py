@@ -585,6 +585,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from overlap.bench.train import (
         ALL_VARIANTS,
         CUDA_VARIANTS,
+        DILOCO_BACKGROUND_ENV,
         DILOCO_FRAGMENTS_ENV,
         DILOCO_H_ENV,
         DILOCO_PASS_THREAD_ENV,
@@ -648,6 +649,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         os.environ[DILOCO_H_ENV] = str(args.diloco_sync_every)
     os.environ[THREADS_ENV] = str(args.threads)  # every rank process inherits it
     os.environ[DILOCO_PASS_THREAD_ENV] = args.diloco_pass_thread
+    os.environ[DILOCO_BACKGROUND_ENV] = args.diloco_background
     tail = [",".join(variants), str(args.steps), str(args.warmup), str(args.model_size)]
     if args.hosts:
         rows, code = _run_on_hosts(
@@ -1174,6 +1176,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="DiLoCo(pass_thread=) of the diloco variants: take streaming's pseudo-gradient "
         "on a thread of its own under the next forward and backward (on), inside step() "
         "(off), or on when each rank has a core to spare (auto, the default)",
+    )
+    bt.add_argument(
+        "--diloco-background",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="DiLoCo(background=) of the diloco variants: run streaming's reductions at the "
+        "lowest CPU priority (on), at normal priority (off), or on when the ranks have no "
+        "core to spare (auto, the default)",
     )
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")

@@ -13,7 +13,7 @@ from typing import Any
 TRAIN = [
     "step_ms", "max_step_ms", "worker_cpu_ms", "exposed_ms", "train_cpu_ms", "rank_cpu_ms",
     "own_compute_ms", "own_compute_max_ms", "diloco_step_ms", "diloco_step_max_ms",
-    "diloco_wait_max_ms", "diloco_pass_thread",
+    "diloco_wait_max_ms", "diloco_pass_thread", "diloco_background",
 ]  # fmt: skip
 OPS = ["torch_us", "blocking_us", "await_us", "await/torch", "await/blocking"]
 

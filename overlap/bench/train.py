@@ -91,6 +91,8 @@ DILOCO_FRAGMENTS = 8
 THREADS_ENV = "OVERLAP_BENCH_THREADS"
 # --diloco-pass-thread: DiLoCo(pass_thread=) of the DiLoCo variants: auto (None), on, off
 DILOCO_PASS_THREAD_ENV = "OVERLAP_BENCH_DILOCO_PASS_THREAD"
+# --diloco-background: DiLoCo(background=) of the DiLoCo variants: auto (None), on, off
+DILOCO_BACKGROUND_ENV = "OVERLAP_BENCH_DILOCO_BACKGROUND"
 ALL_VARIANTS = VARIANTS + HOST_VARIANTS + ADAM_VARIANTS + DILOCO_VARIANTS
 # On a GPU at world size 1 (no wire) the variants that matter are the scheduler's overhead.
 CUDA_VARIANTS = ["compute", "ddp", "ddp-fp16", "overlap-none", "overlap-fp16", "overlap-onebit"]
@@ -161,9 +163,18 @@ def streaming_delay(h: int, fragments: int) -> int:
     return max(half - (half - gap // 2) % gap, 1) if gap > 1 else half
 
 
+def _on_off_auto(env: str) -> bool | None:
+    return {"on": True, "off": False}.get(os.environ.get(env, "auto"))
+
+
 def diloco_pass_thread() -> bool | None:
     """The DiLoCo variants' ``pass_thread`` for this run (``--diloco-pass-thread``)."""
-    return {"on": True, "off": False}.get(os.environ.get(DILOCO_PASS_THREAD_ENV, "auto"))
+    return _on_off_auto(DILOCO_PASS_THREAD_ENV)
+
+
+def diloco_background() -> bool | None:
+    """The DiLoCo variants' ``background`` for this run (``--diloco-background``)."""
+    return _on_off_auto(DILOCO_BACKGROUND_ENV)
 
 
 def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
@@ -191,6 +202,7 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
             delay=streaming_delay(h, f) if stream else 0,
             compression=Int8() if stream else None,
             pass_thread=diloco_pass_thread(),
+            background=diloco_background(),
         )
         return v
     if "onebitadam" in name:
@@ -479,6 +491,7 @@ def bench_train_rank(
             # whether the pseudo-gradient passes ran on their own thread, and the inner
             # optimizer's wait for them (mean per step, the whole run)
             row["diloco_pass_thread"] = v["diloco"].pass_thread
+            row["diloco_background"] = v["diloco"].background
             stats = v["diloco"].statistics()
             row["diloco_late"] = stats["late"]  # its landings kept waiting: H does not fit
             row["diloco_pass_wait_ms"] = stats["pass_wait_s"] * 1e3 / max(1, stats["inner_steps"])

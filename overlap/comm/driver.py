@@ -38,12 +38,25 @@ group (:func:`overlap.comm.new_group`).
 The cost: a thread hop at the start, no pipelining between two such ops on one group, and a
 second group per subgroup. Blocking calls (``async_op=False``) still run on the caller's
 thread and group.
+
+**Background jobs.** A job submitted with ``background=True`` runs on a thread of its own at
+the lowest CPU priority (nice 19, Linux), while the twin's thread waits for it: the FIFO
+order is kept, and the job's CPU work (a codec's passes) takes the time the training
+threads leave instead of their cores. For work with slack before anyone waits for it, on a
+host without a core to spare: a Streaming DiLoCo reduction lands ``delay`` steps after its
+issue, and at normal priority its Int8 passes slowed the step after each issue by 10-15 ms
+on the 2-core machine (docs/diloco.md, "A background reduction"). Once the training thread
+blocks on the result, the job has the core to itself. Elsewhere than Linux a thread's
+priority cannot be set alone (``setpriority`` would lower the whole process), and the job
+runs at normal priority.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -60,6 +73,7 @@ __all__ = ["clear", "ensure_twin", "forget", "make_twin", "submit"]
 log = logging.getLogger(__name__)
 
 IDLE_S = 10.0  # a driver thread with nothing to do for this long exits (a new job restarts it)
+BACKGROUND_NICE = 19  # a background job's thread (module docstring)
 
 
 class _Driver:
@@ -70,19 +84,21 @@ class _Driver:
         self.name = name
         # the group is the caller's own (a group of one, _twin): not ours to destroy
         self.borrowed = borrowed
-        self.jobs: deque[tuple[Callable[[Any], Steps], Handle, Any]] = deque()
+        self.jobs: deque[tuple[Callable[[Any], Steps], Handle, Any, bool]] = deque()
         self.cv = threading.Condition()
         self.thread: threading.Thread | None = None
         self.closed = False
         # Set once, never cleared: every later job fails with it, unissued (module docstring)
         self.broken: OutOfStepError | None = None
 
-    def submit(self, make: Callable[[Any], Steps], handle: Handle, ctx: Any) -> None:
+    def submit(
+        self, make: Callable[[Any], Steps], handle: Handle, ctx: Any, background: bool = False
+    ) -> None:
         # Exit waits for the whole job, not only for each phase's op: between two phases
         # nothing else is observed (overlap/comm/quiesce.py).
         _quiesce.begin(handle)
         with self.cv:
-            self.jobs.append((make, handle, ctx))
+            self.jobs.append((make, handle, ctx, background))
             if self.thread is None:
                 self.thread = threading.Thread(
                     target=self._loop, name=f"overlap-steps-{self.name}", daemon=True
@@ -99,13 +115,15 @@ class _Driver:
                 if not self.jobs:
                     self.thread = None
                     return
-                make, handle, ctx = self.jobs.popleft()
+                make, handle, ctx, background = self.jobs.popleft()
             try:
                 if self.broken is not None:
                     # a fresh traceback each time: re-raising one instance would chain them
                     raise self.broken.with_traceback(None)
-                with ctx():
-                    result = run(make(self.group))
+                if background:
+                    result = _in_background(make, self.group, ctx, self.name)
+                else:
+                    result = _run_job(make, self.group, ctx)
             except BaseException as exc:
                 if self.broken is None and not in_step(exc):
                     self._stop(handle.op, exc)
@@ -138,6 +156,47 @@ class _Driver:
             thread = self.thread
         if join and thread is not None and thread is not threading.current_thread():
             thread.join(join)
+
+
+def _run_job(make: Callable[[Any], Steps], group: Any, ctx: Any) -> Any:
+    with ctx():
+        return run(make(group))
+
+
+def lower_priority() -> bool:
+    """Lower the calling thread's CPU priority to nice ``BACKGROUND_NICE``; whether it was
+    (Linux only: there a thread's priority is its own)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError as exc:  # a sandbox that forbids it: run at normal priority
+        log.debug("background job: cannot lower the thread's priority (%s)", exc)
+        return False
+    return True
+
+
+def _in_background(make: Callable[[Any], Steps], group: Any, ctx: Any, name: str) -> Any:
+    """Run the job on a new thread at the lowest priority and wait for it here: its result,
+    or its exception raised here. A thread per job, daemon as the driver's own: a sync every
+    few steps makes the thread's start (about 0.1 ms) nothing, and nothing outlives it."""
+    out: list[Any] = []
+
+    def body() -> None:
+        _claims.internal_thread()
+        lower_priority()
+        try:
+            out.append((True, _run_job(make, group, ctx)))
+        except BaseException as exc:  # handed to the driver thread, which owns the handle
+            out.append((False, exc))
+
+    t = threading.Thread(target=body, name=f"overlap-steps-{name}-bg", daemon=True)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 _drivers: dict[Any, _Driver] = {}
@@ -211,13 +270,15 @@ def submit(
     backend: str = "",
     device: Any = None,
     world: int = 1,
+    background: bool = False,
 ) -> Handle:
     """Run ``make(twin_group)`` (a steps generator) to the end on ``group``'s driver; the
     returned Handle completes with its result or error. ``device``: a CUDA device makes the
-    job run on the caller's current stream of that device."""
+    job run on the caller's current stream of that device. ``background``: at the lowest
+    CPU priority, in the same order (module docstring)."""
     d = _twin(group)
     handle = Handle(op, result=None, nbytes=nbytes, backend=backend, world=world)
-    d.submit(make, handle, _context(device))
+    d.submit(make, handle, _context(device), background)
     return handle
 
 

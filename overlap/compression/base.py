@@ -81,6 +81,7 @@ class Compressor(ABC):
         async_op: bool = False,
         encoded: bool = False,
         ready: Callable[[], None] | None = None,
+        background: bool = False,
     ) -> Any:
         """Blocking: returns ``flat``. ``async_op=True``: a Handle resolving to ``flat``, run to
         the end on a driver thread whatever is done with it (:mod:`overlap.comm.driver`).
@@ -96,6 +97,10 @@ class Compressor(ABC):
         a consumer that reads the average once (DiLoCo's landing) then reads a byte per
         element where the decoded float was four, and the decode pass is never made. Its
         ``decode()`` gives ``flat`` as a plain call would have. Other compressors ignore it.
+
+        ``background=True`` (async only) runs the job at the lowest CPU priority, in its
+        place in the queue (:mod:`overlap.comm.driver`, "Background jobs"): for a result
+        nobody waits for until later, on a host whose cores the training keeps busy.
 
         A direct call is a step of its own (:meth:`begin_step` runs first)."""
         if async_op:  # bad input raises here, not from the handle (it would stop the twin)
@@ -117,6 +122,7 @@ class Compressor(ABC):
             nbytes=self.wire_bytes(flat, group),
             backend=comm.get_backend(),
             device=flat.device,
+            background=background,
         )
 
     def begin_step(self) -> None:

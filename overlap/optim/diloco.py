@@ -182,6 +182,13 @@ class DiLoCo:
             refused (RuntimeError at that step). Default None: when this host has a core to
             spare per process beyond torch's threads (:func:`spare_core`). Applies to
             float32 CPU weights with ``delay`` > 0.
+        background: run each streaming reduction (``delay`` > 0) at the lowest CPU priority
+            (nice 19, Linux; :mod:`overlap.comm.driver`, "Background jobs"), so that its
+            codec work takes the CPU time the training threads leave over the ``delay``
+            steps before its landing, instead of slowing the step after its issue. Default
+            None: when this host has no core to spare per process (the opposite of
+            ``pass_thread``'s choice). Measured on the 2-core machine (docs/diloco.md, "A
+            background reduction"): the steps after an issue lost their 10-15 ms bump.
 
     Call :meth:`step` (or ``await`` :meth:`astep`) after every inner optimizer step. It
     returns at once when nothing is due. After the last one, :meth:`finish` (or ``await``
@@ -201,10 +208,12 @@ class DiLoCo:
         alpha: float = 0.0,
         tracer: Any = None,
         pass_thread: bool | None = None,
+        background: bool | None = None,
     ) -> None:
         _check_schedule(sync_every, fragments, delay)
-        if pass_thread is not None and not isinstance(pass_thread, bool):
-            raise TypeError(f"pass_thread must be True, False or None (auto), got {pass_thread!r}")
+        for name, flag in (("pass_thread", pass_thread), ("background", background)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True, False or None (auto), got {flag!r}")
         if tracer is not None:
             from overlap.trace.recorder import Tracer
 
@@ -321,11 +330,10 @@ class DiLoCo:
         # the pass (its result: the fragment's weights written while it read them); the
         # thread is made at the first such sync
         self._taking: dict[int, Future[list[int]]] = {}
-        self.pass_thread = (
-            spare_core(_cores(), comm.get_local_world_size(), torch.get_num_threads())
-            if pass_thread is None
-            else pass_thread
-        )
+        spare = spare_core(_cores(), comm.get_local_world_size(), torch.get_num_threads())
+        self.pass_thread = spare if pass_thread is None else pass_thread
+        # a streaming reduction at the lowest CPU priority (see the class docstring)
+        self.background = (not spare if background is None else background) and delay > 0
         self._passes: ThreadPoolExecutor | None = None
         # seconds the training thread waited for such a pass (at the inner optimizer's step)
         self.pass_wait_s = 0.0
@@ -699,6 +707,7 @@ class DiLoCo:
             async_op=True,
             encoded=self._kernels is not None,
             ready=ready,
+            background=self.background,
         )
         self._inflight[i] = (self._t + self.delay, h)
         self.syncs += 1
@@ -1065,6 +1074,8 @@ class DiLoCo:
             "wait_s": self.wait_s,
             # the training thread waiting for a pseudo-gradient pass at the inner step
             "pass_wait_s": self.pass_wait_s,
+            # streaming reductions at the lowest CPU priority (background=)
+            "background": self.background,
             "steady_bytes_per_step": self.steady_bytes_per_step(),
             # a cycle of landings waited over a tenth of its time and 0.1 s: the schedule
             # does not fit the link (logged once; overlap.optim.late)

@@ -14,6 +14,8 @@ import asyncio
 import io
 import logging
 import math
+import os
+import threading
 import time
 from typing import Any
 
@@ -225,6 +227,7 @@ def matches_reference(
     strided: bool = False,
     frozen: bool = False,
     slow_pass: float = 0.0,
+    background: bool | None = None,
 ) -> list[Any]:
     """Run DiLoCo against the reference for each H (``group``'s ranks are the simulated
     ranks 0..W-1, so it must hold the lowest global ranks); return, per H, the fragments,
@@ -238,14 +241,25 @@ def matches_reference(
     :meth:`DiLoCo.step` raised is appended, with whether it stayed ones). ``slow_pass``:
     each streaming pseudo-gradient pass first sleeps this long on its thread, so the inner
     optimizer's next step comes while it would still read the weights (the step must wait
-    for it; the number of passes taken off the training thread is appended)."""
+    for it; the number of passes taken off the training thread is appended).
+    ``background``: DiLoCo's ``background=``; when True, the CPU priority (nice) each
+    reduction ran at is appended (one value for all, or the list of them)."""
     w, r = comm.get_world_size(group), comm.get_rank()
     out: list[Any] = []
     for h in hs:
         model, inner, d = _build(
             h, frags, delay, strided, frozen, alpha=alpha, group=group,
-            pass_thread=True if slow_pass else None,
+            pass_thread=True if slow_pass else None, background=background,
         )  # fmt: skip
+        nices: list[int] = []
+        if background:
+            steps_of = d.compression.reduce_steps
+
+            def niced(*a: Any, steps_of: Any = steps_of, nices: list[int] = nices, **k: Any) -> Any:
+                nices.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                return (yield from steps_of(*a, **k))
+
+            d.compression.reduce_steps = niced  # type: ignore[method-assign]
         if strided and any(p.is_contiguous() for p in model.ps if p.dim() == 2):
             raise AssertionError("the strided model's 2-D parameters are contiguous")
         if landing == "torch":
@@ -277,6 +291,8 @@ def matches_reference(
             out.append([d.frags, d.offsets, d.statistics()["syncs"]])
             if slow_pass:
                 out[-1].append(passes[0])
+            if background:
+                out[-1].append(sorted(set(nices)) if len(set(nices)) > 1 else nices[0])
             if frozen:
                 out[-1].append(bool(torch.equal(model.still, torch.ones(3))))
                 model.still.requires_grad_(True)

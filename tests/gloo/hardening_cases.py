@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from typing import Any
 
@@ -405,10 +407,37 @@ def multiphase_progress_without_waiter() -> dict[str, Any]:
     return out
 
 
-def async_multiphase_failure_on_one_rank(timeout: float) -> list[str]:
+def background_jobs_keep_their_order() -> list[Any]:
+    """Async 1-bit reductions on one group, background and not alternating, all in flight
+    at once, then waited in reverse: each holds its own average (the twin's FIFO order is
+    kept across the background thread), each background one ran at nice 19, and the
+    calling thread's priority is untouched. Returns [the averages' first elements, the
+    background jobs' nices, the caller's nice]."""
+    from overlap.compression import NoCompression
+
+    r, w = comm.get_rank(), comm.get_world_size()
+    comp = NoCompression()
+    nices: list[int] = []
+
+    def note() -> None:
+        nices.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    ts = [torch.full((1000,), float(r + 10 * i)) for i in range(4)]
+    hs = [
+        comp.reduce(i, t, async_op=True, background=i % 2 == 0, ready=note if i % 2 == 0 else None)
+        for i, t in enumerate(ts)
+    ]
+    got = [h.wait()[0].item() for h in reversed(hs)][::-1]
+    want = [(sum(range(w)) + 10 * i * w) / w for i in range(4)]
+    assert got == want, (got, want)
+    return [got, nices, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())]
+
+
+def async_multiphase_failure_on_one_rank(timeout: float, background: bool = False) -> list[str]:
     """A bad argument (alike on every rank), then three async Compressor.reduce calls on
     a group of its own, the first failing on rank 0 only; each must raise, none may return
-    a result (before, the later two returned averages of the wrong calls' tensors)."""
+    a result (before, the later two returned averages of the wrong calls' tensors).
+    ``background``: the calls run as background jobs (overlap.comm.driver), the same way."""
     from overlap.errors import OutOfStepError
     from tests.gloo.scheduler_cases import FailsOnOneRank
 
@@ -426,7 +455,7 @@ def async_multiphase_failure_on_one_rank(timeout: float) -> list[str]:
         t = torch.full((4,), float(r + 1 + 10 * i))
         t0 = time.monotonic()
         try:
-            comp.reduce(i, t, group=group, async_op=True).wait()
+            comp.reduce(i, t, group=group, async_op=True, background=background).wait()
             out.append(f"ok {t[0].item()}")
         except OutOfStepError:
             out.append("OutOfStepError")

@@ -48,6 +48,20 @@ def test_streaming_schedule_and_merge_equal_the_math(
 
 
 @pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_background_reductions_run_at_the_lowest_priority_and_equal_the_math(
+    pools: Callable[[int], RankPool], mode: str
+) -> None:
+    """``background=True``: every streaming reduction runs on a thread at nice 19 (while
+    the rank's training thread stays at 0) and the run is still DiLoCo's math: H=8, 3
+    fragments, 2 steps of delay, the paper's merge (7 syncs in 20 steps)."""
+    out = pools(2).run(
+        dc.matches_reference, [8], 3, 2, mode, 20, 0.5, None, "fused", False, False, 0.0, True,
+        timeout=120,
+    )  # fmt: skip
+    assert out == [[[[[0, 1, 2], [3], [4]], [2, 5, 0], 7, 19]]] * 2
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
 def test_streaming_equals_the_math_when_the_pass_is_slow(
     pools: Callable[[int], RankPool], mode: str
 ) -> None:

@@ -143,8 +143,16 @@ def test_multiphase_handles_finish_without_a_waiter(
         assert out == {"polled": True, "callback": True, "after": [float(world_size)] * 2}
 
 
+def test_background_jobs_keep_the_twins_order_at_the_lowest_priority(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for got, nices, caller in pools(2).run(hc.background_jobs_keep_their_order, timeout=60):
+        assert got == [0.5, 10.5, 20.5, 30.5] and nices == [19, 19] and caller == 0
+
+
+@pytest.mark.parametrize("background", [False, True])
 def test_an_async_multiphase_op_that_fails_on_one_rank_stops_its_group(
-    short_pool: RankPool,
+    short_pool: RankPool, background: bool
 ) -> None:
     """Regression: async multi-phase ops run one after another on the group's private twin;
     one that raised on rank 0 only left rank 0's next op pairing its collectives with this
@@ -152,7 +160,9 @@ def test_an_async_multiphase_op_that_fails_on_one_rank_stops_its_group(
     results. Now the twin stops: the failing rank raises its error, its peer a CommError
     at the timeout, and later async ops on the group raise OutOfStepError, sending nothing.
     Bad arguments raise on the caller's thread and stop nothing."""
-    out = short_pool.run(hc.async_multiphase_failure_on_one_rank, SHORT_TIMEOUT, timeout=90)
+    out = short_pool.run(
+        hc.async_multiphase_failure_on_one_rank, SHORT_TIMEOUT, background, timeout=90
+    )
     assert out[0] == ["ValueError", "RuntimeError", "OutOfStepError", "OutOfStepError"], out
     assert out[1] == ["ValueError", "CommError", "OutOfStepError", "OutOfStepError"], out
 

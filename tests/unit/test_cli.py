@@ -193,13 +193,14 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     CPU, the whole rank's CPU (a superset of the training thread's, step by step), the
     scheduler worker's CPU per step and the last step's bucket timeline. --pin-heap reaches
     the ranks (they read glibc's thresholds from the environment they start with), and so
-    do --diloco-fragments, --diloco-sync-every, --threads and --diloco-pass-thread (0 of
+    do --diloco-fragments, --diloco-sync-every, --threads, --diloco-pass-thread and
+    --diloco-background (0 of
     them is refused: test_bad_counts_and_sizes_...)."""
     out = run(
         "bench", "train", "--variant", "compute", "--variant", "overlap-onebit", "--variant",
         "diloco-streaming", "--model-size", "0.05", "--steps", "2", "--warmup", "1",
         "--pin-heap", "--diloco-fragments", "1", "--threads", "2", "--diloco-pass-thread", "on",
-        "--diloco-sync-every", "3", "--json",
+        "--diloco-sync-every", "3", "--diloco-background", "on", "--json",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     compute, onebit, diloco = json.loads(out.stdout)
@@ -224,6 +225,7 @@ def test_bench_train_reports_where_the_time_went_and_passes_its_options_on() -> 
     assert "diloco_step_ms" not in compute and "diloco_step_ms" not in onebit
     # --diloco-pass-thread reaches the ranks; the inner steps' wait for the passes
     assert diloco["diloco_pass_thread"] is True and diloco["diloco_pass_wait_ms"] >= 0, diloco
+    assert diloco["diloco_background"] is True, diloco  # --diloco-background too
     assert diloco["diloco_late"] is False, diloco  # 3 steps: no cycle of landings waited
     # compute-only warms up again before its second half, as DiLoCo's run did at its start
     assert (compute["rewarm_steps"], diloco["rewarm_steps"], onebit["rewarm_steps"]) == (1, 0, 0)
