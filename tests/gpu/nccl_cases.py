@@ -470,15 +470,17 @@ def diloco_run(compression: str, mode: str, device: str) -> dict[str, Any]:
     backend (NCCL for "cuda": its fragment reductions, the driver's phases and finish()'s
     vote as NCCL collectives; gloo for "cpu", the reference): 10 inner steps, each followed
     by step() ("blocking") or astep() in a uvloop loop ("uvloop"), then finish(). Returns
-    the parameters (on the CPU), how far the local weights are from the global ones after
-    finish() (0: the rank holds the global weights) and the statistics. With one rank the
+    the parameters and buffers (on the CPU), how far the local weights are from the global
+    ones after finish() (0: the rank holds the global weights) and the statistics. With one rank the
     average is the rank's own pseudo-gradient: the two runs differ by the device's
     arithmetic, not the schedule, so a path that never ran on NCCL shows as a raise or a
     difference."""
     import overlap
 
     comp = {"none": lambda: None, "int8": lambda: overlap.Int8(block=64)}[compression]
-    model = _model(device=device)
+    # a BatchNorm at the end: finish() syncs its buffers too (float ones averaged, the int64
+    # counter broadcast), here as NCCL collectives on CUDA buffers
+    model = nn.Sequential(_model(device=device), nn.BatchNorm1d(16).to(device))
     # SGD, not AdamW: Adam's update is about lr * sign(g) where g is near 0, so the GEMMs'
     # rounding (CUDA against CPU) flipped some updates; seen on an H100 with AdamW: 8.8e-4
     # relative after 10 steps, though the runs agreed on every sync (Int8 within 2e-2)
@@ -514,6 +516,7 @@ def diloco_run(compression: str, mode: str, device: str) -> dict[str, Any]:
         dl.remove()
     return {
         "params": [p.detach().cpu() for p in model.parameters()],
+        "buffers": [b.detach().cpu() for b in model.buffers()],
         "apart": apart,
         "stats": stats,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from overlap.testing import RankPool
 from tests.gpu import nccl_cases as nc
@@ -102,3 +103,9 @@ def test_streaming_diloco_on_nccl_equals_gloo(
     )
     # Int8: CUDA's rounding can move a value across a code boundary (1/127 of a block's max)
     assert worst < (1e-4 if compression == "none" else 2e-2), worst
+    # the BatchNorm's buffers went through finish()'s buffer sync on each backend
+    mean_g, var_g, count_g = gpu["buffers"]
+    mean_c, var_c, count_c = cpu["buffers"]
+    assert int(count_g) == int(count_c) == 10
+    assert torch.allclose(mean_g, mean_c, rtol=2e-2, atol=1e-4), (mean_g, mean_c)
+    assert torch.allclose(var_g, var_c, rtol=2e-2, atol=1e-4), (var_g, var_c)
