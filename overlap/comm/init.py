@@ -100,6 +100,20 @@ def mpi_discovery(
     return rank, size, local_rank
 
 
+def _check_given(given: tuple[int, int], launched: tuple[int, int]) -> None:
+    """ValueError when ``rank=`` or ``world_size=`` was passed and contradicts what the
+    launcher set (RANK, WORLD_SIZE): one of them is a mistake, and taking either silently
+    would put this process in the wrong place of the job (before, the arguments were
+    ignored)."""
+    for name, mine, theirs in zip(("rank", "world_size"), given, launched, strict=True):
+        if (mine >= 0 if name == "rank" else mine > 0) and mine != theirs:
+            var = "RANK" if name == "rank" else "WORLD_SIZE"
+            raise ValueError(
+                f"init_distributed({name}={mine}) but the launcher set {var}={theirs}: leave "
+                f"{name} out to take the launcher's, or start this process without it"
+            )
+
+
 def _export(
     rank: int, world: int, local_rank: int, local_world: int, node: int, addr: str, port: int
 ) -> None:
@@ -320,10 +334,11 @@ def init_distributed(
     logger. ``dist_init_required=False`` refuses to initialise: it raises unless the job
     already is. ``verbose=False`` logs the set-up at debug level instead of info.
 
-    Calling it again is harmless; asking for a different backend while one is active raises
-    ValueError (call ``destroy_process_group()`` first). ``debug=True`` (or ``OVERLAP_DEBUG=1``)
-    checks every collective's op, shapes and dtypes across ranks before issuing it
-    (overlap.comm.debug).
+    ``rank``/``world_size`` that contradict a launcher's RANK/WORLD_SIZE raise ValueError
+    (they were ignored). Calling it again is harmless; asking for a different backend while
+    one is active raises ValueError (call ``destroy_process_group()`` first).
+    ``debug=True`` (or ``OVERLAP_DEBUG=1``) checks every collective's op, shapes and dtypes
+    across ranks before issuing it (overlap.comm.debug).
     """
     if config is not None:
         from overlap.comm.comms_logger import configure
@@ -375,7 +390,9 @@ def init_distributed(
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
     if "RANK" in env and "WORLD_SIZE" in env:
+        given = (rank, world_size)
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        _check_given(given, (rank, world_size))
     elif rank >= 0 and world_size > 0:
         pass
     elif rank >= 0 or world_size > 0:

@@ -54,6 +54,25 @@ def test_bad_init_arguments() -> None:
     assert not comm.is_initialized()
 
 
+def test_arguments_that_contradict_the_launcher_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun set RANK=1 of 2; ``rank=0`` (or ``world_size=4``) passed as well was ignored
+    and the process joined as rank 1, silently. Arguments that agree are fine (checked
+    without starting a job: the refusal comes before any rendezvous)."""
+    from overlap.comm.init import _check_given
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rank=0\) but the launcher set RANK=1"):
+        overlap.init_distributed("gloo", rank=0)
+    with pytest.raises(ValueError, match=r"world_size=4\) but the launcher set WORLD_SIZE=2"):
+        overlap.init_distributed("gloo", world_size=4)
+    assert not comm.is_initialized()
+    _check_given((1, 2), (1, 2))  # the same numbers: nothing to refuse
+    _check_given((-1, -1), (1, 2))  # nothing passed
+
+
 SINGLE_RANK = textwrap.dedent(
     """
     import asyncio, os, torch, overlap
