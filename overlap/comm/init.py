@@ -2,7 +2,8 @@
 
 Where rank, world size and the master address come from, first match wins:
 
-1. ``torch.distributed`` already initialised by the caller: adopt it.
+1. ``torch.distributed`` already initialised by the caller: adopt it (the placement on the
+   host from torchrun's, srun's or horovodrun's variables, where they name this rank).
 2. The torchrun environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK optional).
 3. Explicit ``rank``/``world_size`` arguments (with ``init_method`` or MASTER_ADDR/PORT).
 4. Under mpiexec (PMI_*, OMPI_COMM_WORLD_*, PMIX_* in the environment) with mpi4py installed:
@@ -112,6 +113,20 @@ def _check_given(given: tuple[int, int], launched: tuple[int, int]) -> None:
                 f"init_distributed({name}={mine}) but the launcher set {var}={theirs}: leave "
                 f"{name} out to take the launcher's, or start this process without it"
             )
+
+
+def _adopted_placement(rank: int, world: int) -> tuple[int, int | None, int]:
+    """(local rank, processes on this host, host index) of a job the caller started
+    itself: torchrun's variables when LOCAL_RANK is set, else those of srun or horovodrun
+    when they name this very rank of a job of this size (a script that called
+    ``init_process_group`` from SLURM's variables, say), else (0, None, 0): one host. Before,
+    such a job's every rank said local rank 0 on host 0 of one."""
+    if "LOCAL_RANK" in os.environ:
+        return (int(os.environ["LOCAL_RANK"]), *_env_placement())
+    for seen in (horovodrun.horovod_placement(), slurm.srun_placement()):
+        if seen is not None and (seen.rank, seen.world) == (rank, world):
+            return seen.local_rank, seen.local_world, seen.node
+    return 0, None, 0
 
 
 def _export(
@@ -378,7 +393,7 @@ def init_distributed(
         td = _adopted_timeout(timeout, name)
         info("init_distributed: adopting the existing torch.distributed group (%s)", spec)
         state.set_active(
-            TorchBackend(name, td), int(os.environ.get("LOCAL_RANK", 0)), *_env_placement()
+            TorchBackend(name, td), *_adopted_placement(dist.get_rank(), dist.get_world_size())
         )
         return
 

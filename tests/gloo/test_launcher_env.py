@@ -107,6 +107,28 @@ def test_the_deepspeed_launchers_placement_is_read(tmp_path: Path) -> None:
     assert _run_all(script, envs) == [[r, 4, r % 2, 2, r // 2, 10.0] for r in range(4)]
 
 
+def test_a_job_started_from_srun_variables_by_hand_is_adopted_in_place(tmp_path: Path) -> None:
+    """A script that starts torch.distributed itself from SLURM's variables (no torchrun
+    variables), then lets overlap adopt the job: every rank said local rank 0 on host 0 of
+    one; now srun's placement is read when it names the same rank of a job of that size."""
+    script = tmp_path / "job.py"
+    own = (
+        "import os, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:' + os.environ['PORT'],"
+        " rank=int(os.environ['SLURM_PROCID']),"
+        " world_size=int(os.environ['SLURM_STEP_NUM_TASKS']))\n"
+    )
+    script.write_text(own + SCRIPT)
+    step = {"SLURM_JOB_ID": "81", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+            "PORT": str(_free_port())}  # fmt: skip
+    envs = [
+        {**step, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2), "SLURM_NODEID": str(r // 2)}
+        for r in range(4)
+    ]
+    assert _run_all(script, envs) == [[r, 4, r % 2, 2, r // 2, 10.0] for r in range(4)]
+
+
 def _horovod(rank: int, size: int = 3, **extra: str) -> dict[str, str]:
     return {
         "HOROVOD_RANK": str(rank),
