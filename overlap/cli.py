@@ -1169,22 +1169,21 @@ def build_parser() -> argparse.ArgumentParser:
         "machine alike); more computes faster on a machine with cores to spare, which is "
         "where a slow link's cost shows",
     )
-    bt.add_argument(
-        "--diloco-pass-thread",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="DiLoCo(pass_thread=) of the diloco variants: take streaming's pseudo-gradient "
-        "on a thread of its own under the next forward and backward (on), inside step() "
-        "(off), or on when each rank has a core to spare (auto, the default)",
-    )
-    bt.add_argument(
-        "--diloco-background",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="DiLoCo(background=) of the diloco variants: run streaming's reductions at the "
-        "lowest CPU priority (on), at normal priority (off), or on when the ranks have no "
-        "core to spare (auto, the default)",
-    )
+    for flag, what in (
+        (
+            "--diloco-pass-thread",
+            "DiLoCo(pass_thread=) of the diloco variants: take streaming's pseudo-gradient "
+            "on a thread of its own under the next forward and backward (on), inside step() "
+            "(off), or on when each rank has a core to spare (auto, the default)",
+        ),
+        (
+            "--diloco-background",
+            "DiLoCo(background=) of the diloco variants: run streaming's reductions at the "
+            "lowest CPU priority (on), at normal priority (off), or on when the ranks have "
+            "no core to spare (auto, the default)",
+        ),
+    ):
+        bt.add_argument(flag, choices=["auto", "on", "off"], default="auto", help=what)
     bt.add_argument("--json", action="store_true")
     bt.add_argument("--markdown", action="store_true")
     bt.set_defaults(func=cmd_bench_train)
