@@ -31,6 +31,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from overlap import comm
+from overlap.comm.steps import Steps, run
 
 __all__ = [
     "issue_buffer_sync",
@@ -39,6 +40,7 @@ __all__ = [
     "layouts_agree",
     "module_buffers",
     "sync_buffers",
+    "sync_steps",
 ]
 
 # the signature rides in a float32 vote (DiLoCo.finish), which holds integers below 2**24
@@ -101,6 +103,22 @@ def issue_buffer_sync(
     return handles, write_back
 
 
+def sync_steps(named: Sequence[tuple[str, torch.Tensor]], group: Any = None) -> Steps:
+    """:func:`sync_buffers`' work as a steps generator (overlap.comm.steps): the layout
+    vote, then the coalesced collectives, then the write-back; driven blocking with
+    ``run`` or awaited with ``run_async``."""
+    sig = float(layout_signature(named))
+    nccl = comm.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    votes = torch.tensor([sig, -sig], dtype=torch.float32, device=device)
+    yield [comm.all_reduce(votes, op="max", group=group, async_op=True)]
+    if not layouts_agree(votes):
+        raise ValueError(layout_error(comm.get_all_ranks_from_group(group)))
+    handles, write_back = issue_buffer_sync([b for _, b in named], group)
+    yield handles
+    write_back()
+
+
 def sync_buffers(model: torch.nn.Module, group: Any = None) -> None:
     """Average ``model``'s floating-point buffers over ``group`` (the world by default) and
     give every rank group rank 0's other buffers, in place (module docstring).
@@ -111,18 +129,7 @@ def sync_buffers(model: torch.nn.Module, group: Any = None) -> None:
     BucketScheduler (:meth:`overlap.DiLoCo.finish` calls it itself)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"sync_buffers takes a torch.nn.Module, got {type(model).__name__}")
-    named = module_buffers(model)
-    sig = float(layout_signature(named))
-    nccl = comm.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    votes = torch.tensor([sig, -sig], dtype=torch.float32, device=device)
-    comm.all_reduce(votes, op="max", group=group)
-    if not layouts_agree(votes):
-        raise ValueError(layout_error(comm.get_all_ranks_from_group(group)))
-    handles, write_back = issue_buffer_sync([b for _, b in named], group)
-    for h in handles:
-        h.wait()
-    write_back()
+    run(sync_steps(module_buffers(model), group))
 
 
 def layout_error(ranks: Sequence[int]) -> str:

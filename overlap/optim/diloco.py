@@ -49,9 +49,11 @@ from overlap.buffer_sync import (
     layout_signature,
     layouts_agree,
     module_buffers,
+    sync_steps,
 )
 from overlap.comm import driver
 from overlap.comm import state as comm_state
+from overlap.comm.steps import run, run_async
 from overlap.compression.base import Compressor, NoCompression
 from overlap.compression.codec_numba import kernel_module
 from overlap.compression.quantize import BlockCodes
@@ -224,6 +226,9 @@ class DiLoCo:
         # the frozen parameters are skipped, and checked at each step() (params.py)
         self._selection = select(model, "DiLoCo")
         self._model = model  # its buffers agree at finish() (overlap.buffer_sync)
+        # hierarchical DiLoCo: the BucketScheduler's group inside this rank's worker, whose
+        # buffers finish() makes agree as well ((group,): None is the world group)
+        self._worker: tuple[Any] | None = None
         self.params = self._selection.params
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad) to sync")
@@ -286,6 +291,9 @@ class DiLoCo:
                     "remove() it first"
                 )
             nested = _nested_error(held, group)
+            # a worker of several ranks (hierarchical DiLoCo): finish() makes the buffers
+            # agree inside the worker too, after across the workers
+            self._worker = (held.group,) if nested is None else None
         if compression is not None and (held := holder_of(compression)) is not None:
             raise ValueError(
                 f"this {type(compression).__name__} is already used by a {type(held).__name__}: "
@@ -569,7 +577,9 @@ class DiLoCo:
         model's buffers agree as well: floating-point ones (BatchNorm's running statistics)
         averaged over the group, the others group rank 0's (:func:`overlap.sync_buffers`);
         ranks whose buffer layouts differ raise ValueError, every one, before anything is
-        synced. Plain
+        synced. With a BucketScheduler inside this rank's worker (hierarchical DiLoCo), the
+        buffers are then made to agree over its group as well, so every rank of the job
+        ends alike. Plain
         DiLoCo that ends on a sync step has nothing left to sync (then this is
         :meth:`flush`); Streaming DiLoCo usually has, since its fragments land at different
         steps (and with ``alpha`` > 0 a landing keeps the local weights apart).
@@ -600,6 +610,8 @@ class DiLoCo:
         for h in handles:
             h.wait()
         write_back()
+        if self._worker is not None:
+            run(sync_steps(module_buffers(self._model), self._worker[0]))
 
     async def afinish(self) -> None:
         """:meth:`finish` in an event loop: each reduction awaited, the loop free meanwhile.
@@ -620,6 +632,8 @@ class DiLoCo:
         handles, write_back = issue_buffer_sync(buffers, self.group)
         await comm.collect_all(handles)
         write_back()
+        if self._worker is not None:
+            await run_async(sync_steps(module_buffers(self._model), self._worker[0]))
 
     def _finish_votes(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """finish()'s one MAX vote: :meth:`_apart` per fragment, then the model's buffer

@@ -154,7 +154,8 @@ def workers_of_several_ranks(h: int = 3, steps: int = 8) -> dict[str, Any]:
     worker's gradients (ranks [0, 1] and [2, 3]) and a DiLoCo syncs one rank per worker
     ([0, 2] and [1, 3]), the ranks seeded apart. Against the 2-rank reference whose worker
     w takes the mean of its two ranks' gradients, step by step; then the refusals around
-    it. Returns what was refused."""
+    it, after finish() (which makes the buffers agree over all 4 ranks). Returns what was
+    refused, and the buffers after finish()."""
     from overlap.topology import ProcessTopology
 
     r = comm.get_rank()
@@ -166,6 +167,8 @@ def workers_of_several_ranks(h: int = 3, steps: int = 8) -> dict[str, Any]:
             if r in ranks:
                 groups[axis] = g
     model = Params(seed=r)
+    model.register_buffer("stat", torch.zeros(3))  # a running statistic, say
+    model.register_buffer("count", torch.zeros((), dtype=torch.int64))
     sched = BucketScheduler(model, group=groups["local"])
     inner = torch.optim.AdamW(model.parameters(), lr=LR_IN)
     outer = torch.optim.SGD(model.parameters(), lr=LR_OUT, momentum=MOM, nesterov=True)
@@ -189,6 +192,12 @@ def workers_of_several_ranks(h: int = 3, steps: int = 8) -> dict[str, Any]:
         _close(list(model.ps), [p.detach() for p in ref.local[r // 2]], f"step {t} local")
         _close(d.globals, ref.glob, f"step {t} global")
     out: dict[str, Any] = {"syncs": d.syncs}
+    # each rank's own statistics; finish() averages them over all 4 ranks (across the
+    # workers, then inside each), and every rank takes global rank 0's counter
+    model.stat.fill_(float(r))
+    model.count.fill_(10 + r)
+    d.finish()
+    out["finished_buffers"] = [model.stat.tolist(), int(model.count)]
     catch = catcher(out)
     catch("scheduler_on_top", lambda: BucketScheduler(model, group=groups["local"]))
     d.remove()  # the scheduler holds the parameters again

@@ -390,6 +390,7 @@ def test_workers_of_several_ranks_average_inside_and_sync_across(
     out = pools(4).run(dc.workers_of_several_ranks, timeout=120)
     for r, got in enumerate(out):
         assert got["syncs"] == 2, (r, got)
+        assert got["finished_buffers"] == [[1.5] * 3, 10], (r, got)  # the mean of 0..3
         assert got["scheduler_on_top"].startswith(
             "ValueError: these parameters are already reduced by a DiLoCo"
         ), (r, got)

@@ -101,6 +101,7 @@ def _schedulers_2x2() -> None:
 def _workers_2x2() -> None:
     out = dl.workers_of_several_ranks()
     assert out["syncs"] == 2 and out["same_ranks"].startswith("ValueError: this model's"), out
+    assert out["finished_buffers"] == [[1.5] * 3, 10], out
 
 
 def _grid_2x2() -> None:
