@@ -1,6 +1,6 @@
 """SLURM's srun environment (overlap.comm.slurm): hostlists, tasks per node, a task's
 placement and port, and which launcher init_distributed believes. Pure: no process is
-started here (tests/gloo/test_srun.py and tests/hosts start real ones)."""
+started here (tests/gloo/test_launcher_env.py and tests/hosts start real ones)."""
 
 from __future__ import annotations
 
