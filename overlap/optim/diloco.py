@@ -293,7 +293,7 @@ class DiLoCo:
             nested = _nested_error(held, group)
             # a worker of several ranks (hierarchical DiLoCo): finish() makes the buffers
             # agree inside the worker too, after across the workers
-            self._worker = (held.group,) if nested is None else None
+            self._worker = (held.given_group,) if nested is None else None
         if compression is not None and (held := holder_of(compression)) is not None:
             raise ValueError(
                 f"this {type(compression).__name__} is already used by a {type(held).__name__}: "

@@ -292,6 +292,9 @@ class BucketScheduler:
         # (every rank of the job builds one at once: overlap.comm.siblings)
         self.group, self.ctrl = groups_like(ranks, 2, "BucketScheduler")
         self._groups_owned = [self.group, self.ctrl]  # freed by remove()
+        # the caller's group (None: the world), which outlives the scheduler's own two: for
+        # others' collectives over the same ranks (DiLoCo.finish's buffers inside a worker)
+        self.given_group: Any = group
         self.reduce_dtype = reduce_dtype
         self.optimizer = optimizer
         self.hierarchical = False
