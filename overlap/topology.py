@@ -268,12 +268,7 @@ class PipelineParallelGrid:
             return None  # the world
         if self.process_group is not None or len(ranks) == 1:
             return comm.new_group(ranks, use_local_synchronization=True)
-        own = None
-        for lst in lists:
-            g = comm.new_group(lst)
-            if self.global_rank in lst:
-                own = g
-        return own
+        return comm.new_subgroups_by_enumeration(lists)[0]
 
     def _coord(self) -> Any:
         return self._topo.get_coord(self._rank)
