@@ -24,19 +24,21 @@ changed: a collective over buffers of other sizes would pair the wrong bytes or 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.nn.parameter import is_lazy
 
 from overlap import comm
+from overlap.comm.objects import _device
 from overlap.comm.steps import Steps, run
 
 __all__ = [
-    "issue_buffer_sync",
+    "buffer_steps",
     "layout_error",
     "layout_signature",
+    "layout_vote",
     "layouts_agree",
     "module_buffers",
     "sync_buffers",
@@ -61,19 +63,24 @@ def layout_signature(named: Sequence[tuple[str, torch.Tensor]]) -> int:
     return zlib.crc32(sig) % _SIG_MOD
 
 
+def layout_vote(named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """``[sig, -sig]`` of :func:`layout_signature`, to be MAX-reduced (alone, or at the end
+    of a longer vote) and read with :func:`layouts_agree`."""
+    sig = float(layout_signature(named))
+    return torch.tensor([sig, -sig], dtype=torch.float32, device=device)
+
+
 def layouts_agree(votes: torch.Tensor) -> bool:
     """Whether the ranks' signatures agree, from the last two entries of a MAX-reduced
     vote that ended ``[sig, -sig]`` on every rank: max(sig) == min(sig)."""
     return float(votes[-2]) == -float(votes[-1])
 
 
-def issue_buffer_sync(
-    buffers: Sequence[torch.Tensor], group: Any = None
-) -> tuple[list[Any], Callable[[], None]]:
-    """Issue the collectives that make ``buffers`` agree (module docstring) and return
-    their handles and the write-back to call once every handle has completed. A
+def buffer_steps(buffers: Sequence[torch.Tensor], group: Any = None) -> Steps:
+    """The collectives that make ``buffers`` agree (module docstring), then the write-back,
+    as a steps generator (overlap.comm.steps: ``run`` blocking, ``run_async`` awaited). A
     collective: every member of ``group`` calls it with buffers of the same layout, in the
-    same order (check it first: :func:`layout_signature`)."""
+    same order (check that first: :func:`layout_vote`)."""
     src = comm.get_global_rank(group, 0)
     nccl = comm.get_backend() == "nccl"
     by_kind: dict[tuple[bool, torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -91,32 +98,23 @@ def issue_buffer_sync(
         else:
             handles.append(comm.broadcast(flat, src=src, group=group, async_op=True))
         flats.append((flat, group_buffers))
-
-    def write_back() -> None:
-        with torch.no_grad():
-            for flat, group_buffers in flats:
-                at = 0
-                for b in group_buffers:
-                    b.copy_(flat[at : at + b.numel()].view(b.shape))
-                    at += b.numel()
-
-    return handles, write_back
+    yield handles
+    with torch.no_grad():
+        for flat, group_buffers in flats:
+            at = 0
+            for b in group_buffers:
+                b.copy_(flat[at : at + b.numel()].view(b.shape))
+                at += b.numel()
 
 
 def sync_steps(named: Sequence[tuple[str, torch.Tensor]], group: Any = None) -> Steps:
-    """:func:`sync_buffers`' work as a steps generator (overlap.comm.steps): the layout
-    vote, then the coalesced collectives, then the write-back; driven blocking with
-    ``run`` or awaited with ``run_async``."""
-    sig = float(layout_signature(named))
-    nccl = comm.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    votes = torch.tensor([sig, -sig], dtype=torch.float32, device=device)
+    """:func:`sync_buffers`' work as a steps generator: the layout vote, then
+    :func:`buffer_steps`."""
+    votes = layout_vote(named, _device())
     yield [comm.all_reduce(votes, op="max", group=group, async_op=True)]
     if not layouts_agree(votes):
         raise ValueError(layout_error(comm.get_all_ranks_from_group(group)))
-    handles, write_back = issue_buffer_sync([b for _, b in named], group)
-    yield handles
-    write_back()
+    yield from buffer_steps([b for _, b in named], group)
 
 
 def sync_buffers(model: torch.nn.Module, group: Any = None) -> None:

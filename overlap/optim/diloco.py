@@ -44,9 +44,9 @@ from overlap import comm
 from overlap.agreement import differing_ranks, param_signature
 from overlap.argcheck import count
 from overlap.buffer_sync import (
-    issue_buffer_sync,
+    buffer_steps,
     layout_error,
-    layout_signature,
+    layout_vote,
     layouts_agree,
     module_buffers,
     sync_steps,
@@ -606,10 +606,7 @@ class DiLoCo:
         due = self._issue_apart(votes)
         for i in due:
             self._land(i, self._wait(i), alpha=0.0)
-        handles, write_back = issue_buffer_sync(buffers, self.group)
-        for h in handles:
-            h.wait()
-        write_back()
+        run(buffer_steps(buffers, self.group))
         if self._worker is not None:
             run(sync_steps(module_buffers(self._model), self._worker[0]))
 
@@ -629,9 +626,7 @@ class DiLoCo:
         await comm.all_reduce(votes, op="max", group=self.group, async_op=True)
         for i in self._issue_apart(votes):
             self._land(i, await self._await(i), alpha=0.0)
-        handles, write_back = issue_buffer_sync(buffers, self.group)
-        await comm.collect_all(handles)
-        write_back()
+        await run_async(buffer_steps(buffers, self.group))
         if self._worker is not None:
             await run_async(sync_steps(module_buffers(self._model), self._worker[0]))
 
@@ -639,8 +634,7 @@ class DiLoCo:
         """finish()'s one MAX vote: :meth:`_apart` per fragment, then the model's buffer
         layout as ``[sig, -sig]`` (overlap.buffer_sync); and the buffers to sync."""
         named = module_buffers(self._model)
-        sig = float(layout_signature(named))
-        tail = torch.tensor([sig, -sig], dtype=torch.float32, device=self._ctrl())
+        tail = layout_vote(named, self._ctrl())
         return torch.cat([self._apart(), tail]), [b for _, b in named]
 
     def _apart(self) -> torch.Tensor:
