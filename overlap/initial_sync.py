@@ -21,9 +21,9 @@ ones refused): this module adds only the buffers.
 from __future__ import annotations
 
 import torch
-from torch.nn.parameter import is_lazy
 
 from overlap import comm
+from overlap.buffer_sync import module_buffers
 from overlap.params import Selection
 
 __all__ = ["module_state", "broadcast_state"]
@@ -36,7 +36,7 @@ def module_state(
     then the frozen ones) and, for a module, every buffer that has a shape (each once)."""
     out: list[torch.Tensor] = [*selection.params, *(p for _, p in selection.frozen)]
     if isinstance(model_or_params, torch.nn.Module):
-        out += [b for b in model_or_params.buffers() if not is_lazy(b)]
+        out += [b for _, b in module_buffers(model_or_params)]
     return out
 
 
