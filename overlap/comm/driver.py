@@ -163,17 +163,15 @@ def _run_job(make: Callable[[Any], Steps], group: Any, ctx: Any) -> Any:
         return run(make(group))
 
 
-def lower_priority() -> bool:
-    """Lower the calling thread's CPU priority to nice ``BACKGROUND_NICE``; whether it was
-    (Linux only: there a thread's priority is its own)."""
+def _lower_priority() -> None:
+    """Lower the calling thread's CPU priority to nice ``BACKGROUND_NICE`` (Linux only:
+    there a thread's priority is its own); elsewhere, or where it is forbidden, it stays."""
     if not sys.platform.startswith("linux"):
-        return False
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
     except OSError as exc:  # a sandbox that forbids it: run at normal priority
         log.debug("background job: cannot lower the thread's priority (%s)", exc)
-        return False
-    return True
 
 
 def _in_background(make: Callable[[Any], Steps], group: Any, ctx: Any, name: str) -> Any:
@@ -184,7 +182,7 @@ def _in_background(make: Callable[[Any], Steps], group: Any, ctx: Any, name: str
 
     def body() -> None:
         _claims.internal_thread()
-        lower_priority()
+        _lower_priority()
         try:
             out.append((True, _run_job(make, group, ctx)))
         except BaseException as exc:  # handed to the driver thread, which owns the handle
