@@ -199,12 +199,12 @@ def _srun_discovery(
     WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) as
     :func:`mpi_discovery` does, keeping a MASTER_ADDR or MASTER_PORT already set."""
     env = os.environ
-    if srun.world > 1 and not env.get("MASTER_ADDR") and not srun.nodes:
+    addr = env.get("MASTER_ADDR") or (srun.nodes[0] if srun.nodes else "")
+    if not addr:
         raise ValueError(
             "srun started this process but neither SLURM_STEP_NODELIST nor "
             "SLURM_JOB_NODELIST names the step's nodes: set MASTER_ADDR to task 0's host"
         )
-    addr = env.get("MASTER_ADDR") or (srun.nodes[0] if srun.nodes else "127.0.0.1")
     given = distributed_port if distributed_port != TORCH_DISTRIBUTED_DEFAULT_PORT else None
     port = slurm.srun_port(env, given)
     _export(srun.rank, srun.world, srun.local_rank, srun.local_world, srun.node, addr, port)
