@@ -29,12 +29,12 @@ Lightning does from the job ID), so two jobs that share a first node do not both
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from overlap.comm.launch_vars import launcher_ints
 
 __all__ = [
@@ -45,8 +45,6 @@ __all__ = [
     "tasks_per_node",
     "unlaunched_tasks",
 ]
-
-log = logging.getLogger(__name__)
 
 _STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NODEID")
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -170,7 +168,7 @@ def srun_port(env: Mapping[str, str] | None = None, given: int | None = None) ->
         return given
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")
     if not job.isdigit():
-        return 29500
+        return TORCH_DISTRIBUTED_DEFAULT_PORT
     return PORT_BASE + (int(job) * 16 + (int(step) if step.isdigit() else 0)) % PORT_SPAN
 
 
