@@ -1,9 +1,19 @@
 """Do the ranks of a group agree? The check a BucketScheduler or DiLoCo runs when built.
 
-Every rank must build the same model (and, for DiLoCo, the same schedule), or the first
-collective over mismatched buffers hangs or returns garbage. A few integers per rank (a
-signature of the parameters' shapes and dtypes, the settings) are all-gathered once at
-construction, and the ranks that differ from group rank 0 are named in the refusal.
+Every rank must build the same model with the same settings, or the first collective over
+mismatched buffers hangs or returns garbage. A few integers per rank (a signature of the
+parameters' shapes and dtypes, one per setting) are all-gathered once at construction, and
+the ranks that differ from group rank 0 are named in the refusal, with the settings they
+differ in.
+
+Settings matter because they decide which collectives a rank issues: before the
+forty-fourth session a BucketScheduler built with OneBit on one rank and none on the other
+hung, FP16 against none (or ``reduce_dtype=torch.float16`` against none) ended both
+processes from gloo's thread ("Received data size doesn't match"), and ``average=True``
+against ``False`` returned the same wrong gradient on both ranks (one rank's half plus the
+other's whole), with no error. A DiLoCo with Int8 on one rank and none on the other hung,
+and one whose ranks had different outer learning rates moved each rank's global weights
+apart, silently.
 """
 
 from __future__ import annotations
@@ -16,7 +26,12 @@ import torch
 
 from overlap import comm
 
-__all__ = ["differing_ranks", "param_signature"]
+__all__ = [
+    "differing",
+    "param_signature",
+    "setting_signature",
+    "settings_error",
+]
 
 
 def param_signature(params: Sequence[torch.Tensor]) -> int:
@@ -24,14 +39,44 @@ def param_signature(params: Sequence[torch.Tensor]) -> int:
     return zlib.crc32(repr([(tuple(p.shape), str(p.dtype)) for p in params]).encode())
 
 
-def differing_ranks(values: Sequence[int], group: Any, device: torch.device) -> list[int]:
-    """The global ranks of ``group`` whose ``values`` differ from group rank 0's. A
-    collective: every member calls it with as many values. ``device``: where the backend
-    reduces (CUDA for NCCL)."""
+def setting_signature(value: Any) -> int:
+    """One setting as an integer that is equal on two ranks when the setting is. overlap's
+    own objects (compressors, OneBitAdam, optimizers' hyperparameters as plain values) by
+    their ``repr``, which names their settings; another object by its class, since its
+    ``repr`` may hold an address or a rank."""
+    cls = type(value)
+    own = cls.__module__.startswith("overlap.") or value is None
+    plain = isinstance(value, (bool, int, float, str, tuple, torch.dtype))
+    text = repr(value) if own or plain else f"{cls.__module__}.{cls.__qualname__}"
+    return zlib.crc32(text.encode())
+
+
+def differing(
+    values: Sequence[int], group: Any, device: torch.device
+) -> list[tuple[int, list[int]]]:
+    """(global rank, the positions where its ``values`` differ) for each rank of ``group``
+    whose values differ from group rank 0's. A collective: every member calls it with as
+    many values. ``device``: where the backend reduces (CUDA for NCCL)."""
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     everyone = comm.all_gather(mine, group=group)
-    return [
-        comm.get_global_rank(group, i)
-        for i, t in enumerate(everyone)
-        if not torch.equal(t, everyone[0])
-    ]
+    out = []
+    for i, t in enumerate(everyone):
+        at = (t != everyone[0]).nonzero().flatten().tolist()
+        if at:
+            out.append((comm.get_global_rank(group, i), at))
+    return out
+
+
+def settings_error(
+    what: str, found: list[tuple[int, list[int]]], names: Sequence[str], first: int, group: Any
+) -> ValueError:
+    """The refusal for ranks whose settings differ: ``found`` from :func:`differing`, whose
+    positions ``first`` and on are the settings ``names``."""
+    ranks = [r for r, _ in found]
+    which = sorted({names[i - first] for _, at in found for i in at if i >= first})
+    return ValueError(
+        f"{what} settings differ across ranks: ranks {ranks} passed another "
+        f"{', '.join(which)} than rank {comm.get_global_rank(group, 0)}; build it with the "
+        "same arguments on every rank (other settings issue other collectives, which hang or "
+        "pair wrongly, or apply other updates)"
+    )

@@ -10,8 +10,10 @@ BucketScheduler per data-parallel group of a 2 x 2 topology, found by trying it)
 So every rank of the job says which ranks its group has (one object all-gather), and every
 rank makes the group of each distinct list, in one order, keeping its own: the usual SPMD
 program, where every rank builds its scheduler over its own group at the same time. Lists
-that disagree (a rank named in a group whose members say otherwise) are refused on every
-rank, with nothing made.
+that disagree (a rank named in a group whose members say otherwise), and a rank that passed
+a group it is not a member of, are refused on every rank, with nothing made. That rank takes
+part in the all-gather first: before, it raised alone (its group's size is unknown to a
+non-member) and the members waited in the all-gather until the backend's timeout.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ __all__ = ["groups_like"]
 
 
 def groups_like(ranks: Sequence[int], count: int, what: str) -> list[Any]:
-    """``count`` new groups of ``ranks`` (this rank's group's global ranks); every rank of
-    the job calls it at once, each with its own group's ranks. ``what`` names the caller in
-    a refusal."""
+    """``count`` new groups of ``ranks`` (the global ranks of the group this rank was given,
+    which it should be a member of); every rank of the job calls it at once, each with its
+    own group's ranks. ``what`` names the caller in a refusal."""
     from overlap.comm import all_gather_object, get_world_size, new_group
     from overlap.comm.torch_names import new_subgroups_by_enumeration
 
@@ -33,6 +35,14 @@ def groups_like(ranks: Sequence[int], count: int, what: str) -> list[Any]:
     world = get_world_size()
     said: list[Any] = [None] * world
     all_gather_object(said, mine)
+    outside = [r for r in range(world) if r not in said[r]]
+    if outside:
+        r = outside[0]
+        raise ValueError(
+            f"{what}: rank {r} was given the group of ranks {list(said[r])}, which it is not a "
+            f"member of: every rank of the job builds its {what} at the same time, each over a "
+            "group it belongs to (for example its own data-parallel group of a topology)"
+        )
     lists = sorted(set(said))
     for group in lists:
         wrong = [m for m in group if said[m] != group]

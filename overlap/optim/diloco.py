@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from overlap import comm
-from overlap.agreement import differing_ranks, param_signature
+from overlap.agreement import differing, param_signature, setting_signature, settings_error
 from overlap.argcheck import count
 from overlap.buffer_sync import (
     buffer_steps,
@@ -366,9 +366,22 @@ class DiLoCo:
         sig = param_signature(self.params)
         conf = [len(self.params), sig, self.sync_every, self.fragments, self.delay]
         conf += [len(state), param_signature(state), int(nested is not None)]
-        ranks = differing_ranks(conf, g, self._ctrl())
+        # and what the syncs' collectives and the outer steps depend on (overlap.agreement)
+        outer = tuple(
+            tuple(sorted((k, repr(v)) for k, v in pg.items() if k != "params"))
+            for pg in self.outer.param_groups
+        )
+        settings = {
+            "compression": self.compression,
+            "alpha": self.alpha,
+            "outer_optimizer": (type(self.outer).__qualname__, outer),
+        }
+        found = differing([*conf, *map(setting_signature, settings.values())], g, self._ctrl())
+        ranks = [r for r, at in found if min(at) < len(conf)]
         if nested is not None:
             raise ValueError(nested)
+        if found and not ranks:
+            raise settings_error("DiLoCo's", found, list(settings), len(conf), g)
         if ranks:
             raise ValueError(
                 f"DiLoCo differs across ranks: ranks {ranks} have other parameter or buffer "

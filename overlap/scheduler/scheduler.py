@@ -34,7 +34,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from overlap import comm
-from overlap.agreement import differing_ranks, param_signature
+from overlap.agreement import differing, param_signature, setting_signature, settings_error
 from overlap.argcheck import positive_real
 from overlap.comm import debug as _debug
 from overlap.comm import state as comm_state
@@ -286,7 +286,8 @@ class BucketScheduler:
         # The control collectives (model check, used-parameter mask, rebuild order) run on the
         # backend's own device: NCCL reduces only CUDA tensors.
         self._ctrl_device = self.device if backend == "nccl" else torch.device("cpu")
-        ranks = [comm.get_global_rank(group, i) for i in range(comm.get_world_size(group))]
+        # known on a rank outside the group too, which groups_like then refuses on every rank
+        ranks = comm.get_process_group_ranks(group)
         self.world = len(ranks)
         # the buckets' collectives, and the per-step used-parameter mask and the rebuild
         # (every rank of the job builds one at once: overlap.comm.siblings)
@@ -300,7 +301,21 @@ class BucketScheduler:
         self.hierarchical = False
         try:  # a refusal (the same on every rank) frees the groups just made
             self._module_state = module_state(model_or_params, self._selection)
-            self._check_same_model(self._module_state)
+            self._check_same_model(
+                self._module_state,
+                {
+                    "bucket_cap_mb": int(bucket_cap_mb * MB),
+                    "first_bucket_mb": int(first_bucket_mb * MB),
+                    "compression": compression,
+                    "average": bool(average),
+                    "gradient_as_bucket_view": bool(gradient_as_bucket_view),
+                    "reduce_dtype": self._bucket_dtype(reduce_dtype),
+                    "rebuild_buckets": bool(rebuild_buckets),
+                    "optimizer": optimizer,
+                    "hierarchy": hierarchy,
+                    "init_sync": bool(init_sync),
+                },
+            )
             if init_sync:
                 broadcast_state(self._module_state, self.ctrl, self._ctrl_device)
             if optimizer is not None:
@@ -434,13 +449,27 @@ class BucketScheduler:
         inner = getattr(self.compression, "inner", None) if self.hierarchical else None
         return [self.compression] + ([inner] if inner is not None else [])
 
-    def _check_same_model(self, tensors: list[torch.Tensor]) -> None:
+    def _bucket_dtype(self, reduce_dtype: torch.dtype | None) -> str:
+        """``reduce_dtype`` as it shapes the buckets: None and the parameters' own dtype
+        are alike."""
+        if reduce_dtype is None or all(p.dtype == reduce_dtype for p in self.params):
+            return "the parameters' own"
+        return str(reduce_dtype)
+
+    def _check_same_model(self, tensors: list[torch.Tensor], settings: dict[str, Any]) -> None:
         """Every rank has the same trainable parameters and the same tensors to take from
-        rank 0 (frozen parameters, buffers), by shape and dtype; a collective."""
+        rank 0 (frozen parameters, buffers), by shape and dtype, and the same ``settings``
+        (what decides which collectives a step issues: overlap.agreement); a collective."""
         mine = [len(self.params), param_signature(self.params)]
-        ranks = differing_ranks(
-            [*mine, len(tensors), param_signature(tensors)], self.ctrl, self._ctrl_device
+        mine += [len(tensors), param_signature(tensors)]
+        found = differing(
+            [*mine, *map(setting_signature, settings.values())], self.ctrl, self._ctrl_device
         )
+        ranks = [r for r, at in found if min(at) < len(mine)]
+        if found and not ranks:
+            raise settings_error(
+                "the BucketScheduler's", found, list(settings), len(mine), self.ctrl
+            )
         if ranks:
             raise ValueError(
                 f"the parameters differ across ranks: ranks {ranks} have other shapes or "

@@ -817,6 +817,16 @@ def refusals() -> dict[str, str]:
     DiLoCo(model, inner).remove()  # the model is free again after remove()
     # a rank with another schedule: every rank refuses, naming the odd one
     catch("differs", lambda: DiLoCo(model, inner, sync_every=4 + comm.get_rank()))
+    # other settings: before, Int8 against none hung, and another outer learning rate
+    # moved each rank's global weights apart with no error
+    one = comm.get_rank() == 1
+    catch(
+        "other_compression",
+        lambda: DiLoCo(model, inner, compression=overlap.Int8() if one else None),
+    )
+    lr = 0.5 if one else 0.7
+    outer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    catch("other_outer", lambda: DiLoCo(model, inner, outer_optimizer=outer))
     # remove() (and every refusal) left no step pre-hook on the inner optimizer
     out["hooks"] = str(len(inner._optimizer_step_pre_hooks))
     return out

@@ -348,6 +348,22 @@ def bad_inputs() -> dict[str, str]:
     s3.remove()
     other = nn.Linear(3, 3 + (r == 1))
     catch("different_models", lambda: BucketScheduler(other))
+    # Settings that decide the step's collectives, other on rank 1: every rank refuses,
+    # naming them. Before: OneBit against none hung, FP16 against none ended both processes
+    # from gloo's thread, average=False against True gave both ranks the same wrong sum.
+    same = nn.Linear(3, 3)
+    one = r == 1
+    catch("other_compression", lambda: BucketScheduler(same, compression=FP16() if one else None))
+    catch("other_average", lambda: BucketScheduler(same, average=not one))
+    catch(
+        "other_dtype_and_cap",
+        lambda: BucketScheduler(
+            same, reduce_dtype=torch.float16 if one else None, bucket_cap_mb=1 if one else 25
+        ),
+    )
+    # alike: reduce_dtype None and the parameters' own dtype; a tracer on one rank only
+    tracer = overlap.Tracer() if one else None
+    BucketScheduler(same, reduce_dtype=torch.float32 if one else None, tracer=tracer).remove()
     mixed = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))]
     catch("several_devices", lambda: BucketScheduler(mixed))
     catch("nothing_to_reduce", lambda: BucketScheduler(nn.Linear(2, 2).requires_grad_(False)))
@@ -1531,12 +1547,16 @@ def schedulers_per_subgroup(compression: str = "none") -> dict[str, Any]:
     last alone when the world is odd), as over the data-parallel groups of a topology: each
     averages inside its group only, for two steps (the buckets rebuilt in between). Then the
     ranks disagree on the groups (the first two pass their pair, the rest the world): every
-    rank refuses. Returns what was refused."""
+    rank refuses. Then every rank passes the first pair's group, which ranks 2 and up are not
+    members of: every rank refuses (before: those ranks raised alone, and the pair waited in
+    the groups' all-gather until the backend's timeout). Returns what was refused."""
     r, w = comm.get_rank(), comm.get_world_size()
     lists = [list(range(i, min(i + 2, w))) for i in range(0, w, 2)]
     mine: Any = None
+    first: Any = None
     for ranks in lists:  # every rank makes every group, in one order
         g = comm.new_group(ranks)
+        first = g if first is None else first
         if r in ranks:
             mine = g
     mates = lists[r // 2]
@@ -1564,4 +1584,7 @@ def schedulers_per_subgroup(compression: str = "none") -> dict[str, Any]:
     out: dict[str, Any] = {}
     catch = catcher(out)
     catch("disagree", lambda: BucketScheduler(m, group=mine if r < 2 else None))
+    catch("outside", lambda: BucketScheduler(m, group=first))
+    # nothing was made or claimed: the pair's scheduler can be built after the refusal
+    BucketScheduler(m, group=mine).remove()
     return out

@@ -334,6 +334,10 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "diloco.global_weights():`)",
         "finish_removed": "RuntimeError: this DiLoCo was removed",
         "differs": "ValueError: DiLoCo differs across ranks: ranks [1]",
+        "other_compression": "ValueError: DiLoCo's settings differ across ranks: ranks [1] "
+        "passed another compression than rank 0",
+        "other_outer": "ValueError: DiLoCo's settings differ across ranks: ranks [1] passed "
+        "another outer_optimizer than rank 0",
     }
     for r in (0, 1):
         assert set(out[r]) == set(want)

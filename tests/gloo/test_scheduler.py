@@ -95,6 +95,12 @@ def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
         assert out["different_models"].startswith(
             "ValueError: the parameters differ across ranks: ranks [1]"
         ), out
+        settings = "ValueError: the BucketScheduler's settings differ across ranks: ranks [1] "
+        assert out["other_compression"].startswith(settings + "passed another compression "), out
+        assert out["other_average"].startswith(settings + "passed another average "), out
+        assert out["other_dtype_and_cap"].startswith(
+            settings + "passed another bucket_cap_mb, reduce_dtype than rank 0"
+        ), out
         assert "several devices" in out["several_devices"], out
         assert "no parameter requires grad" in out["nothing_to_reduce"], out
         assert out["hierarchy_one_host"].startswith(
@@ -478,4 +484,8 @@ def test_a_scheduler_per_data_parallel_group_averages_inside_it(
         assert got["disagree"].startswith(
             "ValueError: BucketScheduler: the ranks disagree on their groups: ranks [0, 1, 2, "
             "3] are one group for some of them, but rank 0 gave ranks [0, 1]"
+        ), got
+        assert got["outside"].startswith(
+            "ValueError: BucketScheduler: rank 2 was given the group of ranks [0, 1], which it "
+            "is not a member of"
         ), got

@@ -91,11 +91,16 @@ def _disagree(out: dict[str, str]) -> None:
         "ValueError: BucketScheduler: the ranks disagree on their groups: ranks [0, 1, 2] "
         "are one group for some of them, but rank 0 gave ranks [0, 1]"
     ), out
+    assert out["outside"].startswith(
+        "ValueError: BucketScheduler: rank 2 was given the group of ranks [0, 1], which it is "
+        "not a member of"
+    ), out
 
 
 def _schedulers_2x2() -> None:
     out = sc.schedulers_per_subgroup("onebit")
     assert out["disagree"].startswith("ValueError: BucketScheduler: the ranks disagree"), out
+    assert out["outside"].startswith("ValueError: BucketScheduler: rank 2 was given"), out
 
 
 def _workers_2x2() -> None:
