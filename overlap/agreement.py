@@ -28,6 +28,7 @@ from overlap import comm
 
 __all__ = [
     "differing",
+    "optimizer_settings",
     "param_signature",
     "setting_signature",
     "settings_error",
@@ -49,6 +50,21 @@ def setting_signature(value: Any) -> int:
     plain = isinstance(value, (bool, int, float, str, tuple, torch.dtype))
     text = repr(value) if own or plain else f"{cls.__module__}.{cls.__qualname__}"
     return zlib.crc32(text.encode())
+
+
+def optimizer_settings(opt: Any) -> tuple[Any, ...] | None:
+    """What an optimizer does to the parameters it is given, comparable across ranks: its
+    class, its ``repr`` where overlap wrote it (OneBitAdam's names its freeze step), and
+    each parameter group's hyperparameters (lr, momentum, betas, ...), not its tensors."""
+    if opt is None:
+        return None
+    cls = type(opt)
+    own = repr(opt) if cls.__module__.startswith("overlap.") else ""
+    groups = tuple(
+        tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+        for g in getattr(opt, "param_groups", ())
+    )
+    return (f"{cls.__module__}.{cls.__qualname__}", own, groups)
 
 
 def differing(

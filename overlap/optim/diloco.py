@@ -41,7 +41,13 @@ import torch
 from torch import nn
 
 from overlap import comm
-from overlap.agreement import differing, param_signature, setting_signature, settings_error
+from overlap.agreement import (
+    differing,
+    optimizer_settings,
+    param_signature,
+    setting_signature,
+    settings_error,
+)
 from overlap.argcheck import count
 from overlap.buffer_sync import (
     buffer_steps,
@@ -367,14 +373,10 @@ class DiLoCo:
         conf = [len(self.params), sig, self.sync_every, self.fragments, self.delay]
         conf += [len(state), param_signature(state), int(nested is not None)]
         # and what the syncs' collectives and the outer steps depend on (overlap.agreement)
-        outer = tuple(
-            tuple(sorted((k, repr(v)) for k, v in pg.items() if k != "params"))
-            for pg in self.outer.param_groups
-        )
         settings = {
             "compression": self.compression,
             "alpha": self.alpha,
-            "outer_optimizer": (type(self.outer).__qualname__, outer),
+            "outer_optimizer": optimizer_settings(self.outer),
         }
         found = differing([*conf, *map(setting_signature, settings.values())], g, self._ctrl())
         ranks = [r for r, at in found if min(at) < len(conf)]

@@ -34,7 +34,13 @@ import torch
 from torch.autograd.variable import Variable
 
 from overlap import comm
-from overlap.agreement import differing, param_signature, setting_signature, settings_error
+from overlap.agreement import (
+    differing,
+    optimizer_settings,
+    param_signature,
+    setting_signature,
+    settings_error,
+)
 from overlap.argcheck import positive_real
 from overlap.comm import debug as _debug
 from overlap.comm import state as comm_state
@@ -311,7 +317,7 @@ class BucketScheduler:
                     "gradient_as_bucket_view": bool(gradient_as_bucket_view),
                     "reduce_dtype": self._bucket_dtype(reduce_dtype),
                     "rebuild_buckets": bool(rebuild_buckets),
-                    "optimizer": optimizer,
+                    "optimizer": optimizer_settings(optimizer),
                     "hierarchy": hierarchy,
                     "init_sync": bool(init_sync),
                 },

@@ -417,6 +417,9 @@ def refusals() -> dict[str, str]:
     two = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
     partial = OneBitAdam(two[0].parameters(), freeze_step=2)
     catch("uncovered_groups", lambda: BucketScheduler(two, optimizer=partial))
+    # another learning rate on rank 1: every rank refuses (overlap.agreement)
+    lr = 1e-3 if comm.get_rank() == 1 else 1e-4
+    catch("other_lr", lambda: BucketScheduler(lin2, optimizer=OneBitAdam(lin2.parameters(), lr=lr)))
     catch(
         "not_onebitadam",
         lambda: BucketScheduler(lin, optimizer=torch.optim.Adam(lin.parameters())),

@@ -83,6 +83,8 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "step_without_sync": "RuntimeError: OneBitAdam.step() with a BucketScheduler",
         "uncovered_groups": "ValueError: the BucketScheduler reduces 4 parameters and this "
         "OneBitAdam updates 2",
+        "other_lr": "ValueError: the BucketScheduler's settings differ across ranks: ranks [1] "
+        "passed another optimizer than rank 0",
         "not_onebitadam": "TypeError: optimizer= takes an overlap.OneBitAdam, got Adam",
         "reduce_dtype": "ValueError: optimizer=OneBitAdam forms and reduces the momentum in "
         "float32 buckets, not torch.float16",
