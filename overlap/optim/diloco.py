@@ -358,7 +358,7 @@ class DiLoCo:
         # the inner optimizer's next step waits for a pass still reading the weights
         self._gate = inner_optimizer.register_step_pre_hook(self._before_inner_step)
         if tracer is not None:
-            tracer.attach_if_none()
+            tracer.hold()  # released by remove()
 
     # ------------------------------------------------------------------ set-up
     def _start(self, state: list[torch.Tensor], nested: str | None = None) -> None:
@@ -1132,6 +1132,8 @@ class DiLoCo:
         self._spare.clear()
         self._selection.unwatch()
         release([*self.params, self.compression], self)
+        if self.tracer is not None:
+            self.tracer.release()
         self._removed = True
 
     def _check_live(self) -> None:

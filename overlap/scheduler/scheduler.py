@@ -340,8 +340,9 @@ class BucketScheduler:
         self.first_cap = int(first_bucket_mb * MB)
         self.rebuild = rebuild_buckets
         self.tracer = tracer
+        self._tracer_released = False
         if tracer is not None:
-            tracer.attach_if_none()
+            tracer.hold()  # released by remove()
         self._pidx = {id(p): i for i, p in enumerate(self.params)}
         # what each parameter was when its bucket was laid out (see _hook)
         self._kinds = [(p.dtype, p.is_cuda) for p in self.params]
@@ -1328,6 +1329,9 @@ class BucketScheduler:
         self._selection.unwatch()
         self._launcher.close()
         release([*self.params, *self._compressors()], self)
+        if self.tracer is not None and not self._tracer_released:
+            self._tracer_released = True
+            self.tracer.release()
         if self.hierarchical and comm.is_initialized():
             self.compression.destroy()  # type: ignore[attr-defined]
             self.hierarchical = False

@@ -63,6 +63,9 @@ class Tracer:
         self._flow = 0
         self._device: list[tuple[str, str, Any, Any, int, dict[str, Any]]] = []
         self._ref: tuple[Any, int] | None = None  # (CUDA event, host ns) for device time
+        # schedulers and DiLoCos that attached this tracer through hold() and hold it still
+        # (0: attached by the user, or not at all)
+        self._holders = 0
 
     # --------------------------------------------------------------------- attachment
     def attach(self) -> Tracer:
@@ -80,6 +83,7 @@ class Tracer:
                 _current.name,
             )
         _current = self
+        self._holders = 0  # attached by its user: no owner's release() detaches it
         hooks.set_observer(self._on_comm)
         try:
             from overlap import comm
@@ -91,17 +95,38 @@ class Tracer:
         return self
 
     def attach_if_none(self) -> Tracer:
-        """Attach this tracer unless one is attached already (this one or another): what a
-        BucketScheduler or DiLoCo given ``tracer=`` does, so it records where the user's own
-        attached tracer leaves the comm layer's ops."""
+        """Attach this tracer unless one is attached already (this one or another), so it
+        records where an attached tracer leaves the comm layer's ops. Nothing detaches it
+        but :meth:`detach` (an owner that will let go uses :meth:`hold`)."""
         if _current is None:
             self.attach()
         return self
+
+    def hold(self) -> None:
+        """:meth:`attach_if_none` for an owner that will :meth:`release` it (a
+        BucketScheduler or DiLoCo given ``tracer=``): the tracer stays attached while any
+        owner that attached it holds it, and is detached when the last one releases it.
+        One the user attached stays attached. Before, a scheduler's ``remove()`` left its
+        tracer attached, and the next scheduler's tracer recorded none of the comm layer's
+        ops, silently."""
+        if _current is None:
+            self.attach()
+            self._holders = 1
+        elif _current is self and self._holders:
+            self._holders += 1
+
+    def release(self) -> None:
+        """An owner that called :meth:`hold` is done with this tracer (its ``remove()``)."""
+        if self._holders:
+            self._holders -= 1
+            if not self._holders:
+                self.detach()
 
     def detach(self) -> None:
         global _current
         from overlap.comm import hooks
 
+        self._holders = 0
         if _current is self:
             _current = None
             hooks.set_observer(None)

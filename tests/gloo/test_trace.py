@@ -54,3 +54,15 @@ def test_export_on_one_rank_only_says_the_export_is_collective(
     assert out[0].startswith("CommError: Tracer.export_chrome on rank 0 failed"), out[0]
     assert "every rank of the job calls it" in out[0] and "if rank == 0" in out[0], out[0]
     assert not path.exists()
+
+
+def test_remove_detaches_the_tracer_the_scheduler_attached(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for got in pools(2).run(trace_cases.tracer_released_by_remove, timeout=120):
+        for name in ("first", "second"):
+            assert got[f"{name}_attached"] and got[f"{name}_detached"], got
+            assert got[f"{name}_comm_spans"] > 0, got
+        assert got["user_attached_kept"] and got["held_by_the_other"], got
+        assert got["released_by_both"], got
+        assert got["diloco_holds"] and got["diloco_released"], got

@@ -49,3 +49,44 @@ def export_on_rank_0_only(path: str, wait_s: float) -> str:
         return "no error"
     finally:
         tracer.detach()
+
+
+def tracer_released_by_remove() -> dict[str, Any]:
+    """A scheduler's tracer is attached while it holds it and detached by its remove(), so a
+    second scheduler's tracer records the comm layer's ops (before: the first stayed
+    attached, and the second recorded no comm span, silently). A tracer the user attached
+    stays attached; two owners of one tracer keep it attached until both are removed."""
+    from overlap.trace.recorder import current
+
+    def comm_spans(tracer: overlap.Tracer) -> int:
+        return sum(1 for s in tracer.spans if s[1] == "comm")
+
+    out: dict[str, Any] = {}
+    model = nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+    for name in ("first", "second"):
+        tracer = overlap.Tracer()
+        sched = BucketScheduler(model, tracer=tracer)
+        out[f"{name}_attached"] = current() is tracer
+        model(x).sum().backward()
+        sched.synchronize()
+        sched.remove()
+        out[f"{name}_comm_spans"] = comm_spans(tracer)
+        out[f"{name}_detached"] = current() is None
+    mine = overlap.Tracer().attach()
+    BucketScheduler(model, tracer=mine).remove()
+    out["user_attached_kept"] = current() is mine
+    mine.detach()
+    shared = overlap.Tracer()
+    a = BucketScheduler(nn.Linear(2, 2), tracer=shared)
+    b = BucketScheduler(nn.Linear(3, 3), tracer=shared)
+    a.remove()
+    out["held_by_the_other"] = current() is shared
+    b.remove()
+    out["released_by_both"] = current() is None
+    lin = nn.Linear(2, 2)
+    d = overlap.DiLoCo(lin, torch.optim.SGD(lin.parameters(), lr=0.1), tracer=shared)
+    out["diloco_holds"] = current() is shared
+    d.remove()
+    out["diloco_released"] = current() is None
+    return out
