@@ -1032,10 +1032,48 @@ class DiLoCo:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; ValueError (nothing changed) if it is for
-        another model or schedule."""
+        """Restore :meth:`state_dict`'s output; ValueError (nothing changed, on every rank)
+        if it is for another model or schedule, or if the ranks' states are of different
+        steps.
+
+        A collective, as :meth:`state_dict` is: every rank of the group calls it, each with
+        its own state. One MAX all-reduce carries each rank's verdict on its own state and
+        its step, so a state refused on one rank is refused on all, and states of different
+        saves are refused. Why: a job killed while saving leaves some ranks' newest files
+        one save older than the others'; before the forty-fourth session each rank loaded
+        its own, and the ranks then synced at different steps of their schedules and
+        averaged pseudo-gradients taken from different global weights, with no error."""
         self._check_live()
         self._check_no_astep()
+        own: Exception | None = None
+        step = 0.0
+        try:
+            self._check_state(state)
+            step = float(int(state["step"]))
+        except Exception as exc:  # voted on below, so that no other rank loads alone
+            own = exc
+        vote = torch.tensor(
+            [float(own is not None), step, -step], dtype=torch.float64, device=self._ctrl()
+        )
+        comm.all_reduce(vote, op="max", group=self.group)
+        if own is not None:
+            raise own
+        refused, newest, oldest = float(vote[0]), float(vote[1]), -float(vote[2])
+        if refused:
+            raise ValueError(
+                "DiLoCo.load_state_dict: another rank of the group refused its state (its "
+                "error says why); nothing was loaded on any rank"
+            )
+        if newest != oldest:
+            raise ValueError(
+                f"DiLoCo.load_state_dict: the ranks' states are of different steps ({oldest:.0f} "
+                f"to {newest:.0f}): load the states one save wrote, on every rank (a save that a "
+                "failure interrupted leaves some ranks' files older); nothing was loaded"
+            )
+        self._load(state)
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """:meth:`load_state_dict`'s checks of this rank's own state; raises ValueError."""
         for k in ("sync_every", "fragments", "delay", "alpha"):
             if state.get(k) != getattr(self, k):
                 raise ValueError(
@@ -1055,6 +1093,9 @@ class DiLoCo:
             )
         self.compression.check_state(state["compression"])
         check_rank("DiLoCo", state.get("rank"), group_rank(self.group), state["compression"])
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Take ``state`` (checked on every rank): the reductions in flight finish first."""
         self._settle()
         for i in sorted(self._inflight):  # let collectives in flight finish everywhere
             self._wait(i)

@@ -808,6 +808,20 @@ def refusals() -> dict[str, str]:
     before = [g.clone() for g in d.globals]
     catch("load_outer_groups", lambda: d.load_state_dict(other.state_dict()))
     assert all(torch.equal(a, b) for a, b in zip(before, d.globals, strict=True))
+    # states of two saves, one a rank (as a save interrupted on one rank leaves them), and a
+    # state refused on rank 1 only: every rank refuses, nothing loaded (before: each rank
+    # loaded its own, and they synced at other steps of their schedules, with no error)
+    early = d.state_dict()
+    for _ in range(3):
+        d.step()
+    late = d.state_dict()
+    one = comm.get_rank() == 1
+    catch("load_mixed_steps", lambda: d.load_state_dict(late if one else early))
+    bad = {**late, "sync_every": 8} if one else late
+    catch("load_refused_on_one", lambda: d.load_state_dict(bad))
+    out["steps_after_refusals"] = str(d.statistics()["inner_steps"])
+    d.load_state_dict(early)  # the same save on every rank: taken
+    out["steps_after_load"] = str(d.statistics()["inner_steps"])
     other.remove()
     with d.global_weights():
         catch("finish_inside", d.finish)

@@ -334,12 +334,21 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "diloco.global_weights():`)",
         "finish_removed": "RuntimeError: this DiLoCo was removed",
         "differs": "ValueError: DiLoCo differs across ranks: ranks [1]",
+        "load_mixed_steps": "ValueError: DiLoCo.load_state_dict: the ranks' states are of "
+        "different steps (0 to 3)",
+        "steps_after_refusals": "3",
+        "steps_after_load": "0",
         "other_compression": "ValueError: DiLoCo's settings differ across ranks: ranks [1] "
         "passed another compression than rank 0",
         "other_outer": "ValueError: DiLoCo's settings differ across ranks: ranks [1] passed "
         "another outer_optimizer than rank 0",
     }
+    assert out[0]["load_refused_on_one"].startswith(
+        "ValueError: DiLoCo.load_state_dict: another rank of the group refused its state"
+    ), out[0]
+    assert out[1]["load_refused_on_one"].startswith("ValueError: this state has sync_every=8")
     for r in (0, 1):
+        out[r].pop("load_refused_on_one")
         assert set(out[r]) == set(want)
         for k, v in want.items():
             assert out[r][k].startswith(v), (r, k, out[r][k])
