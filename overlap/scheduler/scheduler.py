@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
@@ -1269,7 +1270,49 @@ class BucketScheduler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (same world size and model, or a clear ValueError)."""
+        """Restore :meth:`state_dict` (same world size and model, or a clear ValueError with
+        nothing changed, on every rank).
+
+        A collective over the scheduler's ranks, at a step boundary: every rank calls it with
+        its own state, and one MAX all-reduce carries each rank's verdict on its state, its
+        step and its bucket layout. A state refused on one rank is refused on all, and states
+        of different saves (a job killed while saving leaves some ranks' newest files one
+        save older) are refused: before the forty-fourth session each rank loaded its own
+        with no error, and the ranks went on from other steps of their compressor's
+        warm-up (or with other bucket layouts)."""
+        own: Exception | None = None
+        step = layout = 0.0
+        try:
+            self._check_state(state)
+            step = float(int(state["step"]))
+            layout = float(zlib.crc32(repr(state["layout"]).encode()))
+        except Exception as exc:  # voted on below, so that no other rank loads alone
+            own = exc
+        vote = torch.tensor(
+            [float(own is not None), step, -step, layout, -layout],
+            dtype=torch.float64,
+            device=self._ctrl_device,
+        )
+        comm.all_reduce(vote, op="max", group=self.ctrl)
+        if own is not None:
+            raise own
+        refused, newest, oldest = float(vote[0]), float(vote[1]), -float(vote[2])
+        if refused:
+            raise ValueError(
+                "BucketScheduler.load_state_dict: another rank refused its state (its error "
+                "says why); nothing was loaded on any rank"
+            )
+        if newest != oldest or float(vote[3]) != -float(vote[4]):
+            raise ValueError(
+                f"BucketScheduler.load_state_dict: the ranks' states are of different saves "
+                f"(steps {oldest:.0f} to {newest:.0f}, or other bucket layouts): load the "
+                "states one save wrote, on every rank (a save that a failure interrupted "
+                "leaves some ranks' files older); nothing was loaded"
+            )
+        self._load(state)
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """:meth:`load_state_dict`'s checks of this rank's own state; raises ValueError."""
         if state["world_size"] != self.world:
             raise ValueError(
                 f"this scheduler state was saved on {state['world_size']} ranks "
@@ -1287,6 +1330,9 @@ class BucketScheduler:
             )
         self.compression.check_state(state["compression"])  # refuse before changing anything
         check_rank("scheduler", state.get("rank"), group_rank(self.group), state["compression"])
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Take ``state``, checked on every rank."""
         self._set_buckets(
             assign_buckets(
                 [self.params[i] for lay in state["layout"] for i in lay],

@@ -507,6 +507,39 @@ def _load_and_reduce(state: dict[str, Any]) -> None:
     ob.reduce(0, torch.ones(20))
 
 
+def load_mixed_saves() -> dict[str, str]:
+    """States of two saves, one a rank (a save interrupted on one rank leaves them), and a
+    state refused on rank 1 only: every rank refuses and nothing is loaded (before: each
+    rank loaded its own: other steps of the compressor's warm-up, so the ranks issued
+    collectives that did not pair). Then the same save everywhere is taken."""
+    out: dict[str, str] = {}
+    catch = catcher(out)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    s = BucketScheduler(m, compression=OneBit(warmup_steps=1))
+    x = torch.ones(2, 4)
+
+    def step() -> None:
+        m.zero_grad()
+        m(x).sum().backward()
+        s.synchronize()
+
+    step()
+    early = s.state_dict()
+    step()
+    late = s.state_dict()
+    one = comm.get_rank() == 1
+    catch("mixed", lambda: s.load_state_dict(late if one else early))
+    catch("refused_on_one", lambda: s.load_state_dict({**late, "world_size": 5} if one else late))
+    out["step_after_refusals"] = str(s.state_dict()["step"])
+    s.load_state_dict(early)
+    out["step_after_load"] = str(s.state_dict()["step"])
+    step()  # the ranks pair: the warm-up step again, then compressed
+    step()
+    s.remove()
+    return out
+
+
 def restore_elsewhere(states: dict[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     torch.manual_seed(0)

@@ -489,3 +489,20 @@ def test_a_scheduler_per_data_parallel_group_averages_inside_it(
             "ValueError: BucketScheduler: rank 2 was given the group of ranks [0, 1], which it "
             "is not a member of"
         ), got
+
+
+def test_states_of_two_saves_are_refused_on_every_rank(pools: Callable[[int], RankPool]) -> None:
+    out = pools(2).run(sc.load_mixed_saves, timeout=120)
+    for r, got in enumerate(out):
+        assert got["mixed"].startswith(
+            "ValueError: BucketScheduler.load_state_dict: the ranks' states are of different "
+            "saves (steps 1 to 2"
+        ), got
+        refused = got["refused_on_one"]
+        if r == 1:
+            assert refused.startswith("ValueError: this scheduler state was saved on 5"), got
+        else:
+            assert refused.startswith(
+                "ValueError: BucketScheduler.load_state_dict: another rank refused its state"
+            ), got
+        assert got["step_after_refusals"] == "2" and got["step_after_load"] == "1", got
