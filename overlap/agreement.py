@@ -19,7 +19,7 @@ apart, silently.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from overlap import comm
 
 __all__ = [
+    "agree_on_load",
     "differing",
     "optimizer_settings",
     "param_signature",
@@ -96,3 +97,43 @@ def settings_error(
         "same arguments on every rank (other settings issue other collectives, which hang or "
         "pair wrongly, or apply other updates)"
     )
+
+
+def agree_on_load(
+    what: str, check: Callable[[], Sequence[float]], count: int, group: Any, device: torch.device
+) -> None:
+    """The vote of a ``load_state_dict`` that is a collective (BucketScheduler, DiLoCo,
+    OneBitAdam): ``check`` runs this rank's checks of its own state and returns ``count``
+    values that must be equal on every rank (the step first, then e.g. a layout's crc32);
+    one MAX all-reduce over ``group`` carries each rank's verdict and values. Raises on
+    every rank, before anything is loaded: this rank's own error, or a ValueError when
+    another rank refused its state or the values differ (states of different saves: a job
+    killed while saving leaves some ranks' newest files one save older). Why: each rank
+    used to load its own state, and ranks resumed from different saves went on from other
+    steps of their schedules, with no error."""
+    own: Exception | None = None
+    values = [0.0] * count
+    try:
+        got = [float(v) for v in check()]
+        if len(got) != count:
+            raise RuntimeError(f"{what}: the check gave {len(got)} values, not {count}")
+        values = got
+    except Exception as exc:  # voted on below, so that no other rank loads alone
+        own = exc
+    mine = [float(own is not None)] + [x for v in values for x in (v, -v)]
+    vote = torch.tensor(mine, dtype=torch.float64, device=device)
+    comm.all_reduce(vote, op="max", group=group)
+    if own is not None:
+        raise own
+    got = vote.tolist()
+    if got[0]:
+        raise ValueError(
+            f"{what}: another rank of the group refused its state (its error says why); "
+            "nothing was loaded on any rank"
+        )
+    if any(got[1 + 2 * i] != -got[2 + 2 * i] for i in range(count)):
+        raise ValueError(
+            f"{what}: the ranks' states are of different saves (steps {-got[2]:.0f} to "
+            f"{got[1]:.0f}): load the states one save wrote, on every rank (a save that a "
+            "failure interrupted leaves some ranks' files older); nothing was loaded"
+        )

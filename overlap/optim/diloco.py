@@ -42,6 +42,7 @@ from torch import nn
 
 from overlap import comm
 from overlap.agreement import (
+    agree_on_load,
     differing,
     optimizer_settings,
     param_signature,
@@ -1045,31 +1046,12 @@ class DiLoCo:
         averaged pseudo-gradients taken from different global weights, with no error."""
         self._check_live()
         self._check_no_astep()
-        own: Exception | None = None
-        step = 0.0
-        try:
+
+        def check() -> list[float]:
             self._check_state(state)
-            step = float(int(state["step"]))
-        except Exception as exc:  # voted on below, so that no other rank loads alone
-            own = exc
-        vote = torch.tensor(
-            [float(own is not None), step, -step], dtype=torch.float64, device=self._ctrl()
-        )
-        comm.all_reduce(vote, op="max", group=self.group)
-        if own is not None:
-            raise own
-        refused, newest, oldest = float(vote[0]), float(vote[1]), -float(vote[2])
-        if refused:
-            raise ValueError(
-                "DiLoCo.load_state_dict: another rank of the group refused its state (its "
-                "error says why); nothing was loaded on any rank"
-            )
-        if newest != oldest:
-            raise ValueError(
-                f"DiLoCo.load_state_dict: the ranks' states are of different steps ({oldest:.0f} "
-                f"to {newest:.0f}): load the states one save wrote, on every rank (a save that a "
-                "failure interrupted leaves some ranks' files older); nothing was loaded"
-            )
+            return [int(state["step"])]
+
+        agree_on_load("DiLoCo.load_state_dict", check, 1, self.group, self._ctrl())
         self._load(state)
 
     def _check_state(self, state: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from overlap import comm
+from overlap.agreement import agree_on_load
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
 from overlap.compression.codec import write_outputs
@@ -455,7 +456,42 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Refused, with nothing changed, when it was saved on
-        another number of ranks or for other parameters."""
+        another number of ranks or for other parameters.
+
+        In a job, a collective over the optimizer's group, as its steps are: every rank
+        calls it with its own state, and a state refused on one rank, or states of
+        different saves (other step counts: one rank frozen and another still warming up
+        would issue collectives that do not pair), are refused on every rank
+        (:func:`overlap.agreement.agree_on_load`)."""
+        if not comm.is_initialized():
+            self._check_state(state_dict)
+        else:
+
+            def check() -> list[float]:
+                self._check_state(state_dict)
+                return [int(state_dict["onebit_adam"]["step"])]
+
+            device = self._ctrl_device()
+            agree_on_load("OneBitAdam.load_state_dict", check, 1, self.group, device)
+        extra = state_dict["onebit_adam"]
+        codec = OneBit(per_tensor_scales=self._codec.per_tensor_scales)
+        codec.load_state_dict(extra["codec"])  # checked by _check_state
+        body = {k: v for k, v in state_dict.items() if k != "onebit_adam"}
+        super().load_state_dict(body)
+        self._codec = codec
+        self._done = int(extra["step"])
+        self.skipped_steps = int(extra["skipped_steps"])
+        self.last_skipped = False
+        self._denoms.clear()
+        self._sig = None
+
+    def _ctrl_device(self) -> torch.device:
+        """Where the backend reduces a control vote: CUDA on NCCL, else the CPU."""
+        first = next(p for g in self.param_groups for p in g["params"])
+        return first.device if comm.get_backend() == "nccl" else torch.device("cpu")
+
+    def _check_state(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`load_state_dict`'s checks of this rank's own state; raises ValueError."""
         extra = state_dict.get("onebit_adam")
         if extra is None:
             raise ValueError(
@@ -486,16 +522,7 @@ class OneBitAdam(torch.optim.Optimizer):
                         f"parameter {i}: the saved {k} has shape {tuple(t.shape)} but the "
                         f"parameter has {tuple(p.shape)}: this state belongs to another model"
                     )
-        codec = OneBit(per_tensor_scales=self._codec.per_tensor_scales)
-        codec.load_state_dict(extra["codec"])  # validates before anything changes
-        body = {k: v for k, v in state_dict.items() if k != "onebit_adam"}
-        super().load_state_dict(body)
-        self._codec = codec
-        self._done = int(extra["step"])
-        self.skipped_steps = int(extra["skipped_steps"])
-        self.last_skipped = False
-        self._denoms.clear()
-        self._sig = None
+        OneBit(per_tensor_scales=self._codec.per_tensor_scales).check_state(extra["codec"])
 
     def _world(self) -> int | None:
         return comm.get_world_size(self.group) if comm.is_initialized() else None

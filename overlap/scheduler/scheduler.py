@@ -36,6 +36,7 @@ from torch.autograd.variable import Variable
 
 from overlap import comm
 from overlap.agreement import (
+    agree_on_load,
     differing,
     optimizer_settings,
     param_signature,
@@ -1280,35 +1281,12 @@ class BucketScheduler:
         save older) are refused: before the forty-fourth session each rank loaded its own
         with no error, and the ranks went on from other steps of their compressor's
         warm-up (or with other bucket layouts)."""
-        own: Exception | None = None
-        step = layout = 0.0
-        try:
+
+        def check() -> list[float]:
             self._check_state(state)
-            step = float(int(state["step"]))
-            layout = float(zlib.crc32(repr(state["layout"]).encode()))
-        except Exception as exc:  # voted on below, so that no other rank loads alone
-            own = exc
-        vote = torch.tensor(
-            [float(own is not None), step, -step, layout, -layout],
-            dtype=torch.float64,
-            device=self._ctrl_device,
-        )
-        comm.all_reduce(vote, op="max", group=self.ctrl)
-        if own is not None:
-            raise own
-        refused, newest, oldest = float(vote[0]), float(vote[1]), -float(vote[2])
-        if refused:
-            raise ValueError(
-                "BucketScheduler.load_state_dict: another rank refused its state (its error "
-                "says why); nothing was loaded on any rank"
-            )
-        if newest != oldest or float(vote[3]) != -float(vote[4]):
-            raise ValueError(
-                f"BucketScheduler.load_state_dict: the ranks' states are of different saves "
-                f"(steps {oldest:.0f} to {newest:.0f}, or other bucket layouts): load the "
-                "states one save wrote, on every rank (a save that a failure interrupted "
-                "leaves some ranks' files older); nothing was loaded"
-            )
+            return [int(state["step"]), zlib.crc32(repr(state["layout"]).encode())]
+
+        agree_on_load("BucketScheduler.load_state_dict", check, 2, self.ctrl, self._ctrl_device)
         self._load(state)
 
     def _check_state(self, state: dict[str, Any]) -> None:

@@ -445,6 +445,17 @@ def refusals() -> dict[str, str]:
     catch(
         "not_onebitadam_state", lambda: good.load_state_dict(torch.optim.Adam(params).state_dict())
     )
+    # states of two saves, one a rank: refused on every rank, nothing loaded (a deep copy:
+    # torch's state_dict() holds the live state tensors, which the next step changes)
+    sd = copy.deepcopy(sd)
+    _backward(params, _all_grads(0, comm.get_world_size())[comm.get_rank()])
+    good.step()
+    later = good.state_dict()
+    mixed = later if comm.get_rank() == 1 else sd
+    catch("mixed_saves", lambda: good.load_state_dict(mixed))
+    out["steps_after_mixed"] = str(good.state_dict()["onebit_adam"]["step"])
+    good.load_state_dict(sd)
+    out["steps_after_load"] = str(good.state_dict()["onebit_adam"]["step"])
     assert all(
         torch.equal(good.state[p]["exp_avg"], b) for p, b in zip(params, before, strict=True)
     )

@@ -335,7 +335,7 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "finish_removed": "RuntimeError: this DiLoCo was removed",
         "differs": "ValueError: DiLoCo differs across ranks: ranks [1]",
         "load_mixed_steps": "ValueError: DiLoCo.load_state_dict: the ranks' states are of "
-        "different steps (0 to 3)",
+        "different saves (steps 0 to 3)",
         "steps_after_refusals": "3",
         "steps_after_load": "0",
         "other_compression": "ValueError: DiLoCo's settings differ across ranks: ranks [1] "

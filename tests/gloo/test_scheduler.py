@@ -503,6 +503,7 @@ def test_states_of_two_saves_are_refused_on_every_rank(pools: Callable[[int], Ra
             assert refused.startswith("ValueError: this scheduler state was saved on 5"), got
         else:
             assert refused.startswith(
-                "ValueError: BucketScheduler.load_state_dict: another rank refused its state"
+                "ValueError: BucketScheduler.load_state_dict: another rank of the group refused "
+                "its state"
             ), got
         assert got["step_after_refusals"] == "2" and got["step_after_load"] == "1", got
