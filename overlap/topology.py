@@ -26,7 +26,10 @@ from collections.abc import Sequence
 from itertools import product
 from typing import Any
 
+import torch
+
 from overlap import comm
+from overlap.agreement import differing, setting_signature
 
 __all__ = [
     "PipeDataParallelTopology",
@@ -197,6 +200,7 @@ class PipelineParallelGrid:
                 else:
                     num_dp *= p
             topology = PipeDataParallelTopology(num_pp=num_pp, num_dp=num_dp)
+        self._check_same_topology(topology)
         if topology.world_size() != self.world_size:
             raise ValueError(
                 f"the topology has {topology.world_size()} ranks ({topology!r}) but the "
@@ -242,6 +246,23 @@ class PipelineParallelGrid:
         self.p2p_groups = self.build_p2p_groups()
 
     # ------------------------------------------------------------------------- helpers
+    def _check_same_topology(self, topology: ProcessTopology) -> None:
+        """Every rank of the grid built the same topology (one all-gather of a checksum of
+        its axes and dims), else ValueError on every rank, naming the ranks. Why: the
+        groups are made from each rank's own lists, and with another topology on one rank
+        of four every rank hung in the group creations until the backend's timeout."""
+        nccl = comm.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        sig = setting_signature((tuple(topology.axes), tuple(topology.dims)))
+        found = differing([sig], self.process_group, device)
+        if found:
+            first = comm.get_global_rank(self.process_group, 0)
+            raise ValueError(
+                f"PipelineParallelGrid: ranks {[r for r, _ in found]} built another topology "
+                f"than rank {first} (this rank's: axes {topology.axes}, dims "
+                f"{topology.dims}); build the same ProcessTopology on every rank"
+            )
+
     def _lists(self, axis: str) -> list[list[int]]:
         """Global-rank lists along ``axis``; an absent axis gives one singleton per rank."""
         lists = self._topo.get_axis_comm_lists(axis)

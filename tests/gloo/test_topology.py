@@ -33,6 +33,16 @@ def test_grid_without_a_pipe_axis(pools: Callable[[int], RankPool]) -> None:
     assert pools(3).run(tc.grid_without_pipe_axis, timeout=60) == [[0, 3], [1, 3], [2, 3]]
 
 
+def test_a_rank_with_another_topology_is_refused_on_every_rank(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for got, dp_sum in pools(4).run(tc.grid_other_topology, timeout=60):
+        assert got.startswith(
+            "PipelineParallelGrid: ranks [3] built another topology than rank 0"
+        ), got
+        assert dp_sum == "2"
+
+
 def test_grid_honours_process_group(pools: Callable[[int], RankPool]) -> None:
     res = pools(4).run(tc.grid_on_a_process_group, timeout=60)
     assert res[0] is None

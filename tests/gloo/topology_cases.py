@@ -70,6 +70,22 @@ def grid_without_pipe_axis() -> list[int]:
     return [grid.get_data_parallel_id(), int(t.item())]
 
 
+def grid_other_topology() -> list[str]:
+    """Rank 3 builds a 4 x 1 grid where the others build 2 x 2: every rank refuses, naming
+    rank 3 (before: every rank hung in the group creations); a grid built alike afterwards
+    works."""
+    dims = [4, 1] if comm.get_rank() == 3 else [2, 2]
+    try:
+        PipelineParallelGrid(ProcessTopology(axes=["pipe", "data"], dims=dims))
+        got = "no error"
+    except ValueError as exc:
+        got = str(exc)
+    grid = PipelineParallelGrid(ProcessTopology(axes=["pipe", "data"], dims=[2, 2]))
+    t = torch.ones(1)
+    comm.all_reduce(t, group=grid.get_data_parallel_group())
+    return [got, str(int(t.item()))]
+
+
 def grid_on_a_process_group() -> Any:
     """The grid spans the ranks of process_group (global ranks 1, 2, 3 of 4)."""
     sub = comm.new_group([1, 2, 3])
