@@ -28,6 +28,7 @@ from overlap import comm
 
 __all__ = [
     "agree_on_load",
+    "compare",
     "differing",
     "optimizer_settings",
     "param_signature",
@@ -82,6 +83,20 @@ def differing(
         if at:
             out.append((comm.get_global_rank(group, i), at))
     return out
+
+
+def compare(
+    what: str, values: Sequence[int], settings: dict[str, Any], group: Any, device: torch.device
+) -> tuple[list[int], ValueError | None]:
+    """One all-gather of ``values`` (the model's signature, the schedule: what the caller
+    names in its own refusal) and one :func:`setting_signature` per entry of ``settings``.
+    Returns the ranks whose ``values`` differ from group rank 0's, and, when only settings
+    differ, the refusal naming them (:func:`settings_error`; ``what`` names the object)."""
+    found = differing([*values, *map(setting_signature, settings.values())], group, device)
+    ranks = [r for r, at in found if min(at) < len(values)]
+    if found and not ranks:
+        return ranks, settings_error(what, found, list(settings), len(values), group)
+    return ranks, None
 
 
 def settings_error(

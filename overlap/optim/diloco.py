@@ -41,14 +41,7 @@ import torch
 from torch import nn
 
 from overlap import comm
-from overlap.agreement import (
-    agree_on_load,
-    differing,
-    optimizer_settings,
-    param_signature,
-    setting_signature,
-    settings_error,
-)
+from overlap.agreement import agree_on_load, compare, optimizer_settings, param_signature
 from overlap.argcheck import count
 from overlap.buffer_sync import (
     buffer_steps,
@@ -379,12 +372,11 @@ class DiLoCo:
             "alpha": self.alpha,
             "outer_optimizer": optimizer_settings(self.outer),
         }
-        found = differing([*conf, *map(setting_signature, settings.values())], g, self._ctrl())
-        ranks = [r for r, at in found if min(at) < len(conf)]
+        ranks, refusal = compare("DiLoCo's", conf, settings, g, self._ctrl())
         if nested is not None:
             raise ValueError(nested)
-        if found and not ranks:
-            raise settings_error("DiLoCo's", found, list(settings), len(conf), g)
+        if refusal is not None:
+            raise refusal
         if ranks:
             raise ValueError(
                 f"DiLoCo differs across ranks: ranks {ranks} have other parameter or buffer "

@@ -35,14 +35,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from overlap import comm
-from overlap.agreement import (
-    agree_on_load,
-    differing,
-    optimizer_settings,
-    param_signature,
-    setting_signature,
-    settings_error,
-)
+from overlap.agreement import agree_on_load, compare, optimizer_settings, param_signature
 from overlap.argcheck import positive_real
 from overlap.comm import debug as _debug
 from overlap.comm import state as comm_state
@@ -471,14 +464,10 @@ class BucketScheduler:
         (what decides which collectives a step issues: overlap.agreement); a collective."""
         mine = [len(self.params), param_signature(self.params)]
         mine += [len(tensors), param_signature(tensors)]
-        found = differing(
-            [*mine, *map(setting_signature, settings.values())], self.ctrl, self._ctrl_device
-        )
-        ranks = [r for r, at in found if min(at) < len(mine)]
-        if found and not ranks:
-            raise settings_error(
-                "the BucketScheduler's", found, list(settings), len(mine), self.ctrl
-            )
+        what = "the BucketScheduler's"
+        ranks, refusal = compare(what, mine, settings, self.ctrl, self._ctrl_device)
+        if refusal is not None:
+            raise refusal
         if ranks:
             raise ValueError(
                 f"the parameters differ across ranks: ranks {ranks} have other shapes or "
