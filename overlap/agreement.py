@@ -115,11 +115,16 @@ def settings_error(
 
 
 def agree_on_load(
-    what: str, check: Callable[[], Sequence[float]], count: int, group: Any, device: torch.device
+    what: str,
+    check: Callable[[], Sequence[float]],
+    names: Sequence[str],
+    group: Any,
+    device: torch.device,
 ) -> None:
     """The vote of a ``load_state_dict`` that is a collective (BucketScheduler, DiLoCo,
-    OneBitAdam): ``check`` runs this rank's checks of its own state and returns ``count``
-    values that must be equal on every rank (the step first, then e.g. a layout's crc32);
+    OneBitAdam): ``check`` runs this rank's checks of its own state and returns one value
+    per entry of ``names`` that must be equal on every rank (``"step"`` first, then e.g. a
+    bucket layout's crc32);
     one MAX all-reduce over ``group`` carries each rank's verdict and values. Raises on
     every rank, before anything is loaded: this rank's own error, or a ValueError when
     another rank refused its state or the values differ (states of different saves: a job
@@ -127,6 +132,7 @@ def agree_on_load(
     used to load its own state, and ranks resumed from different saves went on from other
     steps of their schedules, with no error."""
     own: Exception | None = None
+    count = len(names)
     values = [0.0] * count
     try:
         got = [float(v) for v in check()]
@@ -146,9 +152,14 @@ def agree_on_load(
             f"{what}: another rank of the group refused its state (its error says why); "
             "nothing was loaded on any rank"
         )
-    if any(got[1 + 2 * i] != -got[2 + 2 * i] for i in range(count)):
+    apart = [i for i in range(count) if got[1 + 2 * i] != -got[2 + 2 * i]]
+    if apart:
+        why = ", ".join(
+            f"steps {-got[2]:.0f} to {got[1]:.0f}" if names[i] == "step" else f"another {names[i]}"
+            for i in apart
+        )
         raise ValueError(
-            f"{what}: the ranks' states are of different saves (steps {-got[2]:.0f} to "
-            f"{got[1]:.0f}): load the states one save wrote, on every rank (a save that a "
-            "failure interrupted leaves some ranks' files older); nothing was loaded"
+            f"{what}: the ranks' states are of different saves ({why}): load the states one "
+            "save wrote, on every rank (a save that a failure interrupted leaves some ranks' "
+            "files older); nothing was loaded"
         )

@@ -1043,7 +1043,7 @@ class DiLoCo:
             self._check_state(state)
             return [int(state["step"])]
 
-        agree_on_load("DiLoCo.load_state_dict", check, 1, self.group, self._ctrl())
+        agree_on_load("DiLoCo.load_state_dict", check, ["step"], self.group, self._ctrl())
         self._load(state)
 
     def _check_state(self, state: dict[str, Any]) -> None:

@@ -472,7 +472,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 return [int(state_dict["onebit_adam"]["step"])]
 
             device = self._ctrl_device()
-            agree_on_load("OneBitAdam.load_state_dict", check, 1, self.group, device)
+            agree_on_load("OneBitAdam.load_state_dict", check, ["step"], self.group, device)
         extra = state_dict["onebit_adam"]
         codec = OneBit(per_tensor_scales=self._codec.per_tensor_scales)
         codec.load_state_dict(extra["codec"])  # checked by _check_state
@@ -506,6 +506,13 @@ class OneBitAdam(torch.optim.Optimizer):
                 f"{extra['world_size']} ranks"
             )
         check_rank("OneBitAdam", extra.get("rank"), group_rank(self.group), extra["codec"])
+        theirs = [len(g["params"]) for g in state_dict["param_groups"]]
+        mine = [len(g["params"]) for g in self.param_groups]
+        if sum(theirs) == sum(mine) and theirs != mine:
+            raise ValueError(
+                f"this OneBitAdam state has parameter groups of {theirs} parameters but the "
+                f"optimizer's are of {mine}: build the optimizer's groups as they were saved"
+            )
         params = [p for g in self.param_groups for p in g["params"]]
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         if len(saved) != len(params):

@@ -1275,7 +1275,8 @@ class BucketScheduler:
             self._check_state(state)
             return [int(state["step"]), zlib.crc32(repr(state["layout"]).encode())]
 
-        agree_on_load("BucketScheduler.load_state_dict", check, 2, self.ctrl, self._ctrl_device)
+        what = "BucketScheduler.load_state_dict"
+        agree_on_load(what, check, ["step", "bucket layout"], self.ctrl, self._ctrl_device)
         self._load(state)
 
     def _check_state(self, state: dict[str, Any]) -> None:

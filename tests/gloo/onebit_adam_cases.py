@@ -442,6 +442,10 @@ def refusals() -> dict[str, str]:
     small = _params()
     shaped = _opt([nn.Parameter(torch.zeros(2, 2)) if i == 2 else q for i, q in enumerate(small)])
     catch("other_shapes", lambda: shaped.load_state_dict(sd))
+    # the same parameters in other groups: refused in the checks the vote carries (before:
+    # torch's own error, from inside the load, after the vote had let the other ranks load)
+    regrouped = OneBitAdam([{"params": params[:2]}, {"params": params[2:]}], freeze_step=FREEZE)
+    catch("other_groups", lambda: regrouped.load_state_dict(sd))
     catch(
         "not_onebitadam_state", lambda: good.load_state_dict(torch.optim.Adam(params).state_dict())
     )

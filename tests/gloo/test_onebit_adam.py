@@ -93,6 +93,8 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "has 2",
         "other_shapes": "ValueError: parameter 2: the saved exp_avg has shape (4, 4)",
         "not_onebitadam_state": "ValueError: this is not a OneBitAdam state",
+        "other_groups": "ValueError: this OneBitAdam state has parameter groups of [3, 2] "
+        "parameters but the optimizer's are of [2, 3]",
         "mixed_saves": "ValueError: OneBitAdam.load_state_dict: the ranks' states are of "
         "different saves (steps 1 to 2)",
         "steps_after_mixed": "2",
