@@ -45,8 +45,8 @@ def test_conflicts_are_writes_over_shared_bytes() -> None:
         h = _pending()
         claims.claim(h, "x", *theirs)
         try:
-            threading.Timer(0.3, h._finish, (None,)).start()
-            t0 = time.monotonic()
+            t0 = time.monotonic()  # before the timer: a wait then lasts >= 0.3 s however
+            threading.Timer(0.3, h._finish, (None,)).start()  # this thread is scheduled
             claims.settle("y", *mine)
             return time.monotonic() - t0 > 0.2
         finally:
@@ -69,8 +69,8 @@ def test_an_op_on_claimed_memory_waits_for_the_op_in_flight() -> None:
     first = _pending()
     claims.claim(first, "all_reduce", (t,))
     try:
-        threading.Timer(0.2, first._finish, (None,)).start()
         t0 = time.monotonic()
+        threading.Timer(0.2, first._finish, (None,)).start()
         claims.settle("broadcast", (t[2:4],))
         waited = time.monotonic() - t0
         assert first.done()
@@ -111,8 +111,13 @@ def test_a_check_after_many_completed_claims_still_finds_the_live_one() -> None:
     t = torch.ones(8)
     for _ in range(3):  # past the index's rebuild threshold, each claim met once
         hs = [_pending() for _ in range(300)]
-        for h in hs:
-            claims.claim(h, "isend", (), (torch.ones(2),))
+        # the claimed tensors kept alive while their handles are pending, as a real op's
+        # handle keeps them: freed at once, the allocator gave the settle's torch.ones(1)
+        # the address of one of them, and the settle waited for ever on a handle this
+        # test finishes only after it (a 300 s timeout in CI, once)
+        sent = [torch.ones(2) for _ in hs]
+        for h, x in zip(hs, sent, strict=True):
+            claims.claim(h, "isend", (), (x,))
         claims.settle("all_reduce", (torch.ones(1),))
         for h in hs:
             h._finish(None)
@@ -124,8 +129,10 @@ def test_a_check_after_many_completed_claims_still_finds_the_live_one() -> None:
         claims.claim(h, "isend", (), (torch.ones(2),))
         h._finish(None)
         claims.settle("all_reduce", (torch.ones(1),))
-    threading.Timer(0.3, first._finish, (None,)).start()
+    # t0 before the timer: a wait then lasts >= 0.3 s however this thread is scheduled (the
+    # other order failed once in CI, the timer's 0.3 s counted partly before t0)
     t0 = time.monotonic()
+    threading.Timer(0.3, first._finish, (None,)).start()
     claims.settle("all_reduce", (t,))
     assert time.monotonic() - t0 > 0.2 and first.done()
     assert len(claims._index) < 10
