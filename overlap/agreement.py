@@ -63,10 +63,21 @@ def optimizer_settings(opt: Any) -> tuple[Any, ...] | None:
     cls = type(opt)
     own = repr(opt) if cls.__module__.startswith("overlap.") else ""
     groups = tuple(
-        tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+        tuple(sorted((k, _hyper(v)) for k, v in g.items() if k != "params"))
         for g in getattr(opt, "param_groups", ())
     )
     return (f"{cls.__module__}.{cls.__qualname__}", own, groups)
+
+
+def _hyper(value: Any) -> str:
+    """A hyperparameter as text alike on every rank: a tensor (a capturable optimizer's
+    ``lr``) by its values, since its ``repr`` names its device, which is each rank's own
+    GPU under NCCL; a large one by its shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() <= 16 and value.device.type != "meta":
+            return f"tensor{value.detach().cpu().tolist()!r}"
+        return f"tensor{tuple(value.shape)}:{value.dtype}"
+    return repr(value)
 
 
 def differing(
