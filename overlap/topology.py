@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from itertools import product
 from typing import Any
 
-import torch
-
 from overlap import comm
 from overlap.agreement import differing, setting_signature
+from overlap.comm.objects import _device
 
 __all__ = [
     "PipeDataParallelTopology",
@@ -251,10 +250,8 @@ class PipelineParallelGrid:
         its axes and dims), else ValueError on every rank, naming the ranks. Why: the
         groups are made from each rank's own lists, and with another topology on one rank
         of four every rank hung in the group creations until the backend's timeout."""
-        nccl = comm.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         sig = setting_signature((tuple(topology.axes), tuple(topology.dims)))
-        found = differing([sig], self.process_group, device)
+        found = differing([sig], self.process_group, _device())
         if found:
             first = comm.get_global_rank(self.process_group, 0)
             raise ValueError(

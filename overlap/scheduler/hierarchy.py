@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from overlap import comm
+from overlap.comm.objects import _device
 from overlap.comm.steps import Steps
 from overlap.compression.base import Compressor
 from overlap.compression.codec import codec_for, gather_sources, write_outputs
@@ -282,12 +283,7 @@ class Hierarchical(Compressor):
             if rank in ranks:
                 self.cross_group = g
         self.local_rank = rank % local
-        if device is None:
-            nccl = comm.get_backend() == "nccl"
-            device = (
-                torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-            )
-        self.device = device
+        self.device = _device(device)
         self.state: dict[Any, Any] = {}
         self._pad: torch.Tensor | None = None  # _rebuild's scratch chunk
         self._fuse = True  # a 1-bit chunk averaged inside its encode (False: tests' reference)
