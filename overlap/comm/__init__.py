@@ -326,8 +326,14 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
             raise TypeError(
                 f"new_group: ranks must be ints (global ranks), got {bad[:3]!r} in {ranks!r}"
             )
-    group = backend.new_group(ranks, **kwargs)
     world = backend.get_world_size()
+    if world > 1 and not kwargs.get("use_local_synchronization"):
+        # every rank says what it passed before any group is made (overlap.comm.members)
+        from overlap.comm.members import agree_on_members
+        from overlap.comm.objects import _device
+
+        agree_on_members(list(range(world)) if ranks is None else ranks, world, _device())
+    group = backend.new_group(ranks, **kwargs)
     members = sorted(range(world) if ranks is None else {int(r) for r in ranks})
     # Its debug group and its private twin for async multi-phase ops (overlap.comm.driver)
     # are made now, while every rank is here. A member-only group

@@ -39,6 +39,7 @@ from overlap.comm import progress as _progress
 from overlap.comm.aliasing import apart
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle
+from overlap.comm.members import members_error
 from overlap.comm.mpi_recv import MpiRecv
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
 from overlap.comm.p2p import P2POp
@@ -214,16 +215,9 @@ class MpiBackend:
     def new_group(self, ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
         world = self.world.size
         ranks = list(range(world)) if ranks is None else [int(r) for r in ranks]
-        if not ranks:
-            raise ValueError(
-                "new_group: ranks is empty; pass the global ranks of the group's members "
-                "(or None for every rank)"
-            )
-        bad = [r for r in ranks if not 0 <= r < world]
-        if bad:
-            raise ValueError(f"new_group: ranks {bad} are outside the world of {world} ranks")
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"new_group: ranks {ranks} contain duplicates")
+        error = members_error(ranks, world)
+        if error is not None:
+            raise ValueError(error)
         ranks = sorted(ranks)
         wc = self.world.comm
         if kwargs.get("use_local_synchronization"):

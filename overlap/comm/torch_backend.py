@@ -38,6 +38,7 @@ from overlap.comm.groups import (
     resolve_group,
 )
 from overlap.comm.handle import EVENT_ENGINE, Handle
+from overlap.comm.members import members_error
 from overlap.comm.p2p import P2POp
 from overlap.comm.reduce_op import ReduceOp, check_reducible, divides_first, parse_op
 from overlap.comm.validate import (
@@ -207,16 +208,9 @@ class TorchBackend:
         if ranks is None:
             ranks = list(range(world))
         ranks = [int(r) for r in ranks]
-        if not ranks:
-            raise ValueError(
-                "new_group: ranks is empty; pass the global ranks of the group's members "
-                "(or None for every rank)"
-            )
-        bad = [r for r in ranks if not 0 <= r < world]
-        if bad:
-            raise ValueError(f"new_group: ranks {bad} are outside the world of {world} ranks")
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"new_group: ranks {ranks} contain duplicates")
+        error = members_error(ranks, world)
+        if error is not None:
+            raise ValueError(error)
         # Every rank calls new_group with the same ranks, members or not (torch's rule),
         # unless use_local_synchronization=True: then only the members call.
         if kwargs.get("use_local_synchronization") and dist.get_rank() not in ranks:

@@ -105,6 +105,12 @@ def bad_calls() -> dict[str, tuple[str, str]]:
         "p2p_bad_kind": _catch(lambda: comm.batch_isend_irecv([comm.P2POp("put", t, 0)])),
         "new_group_bad_rank": _catch(lambda: comm.new_group([0, w + 5])),
         "new_group_other_backend": _catch(lambda: comm.new_group([0, 1], backend="nccl")),
+        # ranks that pass other lists, or one rank's bad list: before, rank 0 (or the ranks
+        # with a good list) waited in the backend's set-up until its timeout
+        "new_group_ranks_differ": _catch(lambda: comm.new_group([0, 1] if r == 0 else [1, 2])),
+        "new_group_bad_rank_on_one_rank": _catch(
+            lambda: comm.new_group([0, w + 5] if r == 2 else [0, 1])
+        ),
         "group_rank_outside": _catch(lambda: comm.get_global_rank(None, w)),
     }
     t2 = torch.ones(4)

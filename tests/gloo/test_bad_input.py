@@ -68,6 +68,14 @@ EXPECTED = {
         "ValueError",
         r"backend='nccl' differs from this job's backend 'gloo'; overlap runs every",
     ),
+    "new_group_ranks_differ": (
+        "ValueError",
+        r"ranks \[1, 2\] passed other ranks than rank 0 \(this rank passed \[[0-2], [1-2]\]\)",
+    ),
+    "new_group_bad_rank_on_one_rank": (
+        "ValueError",
+        r"ranks \[8\] are outside the world of 3 ranks; no group|rank 2 refused the ranks it",
+    ),
     "group_rank_outside": ("ValueError", r"group_rank=3 is outside group world"),
 }
 
