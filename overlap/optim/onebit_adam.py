@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from overlap import comm
-from overlap.agreement import agree_on_load
+from overlap.agreement import agree_on_load, compare, optimizer_settings, param_signature
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
 from overlap.compression.codec import write_outputs
@@ -158,6 +158,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self._synced: int | None = None  # the step whose buckets the scheduler finished
         self._sched_frozen = False  # the stage the scheduler's buckets ran in
         self._sig: tuple[Any, ...] | None = None
+        self._agreed = False  # the ranks compared their settings (the first standalone step)
 
     # torch.amp.GradScaler calls step() on every rank, with its scale in ``grad_scale``
     # and its (local) verdict in ``found_inf``, instead of skipping step() on the ranks
@@ -260,6 +261,8 @@ class OneBitAdam(torch.optim.Optimizer):
         """``scale``: the loss scale the gradients still carry (a GradScaler's);
         ``scaled``: a GradScaler drives this step (a non-finite one is skipped)."""
         ps = self._params()
+        if not self._agreed:
+            self._agree(ps)
         if not ps:
             return
         self._check_layout(ps)
@@ -301,6 +304,41 @@ class OneBitAdam(torch.optim.Optimizer):
             return self._skip()
         self._frozen_update(ps)
         return None
+
+    def _agree(self, ps: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """The first standalone step's check that the group's ranks have the same
+        parameters (shapes, dtypes) and settings (the hyperparameters of each group,
+        ``freeze_step``, ``per_tensor_scales``, ``on_nonfinite``): one all-gather of a few
+        integers, once. Raises ValueError on every rank, with nothing updated. Why: an
+        optimizer is built on each rank alone, and another ``lr`` on one rank moved the
+        ranks' weights apart with no error, another ``freeze_step`` hung the job at the
+        freeze, and another ``per_tensor_scales`` ended it from gloo's thread (forty-fifth
+        session). A BucketScheduler compares its optimizer when it is built."""
+        self._agreed = True
+        if not comm.is_initialized() or comm.get_world_size(self.group) == 1:
+            return
+        params = [p for p, _ in ps]
+        mine = [len(params), param_signature(params)]
+        device = self._ctrl_device()
+        what = "OneBitAdam's"
+        settings = {
+            "hyperparameters (lr, betas, eps, weight_decay, bias_correction)": (
+                optimizer_settings(self) or ((), (), ())
+            )[2],
+            "freeze_step": self.freeze_step,
+            "per_tensor_scales": self._codec.per_tensor_scales,
+            "on_nonfinite": self.on_nonfinite,
+            "step count (a state loaded on some ranks only)": self._done,
+        }
+        ranks, refusal = compare(what, mine, settings, self.group, device)
+        if refusal is not None:
+            raise refusal
+        if ranks:
+            raise ValueError(
+                f"OneBitAdam: ranks {ranks} step other parameters (shapes or dtypes, or how "
+                f"many have requires_grad) than rank {comm.get_global_rank(self.group, 0)}; "
+                "build the same model and optimizer on every rank; nothing was updated"
+            )
 
     def _step_after_scheduler(self) -> None:
         if self._synced != self._done:
@@ -537,7 +575,9 @@ class OneBitAdam(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (
             f"OneBitAdam(freeze_step={self.freeze_step}, steps={self._done}, "
-            f"frozen={self.frozen}, groups={len(self.param_groups)})"
+            f"frozen={self.frozen}, groups={len(self.param_groups)}, "
+            f"per_tensor_scales={self._codec.per_tensor_scales}, "
+            f"on_nonfinite={self.on_nonfinite!r})"
         )
 
 

@@ -420,6 +420,20 @@ def refusals() -> dict[str, str]:
     # another learning rate on rank 1: every rank refuses (overlap.agreement)
     lr = 1e-3 if comm.get_rank() == 1 else 1e-4
     catch("other_lr", lambda: BucketScheduler(lin2, optimizer=OneBitAdam(lin2.parameters(), lr=lr)))
+    # standalone, built with another lr, freeze_step or model on rank 1: before, the ranks'
+    # weights moved apart silently, the job hung at the freeze, or gloo ended it; now the
+    # first step refuses on every rank with nothing updated
+    r1 = comm.get_rank() == 1
+    for name, kw, shape in (
+        ("standalone_other_lr", {"lr": 1e-3 if r1 else 1e-4}, (3, 2)),
+        ("standalone_other_freeze", {"freeze_step": 3 if r1 else 2}, (3, 2)),
+        ("standalone_other_model", {}, (3, 3) if r1 else (3, 2)),
+    ):
+        lone = nn.Linear(*shape)
+        w0 = lone.weight.detach().clone()
+        lone(torch.ones(1, 3)).sum().backward()
+        catch(name, OneBitAdam(lone.parameters(), **kw).step)
+        out[name + "_unchanged"] = str(torch.equal(lone.weight, w0))
     catch(
         "not_onebitadam",
         lambda: BucketScheduler(lin, optimizer=torch.optim.Adam(lin.parameters())),

@@ -85,6 +85,14 @@ def test_bad_input_is_refused_with_the_fix(pools: Callable[[int], RankPool]) -> 
         "OneBitAdam updates 2",
         "other_lr": "ValueError: the BucketScheduler's settings differ across ranks: ranks [1] "
         "passed another optimizer than rank 0",
+        "standalone_other_lr": "ValueError: OneBitAdam's settings differ across ranks: ranks "
+        "[1] passed another hyperparameters (lr, betas",
+        "standalone_other_lr_unchanged": "True",
+        "standalone_other_freeze": "ValueError: OneBitAdam's settings differ across ranks: "
+        "ranks [1] passed another freeze_step than rank 0",
+        "standalone_other_freeze_unchanged": "True",
+        "standalone_other_model": "ValueError: OneBitAdam: ranks [1] step other parameters",
+        "standalone_other_model_unchanged": "True",
         "not_onebitadam": "TypeError: optimizer= takes an overlap.OneBitAdam, got Adam",
         "reduce_dtype": "ValueError: optimizer=OneBitAdam forms and reduces the momentum in "
         "float32 buckets, not torch.float16",
