@@ -486,6 +486,7 @@ def bench_train_rank(
             # interference (the driver's and gloo's threads, memory bandwidth)
             row["diloco_step_ms"] = median(r["sync"]) * 1e3
             row["diloco_step_max_ms"] = max(r["sync"]) * 1e3
+            row["diloco_steps_ms"] = [x * 1e3 for x in r["sync"]]  # each recorded step's
             row["diloco_wait_ms"] = median(r["sync_wait"]) * 1e3
             row["diloco_wait_max_ms"] = max(r["sync_wait"]) * 1e3
             # whether the pseudo-gradient passes ran on their own thread, and the inner
