@@ -148,6 +148,15 @@ def _skeleton(state: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, A
     return {"state": out, "param_groups": state["param_groups"]}
 
 
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _shapes(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    return [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
+
+
 def _group_sizes(state: dict[str, Any]) -> list[int]:
     return [len(g["params"]) for g in state["param_groups"]]
 
@@ -159,11 +168,12 @@ def broadcast_optimizer_state(
     state (Adam's moments and step counts...) and its parameter groups' settings (lr,
     betas...). Horovod's ``broadcast_optimizer_state``; a collective.
 
-    Every rank's optimizer must have the same parameter groups, with as many parameters
-    each (what ``load_state_dict`` checks); otherwise every rank raises ValueError and no
-    rank's state changes. The root's tensors go by one broadcast each; the other ranks load
-    the result with ``optimizer.load_state_dict``, which puts each tensor on its
-    parameter's device and dtype. A state still empty on the root (no step taken) empties
+    Every rank's optimizer must be of the same class and have the same parameter groups,
+    with as many parameters each (what ``load_state_dict`` checks) of the same shapes (what
+    it does not); otherwise every rank raises ValueError and no rank's state changes. The
+    root's tensors go by one broadcast each; the other ranks load the result with
+    ``optimizer.load_state_dict``, which puts each tensor on its parameter's device and
+    dtype. A state still empty on the root (no step taken) empties
     it everywhere.
 
     A :class:`~overlap.OneBitAdam` is refused: its 1-bit error feedback is each rank's own
@@ -182,14 +192,23 @@ def broadcast_optimizer_state(
     is_root = comm.get_rank() == src
     state = optimizer.state_dict()
     tensors: list[torch.Tensor] = []
-    skeleton = _skeleton(state, tensors) if is_root else None
+    kind, shapes = _kind(optimizer), _shapes(optimizer)
+    skeleton = {**_skeleton(state, tensors), "kind": kind, "shapes": shapes} if is_root else None
     root = _root_layout(src, group, skeleton)
     error = None
-    if _group_sizes(root) != _group_sizes(state):
+    if root["kind"] != kind:
+        # another class's groups and state: SGD's groups loaded into an Adam left it with
+        # no betas or eps and SGD's lr, silently (forty-fifth session)
+        error = f"a {kind} here, a {root['kind']} on rank {src}"
+    elif _group_sizes(root) != _group_sizes(state):
         error = (
             f"parameter groups of {_group_sizes(state)} parameters here, "
             f"{_group_sizes(root)} on rank {src}"
         )
+    elif root["shapes"] != shapes:
+        # load_state_dict checks the group sizes only: moments of other shapes were loaded
+        at = next(i for i, (a, b) in enumerate(zip(root["shapes"], shapes, strict=True)) if a != b)
+        error = f"parameter {at} has shape {shapes[at]} here, {root['shapes'][at]} on rank {src}"
     _agree(what, error, group)
     if not is_root:
         # the root's tensors land in fresh ones of its shapes and dtypes

@@ -107,6 +107,22 @@ def optimizer_state() -> None:
     said = _raises("rank 1: parameter groups of [1, 1] parameters here, [2] on rank 0",
                    lambda: overlap.broadcast_optimizer_state(opt2))  # fmt: skip
     assert "Nothing was sent" in said and not opt2.state, said
+    # another optimizer class on rank 1 (before: SGD's groups loaded into its Adam, which
+    # then had SGD's lr and no betas or eps), or parameters of other shapes (before: the
+    # moments of rank 0's shapes were loaded): every rank refuses, nothing changes
+    kind = torch.optim.Adam(m.parameters(), lr=0.5) if r == 1 else opt2
+    said = _raises("rank 1: a torch.optim.adam.Adam here, a torch.optim.sgd.SGD on rank 0",
+                   lambda: overlap.broadcast_optimizer_state(kind))  # fmt: skip
+    assert kind.param_groups[0]["lr"] == (0.5 if r == 1 else 0.1), said
+    torch.manual_seed(2)
+    shaped = nn.Linear(2, 3) if r == 1 else nn.Linear(3, 2)
+    opt4 = torch.optim.Adam(shaped.parameters())
+    shaped(torch.ones(1, shaped.in_features)).sum().backward()
+    opt4.step()
+    before = opt4.state[shaped.weight]["exp_avg"].clone()
+    said = _raises("rank 1: parameter 0 has shape (3, 2) here, (2, 3) on rank 0",
+                   lambda: overlap.broadcast_optimizer_state(opt4))  # fmt: skip
+    assert torch.equal(opt4.state[shaped.weight]["exp_avg"], before), said
     # rank 0's still empty state empties the others' (SGD with momentum after a step)
     torch.manual_seed(1)
     m3 = nn.Linear(2, 2)
