@@ -8,8 +8,9 @@ Everything in overlap also works on the default asyncio loop.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, Literal, TypeVar
 
 __all__ = ["LoopKind", "new_event_loop", "pid_alive", "run", "uvloop_available"]
@@ -47,12 +48,29 @@ def new_event_loop(kind: LoopKind | None = None) -> asyncio.AbstractEventLoop:
     return loop
 
 
-def run(main: Coroutine[Any, Any, T], *, loop: LoopKind | None = None, debug: bool = False) -> T:
+def run(
+    main: Coroutine[Any, Any, T] | Awaitable[T],
+    *,
+    loop: LoopKind | None = None,
+    debug: bool = False,
+) -> T:
     """Run ``main`` to completion on a fresh event loop (uvloop by default), like asyncio.run.
+
+    ``main`` is a coroutine or any other awaitable: a Handle (``overlap.run(h)``) or a
+    ``comm.collect_all(...)`` is awaited in a coroutine of its own, where asyncio.run
+    refused it ("a coroutine was expected, got <Handle ...>"), leaving its ops in flight.
 
     The loop is closed afterwards, after cancelling leftover tasks and shutting down async
     generators, exactly as :func:`asyncio.run` does.
     """
+    if not asyncio.iscoroutine(main):
+        if not inspect.isawaitable(main):
+            raise TypeError(
+                f"overlap.run takes a coroutine or an awaitable (a Handle), got "
+                f"{type(main).__name__}; call the async function: overlap.run(main())"
+            )
+        main = _awaited(main)
+    coro: Coroutine[Any, Any, T] = main
     runner = (
         asyncio.Runner(debug=debug, loop_factory=lambda: new_event_loop(loop))
         if hasattr(asyncio, "Runner")
@@ -60,17 +78,21 @@ def run(main: Coroutine[Any, Any, T], *, loop: LoopKind | None = None, debug: bo
     )
     if runner is not None:
         with runner:
-            result: T = runner.run(main)
+            result: T = runner.run(coro)
             return result
     # Python 3.10: no asyncio.Runner.
     ev = new_event_loop(loop)  # pragma: no cover
     try:  # pragma: no cover
         asyncio.set_event_loop(ev)
         ev.set_debug(debug)
-        return ev.run_until_complete(main)
+        return ev.run_until_complete(coro)
     finally:  # pragma: no cover
         asyncio.set_event_loop(None)
         ev.close()
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
 
 
 def pid_alive(pid: int) -> bool:

@@ -339,6 +339,18 @@ def collect_all_spins_share_one_window() -> float:
     return held
 
 
+def run_takes_handles() -> list[list[float]]:
+    """``overlap.run(h)`` and ``overlap.run(comm.collect_all(...))`` await the handles, where
+    asyncio.run refused them and left the ops in flight (found by a differential fuzz)."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    t = torch.full((3,), float(r + 1))
+    got = overlap.run(comm.all_reduce(t, async_op=True))
+    out = torch.zeros(3)
+    hs = [comm.irecv(out, src=(r - 1) % w), comm.isend(t, dst=(r + 1) % w)]
+    overlap.run(comm.collect_all(hs))
+    return [got.tolist(), out.tolist()]
+
+
 def collect_all_hands_off_together() -> list[float]:
     """An awaited ``collect_all`` of gloo ops with no future (a receive and a send) hands
     every op to a waiter thread before the loop spins on any (waiters.start_together):

@@ -74,6 +74,11 @@ def test_collect_all_spins_share_one_window(pools: Callable[[int], RankPool]) ->
     assert 0.0 < held[0] < 0.2
 
 
+def test_run_awaits_a_handle_or_a_collect_all(pools: Callable[[int], RankPool]) -> None:
+    out = pools(2).run(cc.run_takes_handles, timeout=60)
+    assert out == [[[3.0] * 3, [3.0] * 3], [[3.0] * 3, [3.0] * 3]], out
+
+
 def test_collect_all_hands_off_its_p2p_ops_together(pools: Callable[[int], RankPool]) -> None:
     send_done, recv_done = pools(2).run(cc.collect_all_hands_off_together, timeout=60)[0]
     assert send_done < 0.15, f"the send completed {send_done:.3f} s after its post"

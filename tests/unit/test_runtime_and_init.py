@@ -27,6 +27,21 @@ def test_run_uses_uvloop_by_default() -> None:
         overlap.new_event_loop("trio")  # type: ignore[arg-type]
 
 
+def test_run_takes_an_awaitable_and_refuses_a_function_with_the_fix() -> None:
+    class Ready:
+        def __await__(self):  # type: ignore[no-untyped-def]
+            yield from asyncio.sleep(0).__await__()
+            return 7
+
+    assert overlap.run(Ready()) == 7  # asyncio.run: "a coroutine was expected"
+
+    async def main() -> int:
+        return 1
+
+    with pytest.raises(TypeError, match=r"got function; call the async function"):
+        overlap.run(main)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "call",
     [
