@@ -30,6 +30,7 @@ __all__ = [
     "agree_on_load",
     "compare",
     "differing",
+    "hyperparameters",
     "optimizer_settings",
     "param_signature",
     "setting_signature",
@@ -62,11 +63,16 @@ def optimizer_settings(opt: Any) -> tuple[Any, ...] | None:
         return None
     cls = type(opt)
     own = repr(opt) if cls.__module__.startswith("overlap.") else ""
-    groups = tuple(
+    return (f"{cls.__module__}.{cls.__qualname__}", own, hyperparameters(opt))
+
+
+def hyperparameters(opt: Any) -> tuple[Any, ...]:
+    """Each parameter group's hyperparameters (lr, betas, ...), not its tensors, as values
+    alike on every rank where the settings are."""
+    return tuple(
         tuple(sorted((k, _hyper(v)) for k, v in g.items() if k != "params"))
         for g in getattr(opt, "param_groups", ())
     )
-    return (f"{cls.__module__}.{cls.__qualname__}", own, groups)
 
 
 def _hyper(value: Any) -> str:

@@ -173,8 +173,7 @@ def broadcast_optimizer_state(
     it does not); otherwise every rank raises ValueError and no rank's state changes. The
     root's tensors go by one broadcast each; the other ranks load the result with
     ``optimizer.load_state_dict``, which puts each tensor on its parameter's device and
-    dtype. A state still empty on the root (no step taken) empties
-    it everywhere.
+    dtype. A state still empty on the root (no step taken) empties it everywhere.
 
     A :class:`~overlap.OneBitAdam` is refused: its 1-bit error feedback is each rank's own
     (save and load it per rank)."""

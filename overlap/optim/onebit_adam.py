@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from overlap import comm
-from overlap.agreement import agree_on_load, compare, optimizer_settings, param_signature
+from overlap.agreement import agree_on_load, compare, hyperparameters, param_signature
 from overlap.comm.steps import Steps, run
 from overlap.compression.base import Compressor
 from overlap.compression.codec import write_outputs
@@ -322,9 +322,9 @@ class OneBitAdam(torch.optim.Optimizer):
         device = self._ctrl_device()
         what = "OneBitAdam's"
         settings = {
-            "hyperparameters (lr, betas, eps, weight_decay, bias_correction)": (
-                optimizer_settings(self) or ((), (), ())
-            )[2],
+            "hyperparameters (lr, betas, eps, weight_decay, bias_correction)": hyperparameters(
+                self
+            ),
             "freeze_step": self.freeze_step,
             "per_tensor_scales": self._codec.per_tensor_scales,
             "on_nonfinite": self.on_nonfinite,
