@@ -106,6 +106,22 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def _any_source_buffer(t: torch.Tensor) -> torch.Tensor:
+    """What a receive from any rank is posted into: ``t``, or for an empty ``t`` a 1-byte
+    scratch buffer of its device.
+
+    Why: gloo cannot match a message into an empty buffer from any source. Its
+    ``recv_anysource`` fails its own check ("offset < this->size. 0 vs 0", in
+    unbound_buffer.cc), so ``torch.distributed.recv(torch.empty(0), src=None)`` raises
+    there, and the sender's side of the job is left waiting or sees a closed connection.
+    The empty message the sender posts lands in the scratch byte, which is not touched, and
+    the sender's rank is known as for any other receive (a receive from a given rank takes
+    an empty buffer as it is)."""
+    if t.nbytes:
+        return t
+    return torch.empty(1, dtype=torch.uint8, device=t.device)
+
+
 def stacked(big: torch.Tensor, part: torch.Tensor, size: int) -> torch.Tensor:
     """``big`` (``size`` x ``part``'s elements, contiguous) as the concatenation of ``size``
     tensors shaped as ``part`` along dim 0, the one shape torch's gloo takes for the
@@ -948,9 +964,10 @@ class TorchBackend:
             h._source = int(info.ranks[peer])
             return h
         works: list[Any] = []
+        into = _any_source_buffer(t)
 
         def issue_any() -> Any:
-            works.append(info.pg.recv_anysource([t], tag))
+            works.append(info.pg.recv_anysource([into], tag))
             return works[0]
 
         h = self._launch("irecv", info, issue_any, result, t.nbytes, True, future=False)
@@ -973,7 +990,8 @@ class TorchBackend:
         if src is not None:
             self._p2p_check(src, "src", info)
         try:
-            work: Any = dist.irecv(self._wire(t), src=src, group=info.pg, tag=tag)
+            into = self._wire(t) if src is not None else _any_source_buffer(self._wire(t))
+            work: Any = dist.irecv(into, src=src, group=info.pg, tag=tag)
             work.wait()
         except Exception as exc:
             raise CommError(f"recv on rank {info.global_rank} failed: {exc}") from exc

@@ -622,6 +622,40 @@ def case_irecv_source(mode: str) -> None:
         assert "not a receive" in str(exc), exc
 
 
+def case_empty_receive_from_any_rank(mode: str) -> None:
+    """An empty tensor received from any rank (``src=None``): the sender is named, and the
+    next exchange on the same tag lands whole. Before, gloo failed its own check in
+    ``recv_anysource`` ("offset < this->size. 0 vs 0"): irecv raised that, and the blocking
+    recv left its peer waiting (found by a differential fuzz, forty-sixth session)."""
+    r, w = rw()
+    if w == 1:
+        return
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    empty, got = torch.empty(0), torch.zeros(3)
+    if mode == "blocking":
+        if r % 2 == 0:  # an odd world's last rank sends to rank 0, also even: it goes first
+            comm.send(torch.empty(0), nxt, tag=44)
+            sender = comm.recv(empty, tag=44)
+        else:
+            sender = comm.recv(empty, tag=44)
+            comm.send(torch.empty(0), nxt, tag=44)
+        assert sender == prv, (sender, prv)
+    else:
+        hs: list[Any] = []
+
+        def issue(_: bool) -> Any:
+            hs[:] = [comm.irecv(empty, tag=44), comm.isend(torch.empty(0), nxt, tag=44)]
+            return hs
+
+        go(issue, mode)
+        assert hs[0].source == prv, (hs[0].source, prv)
+    assert empty.shape == (0,)
+    hs2 = [comm.irecv(got, src=prv, tag=44), comm.isend(torch.full((3,), float(r)), nxt, tag=44)]
+    for h in hs2:
+        h.wait(timeout=60)
+    _allclose(got, torch.full((3,), float(prv)))
+
+
 def case_collect_all(mode: str) -> None:
     """collect_all over the real backend: sixteen collectives and a ring exchange in one
     Handle, waited or awaited; the result is each op's own result, in issue order."""
