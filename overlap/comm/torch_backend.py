@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap.comm import complex_product as _complex
 from overlap.comm import debug as _debug
 from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
@@ -431,12 +432,29 @@ class TorchBackend:
             else:
                 post = partial(t.div_, info.size)
         if t.is_complex():  # torch's wrapper reduces complex tensors as real pairs
+            if top == dist.ReduceOp.PRODUCT:  # which is not a product of complex numbers
+                return self._complex_product("all_reduce", t, tensor, info, async_op, True)
             issue: Callable[[], Any] = partial(
                 dist.all_reduce, t, op=top, group=info.pg, async_op=True
             )
         else:  # straight to the process group: torch's Python wrapper costs ~17 us a call
             issue = partial(info.pg.allreduce, [t], opts)
         return self._launch("all_reduce", info, issue, tensor, t.nbytes, async_op, post)
+
+    def _complex_product(
+        self,
+        opname: str,
+        t: torch.Tensor,
+        result: Any,
+        info: GroupInfo,
+        async_op: bool,
+        write: bool,
+    ) -> Any:
+        """all_reduce's or reduce's product of complex ``t``: gathered, then multiplied in
+        rank order into ``t`` where ``write`` (overlap.comm.complex_product says why)."""
+        issue, pieces = _complex.gather_issue(t, info.pg, info.size, _all_gather_single)
+        post = partial(_complex.fold_into, pieces, t) if write else None
+        return self._launch(opname, info, issue, result, nbytes_of(t), async_op, post, keep=pieces)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
@@ -476,6 +494,9 @@ class TorchBackend:
         rop, top, divide = self._reduce_args(op, t.dtype)
         info = resolve_group(group)
         check_peer(dst, "dst", info.ranks, info.name)
+        if rop is ReduceOp.PRODUCT and t.is_complex():
+            mine = info.global_rank == dst
+            return self._complex_product("reduce", t, tensor, info, async_op, mine)
         post: PostFn | None = None
         if self._keyed(rop, t.dtype):
             # the keys are scratch: the tensor changes only on dst, from them
@@ -584,6 +605,13 @@ class TorchBackend:
                 [x if x.shape == out.shape else x.reshape(out.shape) for x in data], [out]
             )
             kind, torch_op = "reduce_scatter", dist.reduce_scatter
+        if rop is ReduceOp.PRODUCT and out.is_complex():
+            chunks = data if isinstance(data, torch.Tensor) else torch.stack(data)
+            issue_rs, pieces = _complex.scatter_issue(chunks, out, info.pg, info.size)
+            return self._launch(
+                "reduce_scatter", info, issue_rs, output, nbytes_of(chunks), async_op,
+                partial(_complex.fold_into, pieces, out), keep=pieces, future=False,
+            )  # fmt: skip
         if first:  # float16: the shares are summed, in scratch (the input stays the user's)
             data = (
                 data / info.size

@@ -656,6 +656,39 @@ def case_empty_receive_from_any_rank(mode: str) -> None:
     _allclose(got, torch.full((3,), float(prv)))
 
 
+def case_complex_product(mode: str) -> None:
+    """The product of complex tensors, as complex numbers multiply, on every backend:
+    all_reduce, reduce (other ranks' tensors unchanged) and reduce_scatter (flat and list).
+    Before, gloo refused all three (torch reduces complex tensors as real pairs, so it
+    refuses a product): all_reduce and reduce_scatter with torch's ValueError, reduce with a
+    CommError that said to upgrade torch, where MPI gave the product."""
+    r, w = rw()
+
+    def mine(k: int, n: int) -> torch.Tensor:  # rank k's values: small Gaussian integers
+        re = torch.arange(n, dtype=torch.float32) % 3 - 1 + k
+        return torch.complex(re, torch.arange(n, dtype=torch.float32) % 2 + 1 - k)
+
+    def product(xs: list[torch.Tensor]) -> torch.Tensor:
+        acc = xs[0].clone()
+        for x in xs[1:]:
+            acc = acc * x
+        return acc
+
+    want = product([mine(k, 5) for k in range(w)])
+    t = mine(r, 5)
+    assert go(lambda a: comm.all_reduce(t, "product", async_op=a), mode) is t
+    _allclose(t, want)
+    t = mine(r, 5)
+    go(lambda a: comm.reduce(t, w - 1, "product", async_op=a), mode)
+    _allclose(t, want if r == w - 1 else mine(r, 5))
+    flat, out = mine(r, 2 * w), torch.zeros(2, dtype=torch.complex64)
+    go(lambda a: comm.reduce_scatter_tensor(out, flat, "product", async_op=a), mode)
+    _allclose(out, product([mine(k, 2 * w)[2 * r : 2 * r + 2] for k in range(w)]))
+    parts, out2 = list(mine(r, 2 * w).view(w, 2).clone()), torch.zeros(2, dtype=torch.complex64)
+    go(lambda a: comm.reduce_scatter(out2, parts, "product", async_op=a), mode)
+    _allclose(out2, out)
+
+
 def case_collect_all(mode: str) -> None:
     """collect_all over the real backend: sixteen collectives and a ring exchange in one
     Handle, waited or awaited; the result is each op's own result, in issue order."""
