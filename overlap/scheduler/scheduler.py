@@ -8,10 +8,12 @@ Life of a step:
    in bucket-index order (DESIGN.md contract 1): the compressor's reduction runs on the
    worker thread (a side stream on CUDA) while backward goes on.
 2. ``synchronize()`` (or ``await wait()``) ends the step. One small allreduce on a control
-   group tells every rank which parameters got a gradient anywhere; parameters unused here but
-   used elsewhere contribute zeros, so their buckets launch too (no hang, as DDP's
-   ``find_unused_parameters=True``); it then waits for every bucket and copies the averaged
-   gradients back into ``.grad``. Parameters unused on every rank keep their ``.grad``.
+   group tells every rank which parameters got a gradient anywhere (since the last step:
+   a backward under ``no_sync()`` counts, as in DDP); parameters unused here but used
+   elsewhere contribute zeros, or the gradient ``no_sync()`` accumulated, so their buckets
+   launch too (no hang, as DDP's ``find_unused_parameters=True``); it then waits for every
+   bucket and copies the averaged gradients back into ``.grad``. Parameters unused on every
+   rank keep their ``.grad``.
 3. After the first step the buckets are rebuilt from the observed gradient-ready order,
    rank 0's order broadcast so every rank agrees.
 
@@ -522,6 +524,9 @@ class BucketScheduler:
         self._next = 0
         self._launched: list[tuple[Bucket, list[Handle]]] = []  # each bucket's handles
         self._order: list[int] = []
+        # Parameters whose gradient a backward under no_sync() accumulated since the last
+        # step: used, as DDP counts them (its "locally used" map is reset only at a sync)
+        self._accumulated: set[int] = set()
         self._timeline: list[dict[str, Any]] = []
         self._bwd: list[int] = []  # first and last gradient-hook time (ns) of this step
         # The backwards (autograd graph tasks) that gave this step a gradient and have not
@@ -533,7 +538,10 @@ class BucketScheduler:
     def _hook(self, p: torch.Tensor) -> None:
         if self._generation != comm_state.generation:
             raise RuntimeError(self._ended_job())
-        if self._no_sync or self._launcher.broken is not None:
+        if self._no_sync:
+            self._accumulated.add(self._pidx[id(p)])
+            return
+        if self._launcher.broken is not None:
             return
         if self._ending_in_background():
             raise RuntimeError(
@@ -627,6 +635,31 @@ class BucketScheduler:
             if not b.pending:
                 b.ready = True
                 self._launch_ready()
+
+    def _fill_accumulated(self, b: Bucket, pos: int) -> bool:
+        """Put the gradient that backwards under ``no_sync()`` accumulated for bucket
+        ``b``'s parameter ``pos`` into the bucket, as the hook would have, when the step's
+        last backward did not use that parameter; False if none was accumulated.
+
+        Why: DDP counts a parameter as used when any backward since the last sync used it,
+        and sends its accumulated ``.grad``. Before the forty-sixth session such a parameter
+        contributed zeros here (its accumulation was lost from the average), and one that
+        no rank's last backward used kept each rank's own ``.grad``, so the ranks' weights
+        drifted apart with no error (found by a differential fuzz against a per-rank
+        reference)."""
+        p = b.params[pos]
+        grad = p.grad
+        if grad is None or self._pidx[id(p)] not in self._accumulated:
+            return False
+        view = b.view_of(pos)
+        if self.grad_as_view and grad.data_ptr() == view.data_ptr():
+            if self._prescale is not None:
+                view.mul_(self._prescale)  # .grad is the bucket: scale it in place
+        elif not self.compression.fill(p, view, grad):
+            _copy_in(view, grad, self._prescale)
+        if self.grad_as_view:
+            p.grad = view
+        return True
 
     def _backward_began(self, task: int) -> None:
         """Note that backward ``task`` gave this step a gradient, until it finishes.
@@ -877,6 +910,8 @@ class BucketScheduler:
         votes = bytearray(n + 3 * w)
         for i in self._order:
             votes[i] = 1
+        for i in self._accumulated:
+            votes[i] = 1
         if self._open:
             votes[n + me] = 1
         unfrozen, changed = self._selection.unfrozen(), self._selection.changed
@@ -884,7 +919,7 @@ class BucketScheduler:
             votes[n + w + me] = 1
         if self._joined:  # join(): this rank has no more batches
             votes[n + 2 * w + me] = 1
-        elif self._order:
+        elif self._order or self._accumulated:
             self._trained += 1
         mask = torch.frombuffer(votes, dtype=torch.uint8).to(self._ctrl_device)
         try:
@@ -927,9 +962,12 @@ class BucketScheduler:
         with self._lock:
             for b in self.buckets:
                 if not b.ready:
+                    zeroed = set()
                     for pos in b.pending:
-                        b.view_of(pos).zero_()  # unused here: contribute zeros
-                    b.zeroed, b.pending = b.pending, set()
+                        if not self._fill_accumulated(b, pos):
+                            b.view_of(pos).zero_()  # unused here: contribute zeros
+                            zeroed.add(pos)
+                    b.zeroed, b.pending = zeroed, set()
                     b.ready = True
             self._launch_ready()
             launched = list(self._launched)

@@ -188,6 +188,56 @@ def no_sync_equals_ddp(solo_bytes: int = 0) -> bool:
     return True
 
 
+class _TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        y = self.a(x).sum()
+        return y + self.b(x).pow(2).sum() if use_b else y
+
+
+def no_sync_branch_equals_ddp(last_uses_b: str, as_view: bool, mode: str) -> list[bool]:
+    """A branch used by the backwards under ``no_sync()`` but not by the step's last one:
+    on rank 1 only (``last_uses_b="rank 1"``) or on no rank (``"none"``). DDP (with
+    ``find_unused_parameters=True``) counts a parameter used by any backward since the last
+    sync and averages its accumulated gradient. Before the forty-sixth session the
+    scheduler sent zeros for rank 0's accumulation in the first case (a wrong average, the
+    same on every rank), and in the second left each rank its own gradient (the ranks'
+    weights drifted apart), with no error. Two steps, grads set to None between."""
+    r = comm.get_rank()
+    torch.manual_seed(3)
+    ours = _TwoBranches()
+    theirs = copy.deepcopy(ours)
+    ddp = DDP(theirs, find_unused_parameters=True)
+    sched = BucketScheduler(ours, gradient_as_bucket_view=as_view)
+    gen = torch.Generator().manual_seed(10 + r)
+    try:
+        for _ in range(2):
+            xs = [torch.randn(2, 4, generator=gen) for _ in range(3)]
+            for i, x in enumerate(xs):
+                last = i == len(xs) - 1
+                use_b = not last or (last_uses_b == "rank 1" and r == 1)
+                with sched.no_sync() if not last else _null():
+                    loss = ours(x, use_b)
+                    if last and mode == "await":
+                        overlap.run(sched.backward(loss))
+                    else:
+                        loss.backward()
+                with ddp.no_sync() if not last else _null():
+                    ddp(x, use_b).backward()
+            if mode == "blocking":
+                sched.synchronize()
+            _close(_grads(ours), _grads(theirs))
+            ours.zero_grad(set_to_none=True)
+            theirs.zero_grad(set_to_none=True)
+        return [True]
+    finally:
+        sched.remove()
+
+
 class _null:
     def __enter__(self) -> None:
         return None

@@ -44,6 +44,18 @@ def test_no_sync_accumulation_equals_ddp(pools: Callable[[int], RankPool], solo_
     assert pools(2).run(sc.no_sync_equals_ddp, solo_bytes, timeout=60) == [True, True]
 
 
+@pytest.mark.parametrize(
+    ("last_uses_b", "as_view", "mode"),
+    [("rank 1", False, "blocking"), ("none", False, "await"), ("rank 1", True, "await"),
+     ("none", True, "blocking")],
+)  # fmt: skip
+def test_a_parameter_only_no_sync_used_is_averaged_as_ddp(
+    pools: Callable[[int], RankPool], last_uses_b: str, as_view: bool, mode: str
+) -> None:
+    out = pools(2).run(sc.no_sync_branch_equals_ddp, last_uses_b, as_view, mode, timeout=60)
+    assert out == [[True], [True]]
+
+
 @pytest.mark.parametrize("name", ["none", "fp16"])
 def test_each_bucket_is_copied_back_as_soon_as_it_lands(
     pools: Callable[[int], RankPool], name: str
