@@ -10,7 +10,7 @@ Life of a step:
 2. ``synchronize()`` (or ``await wait()``) ends the step. One small allreduce on a control
    group tells every rank which parameters got a gradient anywhere (since the last step:
    a backward under ``no_sync()`` counts, as in DDP); parameters unused here but used
-   elsewhere contribute zeros, or the gradient ``no_sync()`` accumulated, so their buckets
+   elsewhere send their ``.grad`` if they have one (as DDP), zeros if not, so their buckets
    launch too (no hang, as DDP's ``find_unused_parameters=True``); it then waits for every
    bucket and copies the averaged gradients back into ``.grad``. Parameters unused on every
    rank keep their ``.grad``.
@@ -636,22 +636,33 @@ class BucketScheduler:
                 b.ready = True
                 self._launch_ready()
 
-    def _fill_accumulated(self, b: Bucket, pos: int) -> bool:
-        """Put the gradient that backwards under ``no_sync()`` accumulated for bucket
-        ``b``'s parameter ``pos`` into the bucket, as the hook would have, when the step's
-        last backward did not use that parameter; False if none was accumulated.
+    def _fill_unused(self, b: Bucket, pos: int) -> bool:
+        """For bucket ``b``'s parameter ``pos``, which the step's last backward did not use
+        on this rank: put its ``.grad`` into the bucket, as the hook would have, if it has
+        one; False if it has none (the caller sends zeros), or if this rank has joined
+        (a joined rank shadows with zeros, as DDP's join hook does).
 
-        Why: DDP counts a parameter as used when any backward since the last sync used it,
-        and sends its accumulated ``.grad``. Before the forty-sixth session such a parameter
-        contributed zeros here (its accumulation was lost from the average), and one that
-        no rank's last backward used kept each rank's own ``.grad``, so the ranks' weights
-        drifted apart with no error (found by a differential fuzz against a per-rank
-        reference)."""
+        Why: DDP's rule, measured against ``DDP(find_unused_parameters=True)``. A parameter
+        unused here sends its ``.grad`` when it has one: the gradient that backwards under
+        ``no_sync()`` accumulated, or one left from an earlier step that was not zeroed.
+        Before the forty-sixth session it sent zeros: an accumulation was lost from the
+        average, a parameter that only the accumulation steps used kept each rank's own
+        ``.grad`` (the weights drifted apart), and with ``gradient_as_bucket_view`` the
+        zeros were written into ``.grad`` itself, which then read 0 where the docs (and DDP)
+        leave a parameter unused on every rank untouched. Found by a differential fuzz
+        against a per-rank reference."""
         p = b.params[pos]
         grad = p.grad
-        if grad is None or self._pidx[id(p)] not in self._accumulated:
+        if grad is None or self._joined:
             return False
         view = b.view_of(pos)
+        if (
+            grad.is_sparse
+            or grad.requires_grad
+            or (p.dtype, p.is_cuda) != self._kinds[self._pidx[id(p)]]
+            or grad.numel() != view.numel()
+        ):
+            return False  # what the hook refuses: a used parameter's hook raises for it
         if self.grad_as_view and grad.data_ptr() == view.data_ptr():
             if self._prescale is not None:
                 view.mul_(self._prescale)  # .grad is the bucket: scale it in place
@@ -964,7 +975,7 @@ class BucketScheduler:
                 if not b.ready:
                     zeroed = set()
                     for pos in b.pending:
-                        if not self._fill_accumulated(b, pos):
+                        if drop or not self._fill_unused(b, pos):  # dropped: zeros
                             b.view_of(pos).zero_()  # unused here: contribute zeros
                             zeroed.add(pos)
                     b.zeroed, b.pending = zeroed, set()

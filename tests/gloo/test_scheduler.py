@@ -56,6 +56,16 @@ def test_a_parameter_only_no_sync_used_is_averaged_as_ddp(
     assert out == [[True], [True]]
 
 
+@pytest.mark.parametrize(
+    ("as_view", "compression"), [(False, "none"), (True, "none"), (False, "fp16")]
+)
+def test_grads_kept_between_steps_are_averaged_as_ddp(
+    pools: Callable[[int], RankPool], as_view: bool, compression: str
+) -> None:
+    out = pools(2).run(sc.kept_grads_equal_ddp, as_view, compression, timeout=60)
+    assert out == [[True], [True]]
+
+
 @pytest.mark.parametrize("name", ["none", "fp16"])
 def test_each_bucket_is_copied_back_as_soon_as_it_lands(
     pools: Callable[[int], RankPool], name: str
