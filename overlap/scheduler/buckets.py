@@ -26,7 +26,7 @@ class Bucket:
     flat: torch.Tensor
     pending: set[int] = field(default_factory=set)  # positions of params without a grad yet
     ready: bool = False
-    zeroed: set[int] = field(default_factory=set)  # no gradient here this step: zeros sent
+    zeroed: set[int] = field(default_factory=set)  # no hook gradient here this step
     direct: set[int] = field(default_factory=set)  # reduced straight into .grad this step
     # not copied into ``flat``: the compressor reads these gradients where they are
     sourced: set[int] = field(default_factory=set)

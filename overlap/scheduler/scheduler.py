@@ -973,12 +973,11 @@ class BucketScheduler:
         with self._lock:
             for b in self.buckets:
                 if not b.ready:
-                    zeroed = set()
                     for pos in b.pending:
                         if drop or not self._fill_unused(b, pos):  # dropped: zeros
                             b.view_of(pos).zero_()  # unused here: contribute zeros
-                            zeroed.add(pos)
-                    b.zeroed, b.pending = zeroed, set()
+                    # never a direct output: a parameter no rank used keeps its .grad
+                    b.zeroed, b.pending = b.pending, set()
                     b.ready = True
             self._launch_ready()
             launched = list(self._launched)
