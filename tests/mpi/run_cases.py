@@ -19,6 +19,7 @@ from overlap import comm
 from overlap.errors import CommError
 from tests.gloo import bad_input_cases, cases
 from tests.gloo import contract_cases as cc
+from tests.gloo import differential_cases as dfc
 from tests.gloo import diloco_cases as dl
 from tests.gloo import ds_comm_cases as ds
 from tests.gloo import hardening_cases as hc
@@ -75,6 +76,7 @@ def checks() -> dict[str, Callable[[], Any]]:
         dl.finish_ends_on_one_model(4, 2, 1, 10, 0.0, mode="async") == [[1], True, True, 0]
     )
     out["int8_reduce"] = lambda: _int8_bounded(dl.quantized_reduce("int8", 1000, 64))
+    out["differential"] = _differential
     if comm.get_world_size() == 2:
         out["diloco/late_landings"] = _late_landings
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
@@ -84,6 +86,12 @@ def checks() -> dict[str, Callable[[], Any]]:
     if comm.get_world_size() == 4:  # the sub-group checks that need 2 x 2 ranks
         out.update(FOUR_RANKS)
     return out
+
+
+def _differential() -> None:
+    """Random ops against a reference each rank computes (tests/gloo/differential_cases.py)."""
+    bad = dfc.run(3, 200)
+    assert not bad, bad[:5]
 
 
 def _disagree(out: dict[str, str]) -> None:
