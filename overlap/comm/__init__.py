@@ -810,6 +810,10 @@ def reduce_scatter_tensor(
         raise TypeError(
             "reduce_scatter_tensor takes one input tensor; use reduce_scatter for a list"
         )
+    # reduce_scatter's own check (it takes the flat form too): in debug mode a rank whose
+    # dtype or size differed ended every rank from gloo's thread before the forty-sixth
+    # session ("Received data size doesn't match expected size")
+    _check(f"reduce_scatter op={_opname(op)}", group, [output_tensor, tensor])
     return _in_order(
         "reduce_scatter_tensor", (output_tensor,), (tensor,), async_op,
         lambda: state.active().reduce_scatter(output_tensor, tensor, op, group, async_op),

@@ -18,7 +18,7 @@ def test_debug_mode_names_the_mismatch(pools: Callable[[int], RankPool]) -> None
     for r in (0, 1):
         assert res[r]["after"] == [2.0, 2.0, 2.0]
         assert res[r]["scheduler"] == res[r]["scheduler_unused"] == "ok"
-        for case in ("shape", "op", "dtype", "reduce_op", "root"):
+        for case in ("shape", "op", "dtype", "reduce_op", "root", "reduce_scatter_tensor"):
             ranks, msg = res[r][case]
             assert ranks == [1] and "collective mismatch" in msg, (r, case, msg)
         assert "float32[4]" in res[r]["shape"][1] and "float32[8]" in res[r]["shape"][1]
