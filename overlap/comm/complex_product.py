@@ -49,9 +49,7 @@ def gather_issue(t: torch.Tensor, pg: Any, world: int, gather: Any) -> tuple[Any
     return issue, flat.view(world, -1)
 
 
-def scatter_issue(
-    chunks: torch.Tensor, out: torch.Tensor, pg: Any, world: int
-) -> tuple[Any, torch.Tensor]:
+def scatter_issue(chunks: torch.Tensor, pg: Any, world: int) -> tuple[Any, torch.Tensor]:
     """(the call that sends chunk j of ``chunks`` (world, n) to rank j and receives every
     rank's chunk for this rank, the (world, n) complex buffer it fills)."""
     send = chunks.detach().reshape(world, -1).contiguous()

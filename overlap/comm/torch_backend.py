@@ -607,7 +607,7 @@ class TorchBackend:
             kind, torch_op = "reduce_scatter", dist.reduce_scatter
         if rop is ReduceOp.PRODUCT and out.is_complex():
             chunks = data if isinstance(data, torch.Tensor) else torch.stack(data)
-            issue_rs, pieces = _complex.scatter_issue(chunks, out, info.pg, info.size)
+            issue_rs, pieces = _complex.scatter_issue(chunks, info.pg, info.size)
             return self._launch(
                 "reduce_scatter", info, issue_rs, output, nbytes_of(chunks), async_op,
                 partial(_complex.fold_into, pieces, out), keep=pieces, future=False,
