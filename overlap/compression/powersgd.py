@@ -119,7 +119,11 @@ class PowerSGD(SkipsNonFinite, Compressor):
             st["step"] += 1
             return flat
 
-        data = flat.float() if flat.dtype != torch.float32 else flat
+        # float32 (a half-precision bucket computed wider), float64 kept: a float64 model's
+        # uncompressed tensors are averaged exactly as DDP's would be, not rounded to
+        # float32 (torch's powerSGD_hook keeps the bucket's dtype too)
+        wide = flat.dtype in (torch.float32, torch.float64)
+        data = flat if wide else flat.float()
         if st["error"] is None:
             st["error"] = torch.zeros_like(data)
         data.add_(st["error"])  # error feedback on the whole bucket (exact parts stay exact)
@@ -134,14 +138,16 @@ class PowerSGD(SkipsNonFinite, Compressor):
             if q is None or q.shape != (m, r):
                 gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
                 q = torch.randn(m, r, generator=gen).to(M.device)
-            Qs.append(q)
+            Qs.append(q.to(M.dtype))  # a float32 draw (the same values for every dtype)
         Ps = [M @ q for M, q in zip(Ms, Qs, strict=True)]
         # the P's, then a flag: NaN where this rank's input is not finite. Defensive: an
         # Inf times an exact zero of Q (a matrix that was all zeros last step) is NaN in
         # torch's products here (measured), but a BLAS may skip zero factors, and the
         # averages would then hide it. A sum is one pass with no allocation; it overflows
         # only where the values near float32's largest, and a P would too.
-        p_flat = torch.cat([*(p.reshape(-1) for p in Ps), torch.zeros(1, device=data.device)])
+        p_flat = torch.cat(
+            [*(p.reshape(-1) for p in Ps), torch.zeros(1, dtype=data.dtype, device=data.device)]
+        )
         if not bool(torch.isfinite(data.sum())):
             p_flat[-1] = float("nan")
         dense_flat = torch.cat([data[o : o + k] for o, k in dense]) if dense else None
@@ -157,7 +163,7 @@ class PowerSGD(SkipsNonFinite, Compressor):
             and (dense_flat is None or bool(torch.isfinite(dense_flat).all()))
         ):
             q_len = sum(m * min(self.rank, n, m) for _, _, _, n, m in mats)
-            zeros = torch.zeros(q_len, device=data.device)
+            zeros = torch.zeros(q_len, dtype=data.dtype, device=data.device)
             yield [comm.all_reduce(zeros, op="avg", group=group, async_op=True)]
             nan_result(flat)
             self._nonfinite(

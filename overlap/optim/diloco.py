@@ -395,7 +395,11 @@ class DiLoCo:
         for i, frag in enumerate(self.frags):
             n = sum(self.params[j].numel() for j in frag)
             dev = self.params[frag[0]].device
-            flat = self._pseudo[i] = torch.zeros(n, dtype=torch.float32, device=dev)
+            # float32, or float64 where the fragment holds float64 weights: a float64
+            # model's average is not rounded to float32 (a 1e-3 step moved 6e-11 off)
+            wide = any(self.params[j].dtype == torch.float64 for j in frag)
+            dtype = torch.float64 if wide else torch.float32
+            flat = self._pseudo[i] = torch.zeros(n, dtype=dtype, device=dev)
             self.compression.prepare(i, flat, self.group)
         if self._kernels is not None and self._fusable_outer():
             for p in self.params:

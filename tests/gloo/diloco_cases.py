@@ -1016,3 +1016,34 @@ def cast_after_build() -> list[str]:
     got.append(str(dl.inner_steps))
     dl.remove()
     return got
+
+
+def float64_sync(frags: int) -> list[Any]:
+    """A float64 model, H=1, inner and outer plain SGD at lr 1: each sync's new weights are
+    the ranks' mean step taken from the globals, in float64. Returns [the pseudo-gradient
+    buffers' dtypes, the largest error against that exact mean over three syncs]. Before
+    the forty-seventh session the pseudo-gradient was float32: 6e-11 off on a 1e-3 step."""
+    r = comm.get_rank()
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).double()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    d = DiLoCo(model, inner, outer, sync_every=1, fragments=frags)
+    worst = 0.0
+    try:
+        for t in range(3):
+            start = [p.detach().clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 1e-3 + 1e-9 * (r + 1) + 1e-4 * t)
+            inner.step()
+            d.step()
+            want = [s - (1e-3 + 1.5e-9 + 1e-4 * t) for s in start]  # the mean of ranks 0, 1
+            worst = max(
+                worst,
+                *(
+                    float((p - x).abs().max())
+                    for p, x in zip(model.parameters(), want, strict=True)
+                ),
+            )
+        return [sorted({str(b.dtype) for b in d._pseudo.values()}), worst]
+    finally:
+        d.remove()

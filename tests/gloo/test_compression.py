@@ -95,3 +95,9 @@ def test_extreme_but_finite_magnitudes_are_compressed(pools: Callable[[int], Ran
 def test_fp16_keeps_the_share_of_a_value_above_its_range(pools: Callable[[int], RankPool]) -> None:
     for rank in pools(2).run(cc.fp16_share_of_a_spike, timeout=60):
         assert all(abs(v - 5e4) <= 32 for v in rank), rank  # float16 spacing at 5e4 is 32
+
+
+def test_powersgd_keeps_a_float64_bucket_in_float64(pools: Callable[[int], RankPool]) -> None:
+    """Full rank, so the result is the average: float64-exact (float32 was 1e-7 off)."""
+    out = pools(2).run(cc.powersgd_float64, timeout=60)
+    assert all(o[0] == "torch.float64" and o[1] < 1e-13 for o in out), out
