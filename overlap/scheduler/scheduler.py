@@ -604,10 +604,18 @@ class BucketScheduler:
                         "dropped: sched.synchronize() (or await sched.wait()) raises "
                         "IncompleteBackwardError on every rank and readies the scheduler"
                     )
+                # Autograd added this gradient to .grad before the hook ran, and .grad may
+                # be what a bucket sends or has received (gradient_as_bucket_view, a
+                # gradient reduced where it is): measured, a later synchronize() gave each
+                # rank another .grad, with no error. Left open, this backward drops the
+                # step on every rank at the vote, as a backward that raised halfway.
+                self._open.add(task)
                 raise RuntimeError(
                     "a second backward produced a gradient before synchronize(); call "
                     "sched.synchronize() (or await sched.wait()) after each backward, or wrap "
-                    "accumulation steps in `with sched.no_sync():`"
+                    "accumulation steps in `with sched.no_sync():`. This step is dropped: "
+                    "sched.synchronize() (or await sched.wait()) raises "
+                    "IncompleteBackwardError on every rank and readies the scheduler"
                 )
             if task >= 0 and task not in self._open:
                 self._backward_began(task)

@@ -16,6 +16,7 @@ import overlap
 from overlap import BucketScheduler, comm
 from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
 from overlap.compression.base import Compressor, Steps
+from overlap.errors import IncompleteBackwardError
 from tests.gloo.catching import catcher
 
 
@@ -409,7 +410,9 @@ def bad_inputs() -> dict[str, str]:
         lin(torch.ones(1, 3)).sum().backward()
 
     catch("second_backward", twice)
-    s2.synchronize()  # the step still completes afterwards
+    catch("second_backward_ended", s2.synchronize)  # the step is dropped on every rank
+    lin(torch.ones(1, 3)).sum().backward()
+    s2.synchronize()  # the scheduler is ready for the next step
     s2.remove()
     # a reentrant checkpoint over a weight also used outside it: one backward accumulates
     # the weight's gradient twice (the message named only a second backward)
@@ -1255,8 +1258,6 @@ def failed_backward_drops_the_step(mode: str, compression: str, skip: bool = Fal
     result; with ``skip`` the next backward said "a second backward"."""
     from torch.utils.checkpoint import checkpoint
 
-    from overlap.errors import IncompleteBackwardError
-
     r = comm.get_rank()
     blocks, ref = _seeded_blocks(6)
 
@@ -1701,4 +1702,47 @@ def schedulers_per_subgroup(compression: str = "none") -> dict[str, Any]:
     catch("outside", lambda: BucketScheduler(m, group=first))
     # nothing was made or claimed: the pair's scheduler can be built after the refusal
     BucketScheduler(m, group=mine).remove()
+    return out
+
+
+def second_backward_drops_the_step(as_view: bool) -> list[Any]:
+    """Two backwards before synchronize(): the second one's first gradient raises, and
+    autograd has already added it to .grad, which with ``gradient_as_bucket_view`` is the
+    bucket itself. Before the forty-seventh session synchronize() then returned, each rank
+    with another .grad (2.76 and 6.33 off the first backward's average, no error); now
+    it raises IncompleteBackwardError on every rank. Returns [what the second backward
+    raised, what synchronize() raised, whether the next step's gradients are the average
+    (against the same model's gradients all-reduced)]."""
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    ref = copy.deepcopy(model)
+    sched = BucketScheduler(
+        model, bucket_cap_mb=1e-4, first_bucket_mb=1e-4, gradient_as_bucket_view=as_view
+    )
+    out: list[Any] = []
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(r))
+    try:
+        y = model(x)
+        y.sum().backward(retain_graph=True)
+        try:
+            y.pow(2).sum().backward()
+            out.append("no error")
+        except RuntimeError as e:
+            out.append(str(e).split(";")[0])
+        try:
+            sched.synchronize()
+            out.append("no error")
+        except IncompleteBackwardError:
+            out.append("IncompleteBackwardError")
+        model.zero_grad()
+        model(x).sum().backward()
+        sched.synchronize()
+        ref(x).sum().backward()
+        want = [comm.all_reduce(q.grad.clone(), op="avg") for q in ref.parameters()]
+        out.append(
+            all(torch.allclose(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+        )
+    finally:
+        sched.remove()
     return out

@@ -111,6 +111,7 @@ def test_bad_input_is_refused_clearly(pools: Callable[[int], RankPool]) -> None:
         assert (
             "a second backward produced a gradient before synchronize()" in out["second_backward"]
         ), out
+        assert out["second_backward_ended"].startswith("IncompleteBackwardError"), out
         assert "use_reentrant=False" in out["reentrant_checkpoint"], out
         assert "IncompleteBackwardError" in out["reentrant_checkpoint_ended"], out
         assert out["reentrant_checkpoint_fixed"] == "True", out
@@ -529,3 +530,18 @@ def test_states_of_two_saves_are_refused_on_every_rank(pools: Callable[[int], Ra
                 "its state"
             ), got
         assert got["step_after_refusals"] == "2" and got["step_after_load"] == "1", got
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_second_backward_before_synchronize_drops_the_step(
+    pools: Callable[[int], RankPool], as_view: bool
+) -> None:
+    """The second backward's gradient reached .grad (the bucket itself, as a view): the
+    step is dropped on every rank, not ended with each rank's .grad another (as a view,
+    it was, silently), and the next step is the average."""
+    want = [
+        "a second backward produced a gradient before synchronize()",
+        "IncompleteBackwardError",
+        True,
+    ]
+    assert pools(2).run(sc.second_backward_drops_the_step, as_view, timeout=60) == [want] * 2
