@@ -38,12 +38,19 @@ class Bucket:
     # per parameter and step, and a slice + view_as made on each ask was about 8% of a small
     # model's CPU step (a sampling profile of 6 Linear(64, 64) layers, one bucket each)
     views: list[torch.Tensor] = field(init=False, repr=False)
+    # the same slots as ``.grad`` holds them (gradient_as_bucket_view), each through
+    # ``.data``: the same memory, a version counter of its own. Views of one tensor share
+    # one counter, so the scheduler's writes into ``flat``, and autograd accumulating into
+    # a neighbour's .grad, would move every .grad's version; this way a .grad's version
+    # moves only when that .grad is written (BucketScheduler._touched)
+    grad_views: list[torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.views = [
             self.flat[a : a + p.numel()].view_as(p)
             for p, a in zip(self.params, self.offsets, strict=True)
         ]
+        self.grad_views = [v.data for v in self.views]
 
     @property
     def numel(self) -> int:
@@ -60,6 +67,10 @@ class Bucket:
     def view_of(self, pos: int) -> torch.Tensor:
         """Parameter ``pos``'s slot of ``flat``, shaped like it (the same object every time)."""
         return self.views[pos]
+
+    def grad_view(self, pos: int) -> torch.Tensor:
+        """The slot of :meth:`view_of` as ``.grad`` holds it (gradient_as_bucket_view)."""
+        return self.grad_views[pos]
 
     def plan_solo(self, min_bytes: int) -> None:
         """Choose :attr:`solo` and :attr:`rest`: tensors of at least ``min_bytes`` are

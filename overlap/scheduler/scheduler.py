@@ -488,9 +488,8 @@ class BucketScheduler:
                 if self.grad_as_view and p.grad is not None:
                     # Only parameters that have a gradient become views: one no rank ever
                     # uses keeps .grad None, as in DDP (the hook attaches views on first use).
-                    view = b.view_of(pos)
-                    view.copy_(p.grad)
-                    p.grad = view
+                    b.view_of(pos).copy_(p.grad)
+                    p.grad = b.grad_view(pos)
 
     def _new_step(self) -> None:
         self._steps_begun += 1
@@ -533,6 +532,9 @@ class BucketScheduler:
         # finished: one left at the vote raised halfway (see _backward_began)
         self._open: set[int] = set()
         self._newest = -1  # the newest backward that gave this step a gradient
+        # (parameter, its .grad, that tensor's version) as each hook left them: a .grad
+        # replaced or written between backward and synchronize() drops the step (_touched)
+        self._marks: list[tuple[int, torch.Tensor, int]] = []
 
     # -------------------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
@@ -630,9 +632,12 @@ class BucketScheduler:
                 elif not self.compression.fill(p, view, grad):
                     _copy_in(view, grad, self._prescale)
                 if self.grad_as_view:
-                    p.grad = view
+                    p.grad = b.grad_view(pos)
             elif grad is not None and self._prescale is not None:
                 view.mul_(self._prescale)  # .grad is the bucket: scale it in place, as DDP
+            g = p.grad
+            if g is not None:  # what synchronize() checks is still there (_touched)
+                self._marks.append((i, g, g._version))
             b.pending.discard(pos)
             self._order.append(i)
             if self.tracer is not None:
@@ -677,7 +682,7 @@ class BucketScheduler:
         elif not self.compression.fill(p, view, grad):
             _copy_in(view, grad, self._prescale)
         if self.grad_as_view:
-            p.grad = view
+            p.grad = b.grad_view(pos)
         return True
 
     def _backward_began(self, task: int) -> None:
@@ -804,7 +809,9 @@ class BucketScheduler:
         for pos, p in enumerate(b.params):
             g = p.grad
             if pos not in b.zeroed and g is not None and _direct_ok(g, b.flat):
-                out.append((b.offsets[pos], g))
+                # .data: the same memory, its own version counter, so the compressor's
+                # writes leave .grad._version as the user left it (_touched)
+                out.append((b.offsets[pos], g.data))
                 b.direct.add(pos)
         return out
 
@@ -885,7 +892,7 @@ class BucketScheduler:
             view = b.view_of(pos)
             if self.grad_as_view:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
+                    p.grad = b.grad_view(pos)
             elif p.grad is None:
                 p.grad = view.to(p.dtype).clone()
             else:
@@ -923,10 +930,11 @@ class BucketScheduler:
         n, w, me = len(self.params), self.world, comm.get_rank(self.ctrl)
         # The parameters used on each rank, then per rank: its backward raised halfway, it
         # unfroze a parameter the buckets lack (either drops the step on every rank), it has
-        # joined. Built and read in Python, a bytearray under the tensor and one tolist()
-        # back: with tensor indexing, nonzero() and any() the vote cost 83 us a step at 12
-        # parameters and 319 us at 1,000, against 6 and 82 (timeit, this machine).
-        votes = bytearray(n + 3 * w)
+        # joined, a .grad changed after its hook (drops the step too). Built and read in
+        # Python, a bytearray under the tensor and one tolist() back: with tensor indexing,
+        # nonzero() and any() the vote cost 83 us a step at 12 parameters and 319 us at
+        # 1,000, against 6 and 82 (timeit, this machine).
+        votes = bytearray(n + 4 * w)
         for i in self._order:
             votes[i] = 1
         for i in self._accumulated:
@@ -936,6 +944,9 @@ class BucketScheduler:
         unfrozen, changed = self._selection.unfrozen(), self._selection.changed
         if unfrozen or changed:  # the model holds a trainable parameter the buckets lack
             votes[n + w + me] = 1
+        touched = self._touched()
+        if touched is not None:
+            votes[n + 3 * w + me] = 1
         if self._joined:  # join(): this rank has no more batches
             votes[n + 2 * w + me] = 1
         elif self._order or self._accumulated:
@@ -960,13 +971,13 @@ class BucketScheduler:
             yield from self._abandon(issued)
             raise
         got = mask.tolist()
-        incomplete, woken = (
+        incomplete, woken, changers = (
             [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[at + i]]
-            for at in (n, n + w)
+            for at in (n, n + w, n + 3 * w)
         )
-        all_joined = all(got[n + 2 * w :])
+        all_joined = all(got[n + 2 * w : n + 3 * w])
         used = [v != 0 for v in got[:n]]
-        drop = bool(incomplete or woken)
+        drop = bool(incomplete or woken or changers)
         if not any(used):
             self._new_step()
             if woken:
@@ -1033,6 +1044,11 @@ class BucketScheduler:
                 "with the next batch; the scheduler is ready for it",
                 ranks=incomplete,
             )
+        if changers:
+            # as above: the buckets were sent, nothing is copied back
+            self._close_inline()
+            yield from self._abandon(handles)
+            raise RuntimeError(self._touched_message(changers, touched))
         if woken:
             # as above: the buckets were sent, nothing is copied back
             self._close_inline()
@@ -1100,6 +1116,39 @@ class BucketScheduler:
             raise
         self._new_step()
         return None
+
+    def _touched(self) -> str | None:
+        """What changed a used parameter's ``.grad`` after its hook this step, if anything:
+        replaced or set to None, or written in place (its version moved; the scheduler's
+        own writes go through ``.data`` or the bucket, which leave it alone). Why: the
+        buckets read the gradient backward left, and some read it where it is, on the
+        worker thread or as the collective runs (gradient_as_bucket_view, DDP's in-place
+        large gradients, OneBit's read in place). Measured before the forty-seventh
+        session, with ``clip_grad_norm_`` or ``zero_grad()`` between backward and
+        synchronize(): the clipping lost without a word, a .grad left None or zero while
+        its neighbours got the average, and the ranks ending with different gradients."""
+        for i, g, v in self._marks:
+            now = self.params[i].grad
+            if now is not g:
+                how = "set to None" if now is None else "replaced by another tensor"
+                return f"parameter {i}'s .grad was {how}"
+            if g._version != v:
+                return f"parameter {i}'s .grad was changed in place"
+        return None
+
+    @staticmethod
+    def _touched_message(ranks: list[int], here: str | None) -> str:
+        return (
+            f"a .grad changed between backward and synchronize() on rank"
+            f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            f"{f' (here: {here})' if here else ''}: the buckets reduce the gradients "
+            "backward left, some of them where they are, so this step's gradients are "
+            "dropped on every rank (the buckets were still sent, so that the ranks stay in "
+            "step). Read or change .grad only after synchronize() (or await sched.wait()): "
+            "clip_grad_norm_, GradScaler.unscale_ and zero_grad() go after it, as after "
+            "DDP's backward. Zero the gradients and go on with the next batch; the "
+            "scheduler is ready for it"
+        )
 
     def _ended_job(self) -> str:
         return (

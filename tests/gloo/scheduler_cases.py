@@ -1746,3 +1746,56 @@ def second_backward_drops_the_step(as_view: bool) -> list[Any]:
     finally:
         sched.remove()
     return out
+
+
+def grad_changed_before_synchronize(what: str, as_view: bool, compression: str) -> list[Any]:
+    """Backward, then ``what`` to the gradients, then synchronize(): "clip"
+    (``clip_grad_norm_``, in place), "zero" (``zero_grad(set_to_none=False)``), "none"
+    (``zero_grad()``) or "replace" (a new ``.grad``). Measured before the forty-seventh
+    session: the clipping lost without a word where the gradient had been copied into its
+    bucket, a 1 MiB gradient (reduced where it is) half clipped, a .grad left None while
+    the others got the average, and with ``gradient_as_bucket_view`` or a replaced
+    ``.grad`` the two ranks ending with different gradients. Now synchronize() raises on
+    every rank and the step is dropped. Returns [the start of what synchronize() raised,
+    whether the next step (done right) gives the average (1-bit: the same on every
+    rank)]."""
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2))  # a 1 MiB weight
+    ref = copy.deepcopy(model)
+    comp = {"none": None, "fp16": FP16(), "onebit": OneBit()}[compression]
+    sched = BucketScheduler(model, gradient_as_bucket_view=as_view, compression=comp)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(r))
+    out: list[Any] = []
+    try:
+        model(x).sum().backward()
+        if what == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        elif what in ("zero", "none"):
+            model.zero_grad(set_to_none=what == "none")
+        else:
+            for p in model.parameters():
+                assert p.grad is not None
+                p.grad = p.grad * 2
+        try:
+            sched.synchronize()
+            out.append("no error")
+        except RuntimeError as e:
+            out.append(str(e).split(":")[0])
+        model.zero_grad()
+        model(x).sum().backward()
+        sched.synchronize()
+        ref(x).sum().backward()
+        want = [comm.all_reduce(q.grad.clone(), op="avg") for q in ref.parameters()]
+        if compression == "onebit":  # 1-bit is not the average: the ranks must agree
+            want = [comm.all_gather(p.grad.clone())[0] for p in model.parameters()]
+        tol = {"none": 1e-5, "fp16": 1e-2, "onebit": 0.0}[compression]
+        out.append(
+            all(
+                bool(((p.grad - w).abs().max() <= tol * w.abs().max()).item())
+                for p, w in zip(model.parameters(), want, strict=True)
+            )
+        )
+    finally:
+        sched.remove()
+    return out

@@ -25,6 +25,12 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
 
 
+def _nan_at_00(g: torch.Tensor) -> torch.Tensor:
+    g = g.clone()
+    g[0, 0] = float("nan")
+    return g
+
+
 def _grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
@@ -96,9 +102,13 @@ def main() -> None:
         nan: list[object] = []
         for step in range(3):
             model.zero_grad()
-            model(x * (step + 1)).pow(2).mean().backward()
+            hook = None
             if step == 1 and rank == comm.get_world_size() - 1:
-                model[0].weight.grad[0, 0] = float("nan")
+                # in backward (a .grad written after it drops the step on every rank)
+                hook = model[0].weight.register_hook(_nan_at_00)
+            model(x * (step + 1)).pow(2).mean().backward()
+            if hook is not None:
+                hook.remove()
             try:
                 sched.synchronize()
                 flags = torch.tensor([float(onebit.last_skipped)])
