@@ -532,9 +532,10 @@ class BucketScheduler:
         # finished: one left at the vote raised halfway (see _backward_began)
         self._open: set[int] = set()
         self._newest = -1  # the newest backward that gave this step a gradient
-        # (parameter, its .grad, that tensor's version) as each hook left them: a .grad
-        # replaced or written between backward and synchronize() drops the step (_touched)
-        self._marks: list[tuple[int, torch.Tensor, int]] = []
+        # (parameter, its .grad, that tensor's version, the parameter's version) as each
+        # hook left them: a .grad replaced or written, or a parameter written (an optimizer
+        # step), between backward and synchronize() drops the step (_touched)
+        self._marks: list[tuple[int, torch.Tensor, int, int]] = []
 
     # -------------------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
@@ -637,7 +638,7 @@ class BucketScheduler:
                 view.mul_(self._prescale)  # .grad is the bucket: scale it in place, as DDP
             g = p.grad
             if g is not None:  # what synchronize() checks is still there (_touched)
-                self._marks.append((i, g, g._version))
+                self._marks.append((i, g, g._version, p._version))
             b.pending.discard(pos)
             self._order.append(i)
             if self.tracer is not None:
@@ -1118,36 +1119,47 @@ class BucketScheduler:
         return None
 
     def _touched(self) -> str | None:
-        """What changed a used parameter's ``.grad`` after its hook this step, if anything:
-        replaced or set to None, or written in place (its version moved; the scheduler's
-        own writes go through ``.data`` or the bucket, which leave it alone). Why: the
+        """What changed a used parameter's ``.grad``, or the parameter, after its hook this
+        step, if anything: the .grad replaced or set to None, or written in place (its
+        version moved; the scheduler's own writes go through ``.data`` or the bucket,
+        which leave it alone), or the parameter written (an optimizer step). Why: the
         buckets read the gradient backward left, and some read it where it is, on the
         worker thread or as the collective runs (gradient_as_bucket_view, DDP's in-place
         large gradients, OneBit's read in place). Measured before the forty-seventh
-        session, with ``clip_grad_norm_`` or ``zero_grad()`` between backward and
-        synchronize(): the clipping lost without a word, a .grad left None or zero while
-        its neighbours got the average, and the ranks ending with different gradients."""
-        for i, g, v in self._marks:
-            now = self.params[i].grad
+        session: ``clip_grad_norm_`` or ``zero_grad()`` between backward and synchronize()
+        lost the clipping without a word, left a .grad None or zero while its neighbours
+        got the average, or ended the ranks with different gradients; ``optimizer.step()``
+        before synchronize() stepped each rank on its own gradient, and the ranks' weights
+        drifted apart with no error."""
+        params = self.params
+        for i, g, v, pv in self._marks:
+            p = params[i]
+            now = p.grad
             if now is not g:
                 how = "set to None" if now is None else "replaced by another tensor"
                 return f"parameter {i}'s .grad was {how}"
             if g._version != v:
                 return f"parameter {i}'s .grad was changed in place"
+            if p._version != pv:
+                return (
+                    f"parameter {i} itself was written (an optimizer step on this rank's own "
+                    "gradient: the ranks' weights now differ; broadcast rank 0's, "
+                    "overlap.broadcast_parameters(model.state_dict()), or reload a checkpoint)"
+                )
         return None
 
     @staticmethod
     def _touched_message(ranks: list[int], here: str | None) -> str:
         return (
-            f"a .grad changed between backward and synchronize() on rank"
+            f"a .grad or a parameter changed between backward and synchronize() on rank"
             f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
             f"{f' (here: {here})' if here else ''}: the buckets reduce the gradients "
             "backward left, some of them where they are, so this step's gradients are "
             "dropped on every rank (the buckets were still sent, so that the ranks stay in "
-            "step). Read or change .grad only after synchronize() (or await sched.wait()): "
-            "clip_grad_norm_, GradScaler.unscale_ and zero_grad() go after it, as after "
-            "DDP's backward. Zero the gradients and go on with the next batch; the "
-            "scheduler is ready for it"
+            "step). Read or change .grad, and step the optimizer, only after synchronize() "
+            "(or await sched.wait()): clip_grad_norm_, GradScaler.unscale_, zero_grad() and "
+            "optimizer.step() go after it, as after DDP's backward. Zero the gradients and "
+            "go on with the next batch; the scheduler is ready for it"
         )
 
     def _ended_job(self) -> str:

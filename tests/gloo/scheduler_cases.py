@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from overlap import BucketScheduler, comm
+from overlap import BucketScheduler, broadcast_parameters, comm
 from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
 from overlap.compression.base import Compressor, Steps
 from overlap.errors import IncompleteBackwardError
@@ -1751,7 +1751,10 @@ def second_backward_drops_the_step(as_view: bool) -> list[Any]:
 def grad_changed_before_synchronize(what: str, as_view: bool, compression: str) -> list[Any]:
     """Backward, then ``what`` to the gradients, then synchronize(): "clip"
     (``clip_grad_norm_``, in place), "zero" (``zero_grad(set_to_none=False)``), "none"
-    (``zero_grad()``) or "replace" (a new ``.grad``). Measured before the forty-seventh
+    (``zero_grad()``), "replace" (a new ``.grad``) or "step" (``optimizer.step()``, which
+    then stepped each rank on its own gradient: the weights drifted apart, with no error;
+    the case then broadcasts rank 0's weights, as the message says). Measured before the
+    forty-seventh
     session: the clipping lost without a word where the gradient had been copied into its
     bucket, a 1 MiB gradient (reduced where it is) half clipped, a .grad left None while
     the others got the average, and with ``gradient_as_bucket_view`` or a replaced
@@ -1762,7 +1765,6 @@ def grad_changed_before_synchronize(what: str, as_view: bool, compression: str) 
     r = comm.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2))  # a 1 MiB weight
-    ref = copy.deepcopy(model)
     comp = {"none": None, "fp16": FP16(), "onebit": OneBit()}[compression]
     sched = BucketScheduler(model, gradient_as_bucket_view=as_view, compression=comp)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(r))
@@ -1773,6 +1775,9 @@ def grad_changed_before_synchronize(what: str, as_view: bool, compression: str) 
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         elif what in ("zero", "none"):
             model.zero_grad(set_to_none=what == "none")
+        elif what == "step":
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            broadcast_parameters(model.state_dict())  # what the message says to do
         else:
             for p in model.parameters():
                 assert p.grad is not None
@@ -1783,6 +1788,7 @@ def grad_changed_before_synchronize(what: str, as_view: bool, compression: str) 
         except RuntimeError as e:
             out.append(str(e).split(":")[0])
         model.zero_grad()
+        ref = copy.deepcopy(model)  # the weights as they are now ("step" moved them)
         model(x).sum().backward()
         sched.synchronize()
         ref(x).sum().backward()

@@ -556,15 +556,18 @@ def test_a_second_backward_before_synchronize_drops_the_step(
         ("none", False, "none"),
         ("replace", False, "fp16"),
         ("clip", False, "onebit"),
+        ("step", False, "none"),
+        ("step", True, "onebit"),
     ],
 )
 def test_a_grad_changed_between_backward_and_synchronize_drops_the_step(
     pools: Callable[[int], RankPool], what: str, as_view: bool, compression: str
 ) -> None:
-    """clip_grad_norm_, zero_grad() or a new .grad after backward and before synchronize():
-    every rank raises and the step is dropped (it was lost silently, or left the ranks with
-    different gradients), and the next step, done right, is the average."""
+    """clip_grad_norm_, zero_grad(), a new .grad or optimizer.step() after backward and
+    before synchronize(): every rank raises and the step is dropped (it was lost silently,
+    or left the ranks with different gradients or weights), and the next step, done right,
+    is the average."""
     out = pools(2).run(sc.grad_changed_before_synchronize, what, as_view, compression, timeout=60)
-    want = "a .grad changed between backward and synchronize() on ranks 0, 1 (here"
+    want = "a .grad or a parameter changed between backward and synchronize() on ranks 0, 1 (here"
     assert [o[0] for o in out] == [want] * 2, out
     assert [o[1] for o in out] == [True, True], out
