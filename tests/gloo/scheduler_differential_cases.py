@@ -7,9 +7,10 @@ random widths, maybe its first layer used twice, maybe one layer frozen, a side 
 by every rank, by none, or by some micro-batches on some ranks), its dtype, bucket sizes,
 FP16 or no compression, ``average``, ``gradient_as_bucket_view``, blocking or awaited
 steps, a ``no_sync()`` depth, and whether ``.grad`` is set to None, zeroed or kept between
-steps. A DDP twin (``find_unused_parameters=True``) trains the same model on the same
-batches; after every step both models' gradients must agree (FP16 within 2%). Returns the
-mismatches, none when all is well.
+steps. A DDP twin (``find_unused_parameters=True``; with FP16, DDP's own
+``fp16_compress_hook``) trains the same model on the same batches; after every step both
+models' gradients must agree (FP16 within 0.2%). Returns the mismatches, none when all is
+well.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
@@ -90,8 +92,13 @@ def _one(seed: int, c: int, cfg: dict[str, Any]) -> list[str]:
     )  # fmt: skip
     twin = copy.deepcopy(ours)  # after the scheduler gave every rank rank 0's weights
     ddp = DDP(twin, find_unused_parameters=True, gradient_as_bucket_view=cfg["view"])
+    if cfg["fp16"]:
+        # DDP's own fp16 path: against fp32 DDP, fp16's rounding compounds over the steps
+        # (2.5 off in 12 of 144 configurations at a 2% tolerance); against this, within
+        # 0.2% in all 144 (forty-seventh session)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     scale = 1 if cfg["average"] else w
-    tol = 2e-2 if cfg["fp16"] else (1e-5 if dtype is torch.float32 else 1e-12)
+    tol = 2e-3 if cfg["fp16"] else (1e-5 if dtype is torch.float32 else 1e-12)
     mine, theirs = dict(ours.named_parameters()), dict(twin.named_parameters())
     names = [n for n, p in mine.items() if p.requires_grad]
     bad: list[str] = []
