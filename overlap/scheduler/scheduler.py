@@ -1032,32 +1032,32 @@ class BucketScheduler:
             # A bucket failed (e.g. NonFiniteError on every rank): skip this step, train on.
             yield from self._abandon(handles)
             raise
-        if incomplete:
-            # every bucket was sent (the ranks stay in step) but one rank's gradient is only
-            # partly in them: drop the step on every rank, as a failed bucket's
+        if drop:
+            # every bucket was sent (the ranks stay in step), but the step's gradients
+            # cannot stand: one rank's is only partly in them, or was changed after its
+            # hook, or a rank trains a parameter the buckets lack. Drop the step on every
+            # rank, as a failed bucket's: nothing is copied back
+            dropped: Exception
+            if incomplete:
+                dropped = IncompleteBackwardError(
+                    f"the backward of rank{'s' if len(incomplete) > 1 else ''} "
+                    f"{', '.join(map(str, incomplete))} raised before it finished, so this "
+                    "step's gradients are dropped on every rank (the buckets were still sent, "
+                    "so that the ranks stay in step): zero the gradients, skip "
+                    "optimizer.step() and go on with the next batch; the scheduler is ready "
+                    "for it",
+                    ranks=incomplete,
+                )
+            elif changers:
+                dropped = RuntimeError(self._touched_message(changers, touched))
+            else:
+                dropped = ValueError(
+                    unfrozen_message(unfrozen, "BucketScheduler", woken, changed)
+                    + " (this step's gradients are dropped on every rank)"
+                )
             self._close_inline()
             yield from self._abandon(handles)
-            raise IncompleteBackwardError(
-                f"the backward of rank{'s' if len(incomplete) > 1 else ''} "
-                f"{', '.join(map(str, incomplete))} raised before it finished, so this step's "
-                "gradients are dropped on every rank (the buckets were still sent, so that "
-                "the ranks stay in step): zero the gradients, skip optimizer.step() and go on "
-                "with the next batch; the scheduler is ready for it",
-                ranks=incomplete,
-            )
-        if changers:
-            # as above: the buckets were sent, nothing is copied back
-            self._close_inline()
-            yield from self._abandon(handles)
-            raise RuntimeError(self._touched_message(changers, touched))
-        if woken:
-            # as above: the buckets were sent, nothing is copied back
-            self._close_inline()
-            yield from self._abandon(handles)
-            raise ValueError(
-                unfrozen_message(unfrozen, "BucketScheduler", woken, changed)
-                + " (this step's gradients are dropped on every rank)"
-            )
+            raise dropped
         self._close_inline()
         self._launcher.wait_compute()
         self.compression.end_step()
