@@ -499,6 +499,7 @@ def _init_mpi(timeout: float | None = None) -> None:
         ) from exc
     from overlap.comm.mpi_backend import MpiBackend
 
+    _check_mpi_usable(MPI, mpi4py.rc.thread_level)
     comm = MPI.COMM_WORLD
     _, (local_rank, local_size, node) = _mpi_placement(MPI)
     state.set_active(MpiBackend(timeout), local_rank, local_size, node)
@@ -509,6 +510,59 @@ def _init_mpi(timeout: float | None = None) -> None:
         comm.Get_rank(),
         comm.Get_size(),
         MPI.Get_library_version().splitlines()[0].strip(),
+    )
+
+
+def _check_mpi_usable(MPI: Any, requested: str) -> None:
+    """Refuse an MPI that overlap cannot use safely, before its first MPI call.
+
+    overlap calls MPI from more than one thread: the BucketScheduler's worker posts bucket
+    collectives while the training thread posts its own ops, the progress engine's reaper
+    thread tests requests nobody awaits, a DiLoCo background reduction runs on a thread of
+    its own. That needs ``MPI_THREAD_MULTIPLE``. Below it the library skips its own locks,
+    and two threads in MPI at once corrupt its state: measured with MPICH at
+    ``mpi4py.rc.thread_level = "serialized"`` and ``"single"``, two threads each running
+    overlap ops segfaulted or aborted in 4 runs of 4, where ``"multiple"`` ran clean. An MPI
+    not initialised (``mpi4py.rc.initialize = False``) or already finalised ended the
+    process from inside MPICH ("Attempting to use an MPI routine before initializing or
+    after finalizing"). Each is a RuntimeError here that names the fix.
+    """
+    where = "init_distributed(dist_backend='mpi')"
+    if MPI.Is_finalized():
+        raise RuntimeError(
+            f"{where}: MPI was already finalised in this process (MPI.Finalize() ran), and "
+            "MPI cannot be initialised twice: call init_distributed before anything "
+            "finalises MPI, and leave finalising to the process's exit (mpi4py, or overlap "
+            "when it imported mpi4py.MPI, finalises MPI then)"
+        )
+    if not MPI.Is_initialized():
+        raise RuntimeError(
+            f"{where}: MPI is not initialised (mpi4py.rc.initialize is False and nothing "
+            "called MPI.Init_thread): call MPI.Init_thread(MPI.THREAD_MULTIPLE) first, or "
+            "leave mpi4py.rc.initialize at True"
+        )
+    provided = MPI.Query_thread()
+    if provided >= MPI.THREAD_MULTIPLE:
+        return
+    names = {
+        MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+        MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+        MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+    }
+    how = (
+        f"mpi4py.rc.thread_level is {requested!r} here: leave it at its default 'multiple' "
+        "(set before mpi4py.MPI is first imported)"
+        if requested != "multiple"
+        else "this MPI library gave less than the 'multiple' mpi4py asked for: use an MPI "
+        "built with thread support (the mpich wheel, pip install overlap[mpi], has it)"
+    )
+    raise RuntimeError(
+        f"{where}: MPI runs with {names.get(provided, provided)}, but overlap calls MPI from "
+        "more than one thread (the BucketScheduler's worker, the progress engine's reaper, "
+        "a DiLoCo background reduction) and needs MPI_THREAD_MULTIPLE; with less, two "
+        f"threads in MPI at once corrupt its state (MPICH segfaults). {how}; if you "
+        "initialise MPI yourself, call MPI.Init_thread(MPI.THREAD_MULTIPLE). Or use "
+        "dist_backend='gloo'"
     )
 
 
