@@ -400,7 +400,7 @@ def init_distributed(
     backend = _pick_backend(dist_backend)
     if backend == "mpi":
         td = _timeout(timeout)
-        _init_mpi(None if td is None else td.total_seconds())
+        _init_mpi(None if td is None else td.total_seconds(), rank, world_size)
         return
     env = os.environ
     local_rank = int(env.get("LOCAL_RANK", 0))
@@ -479,7 +479,7 @@ def _finalize_mpi() -> None:
         MPI.Finalize()
 
 
-def _init_mpi(timeout: float | None = None) -> None:
+def _init_mpi(timeout: float | None = None, rank: int = -1, world_size: int = -1) -> None:
     import sys
 
     try:
@@ -501,6 +501,7 @@ def _init_mpi(timeout: float | None = None) -> None:
 
     _check_mpi_usable(MPI, mpi4py.rc.thread_level)
     comm = MPI.COMM_WORLD
+    _check_mpi_world((comm.Get_rank(), comm.Get_size()), (rank, world_size))
     _, (local_rank, local_size, node) = _mpi_placement(MPI)
     state.set_active(MpiBackend(timeout), local_rank, local_size, node)
     if comm.Get_size() == 1 and not in_mpi_env():
@@ -510,6 +511,45 @@ def _init_mpi(timeout: float | None = None) -> None:
         comm.Get_rank(),
         comm.Get_size(),
         MPI.Get_library_version().splitlines()[0].strip(),
+    )
+
+
+def _check_mpi_world(mpi: tuple[int, int], given: tuple[int, int]) -> None:
+    """ValueError when MPI's (rank, size) contradicts the ``rank=``/``world_size=`` passed or
+    a launcher's RANK and WORLD_SIZE.
+
+    On MPI the job is what mpiexec started. Under torchrun, ``init_distributed("mpi")`` made
+    each process an MPI singleton: every process ran as rank 0 of 1 and trained a model of
+    its own, with no error (found by trying it). Arguments that disagree with MPI were
+    ignored the same way. Either is refused now, on every rank alike (each sees the same
+    contradiction), before anything is set up.
+    """
+    mr, ms = mpi
+    where = f"MPI's world has {ms} rank{'s' if ms != 1 else ''} (this is rank {mr})"
+    for name, mine, theirs in zip(("rank", "world_size"), given, mpi, strict=True):
+        if (mine >= 0 if name == "rank" else mine > 0) and mine != theirs:
+            raise ValueError(
+                f"init_distributed('mpi', {name}={mine}) but {where}: on MPI the job is what "
+                f"mpiexec started, so leave {name} out (mpiexec -n N sets the world size)"
+            )
+    try:
+        launched = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    except (KeyError, ValueError):  # not both set as numbers: no launcher's word to weigh
+        return
+    if launched == mpi:
+        return
+    said = f"RANK={launched[0]} and WORLD_SIZE={launched[1]}"
+    if ms == 1 and not in_mpi_env():
+        raise ValueError(
+            f"init_distributed('mpi'): this process was started with {said} (torchrun, or "
+            "another launcher that is not mpiexec), so MPI sees it alone: each process would "
+            "run as a job of one rank and train apart. Launch with mpiexec -n "
+            f"{launched[1]} python ..., or use dist_backend='gloo' (or 'nccl') under torchrun"
+        )
+    raise ValueError(
+        f"init_distributed('mpi'): the environment says {said} but {where}: one of them is "
+        "wrong. Unset RANK and WORLD_SIZE (on MPI the job is what mpiexec started), or "
+        "launch so that they agree"
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.gloo.test_bad_input import EXPECTED
-from tests.mpi.conftest import ROOT, clean_env, mpiexec, needs_mpiexec
+from tests.mpi.conftest import MPIEXEC, ROOT, clean_env, mpiexec, needs_mpiexec
 
 pytestmark = [pytest.mark.mpi, needs_mpiexec]
 
@@ -156,6 +156,67 @@ def test_an_mpi_overlap_cannot_use_is_refused_with_the_fix(case: str) -> None:
     )
     if case in ("serialized", "single"):
         assert f"mpi4py.rc.thread_level is '{case}' here" in out.stdout
+
+
+WORLD_CASES = {
+    # name: (environment, init_distributed's arguments, the start of the error or "ok")
+    "torchrun's RANK and WORLD_SIZE": (
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"},
+        "",
+        "init_distributed('mpi'): this process was started with RANK=1 and WORLD_SIZE=2",
+    ),
+    "world_size given": ({}, "world_size=2", "init_distributed('mpi', world_size=2) but MPI"),
+    "rank given": ({}, "rank=1", "init_distributed('mpi', rank=1) but MPI's world has 1 rank"),
+    "agreeing": ({"RANK": "0", "WORLD_SIZE": "1"}, "rank=0, world_size=1", "ok 0 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(WORLD_CASES))
+def test_mpi_refuses_a_world_that_contradicts_mpis(case: str) -> None:
+    """Under torchrun, init_distributed("mpi") made every process an MPI singleton: each ran
+    as rank 0 of 1 and trained on its own, silently (forty-eighth session); rank= and
+    world_size= that contradicted MPI's were ignored. Both are ValueErrors now."""
+    env, args, want = WORLD_CASES[case]
+    out = _python(
+        f"""
+        import overlap
+        from overlap import comm
+        try:
+            overlap.init_distributed("mpi", {args})
+            print("ok", comm.get_rank(), comm.get_world_size())
+        except ValueError as e:
+            print("ERR", e)
+        """,
+        env,
+    )
+    assert out.stdout.startswith(want if want.startswith("ok") else f"ERR {want}"), (
+        out.stdout + out.stderr
+    )
+
+
+def test_mpi_refuses_a_launchers_rank_that_contradicts_mpiexecs() -> None:
+    """RANK and WORLD_SIZE left in the environment of an mpiexec job, naming another job:
+    every rank refuses (one of the two is wrong, and code that reads RANK would shard its
+    data by the other)."""
+    assert MPIEXEC is not None
+    code = (
+        "import overlap\n"
+        "try:\n"
+        "    overlap.init_distributed('mpi'); print('no error')\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean_env(), "RANK": "5", "WORLD_SIZE": "9"},
+        cwd=ROOT,
+    )
+    lines = [x for x in out.stdout.splitlines() if x.strip()]
+    want = "ERR init_distributed('mpi'): the environment says RANK=5 and WORLD_SIZE=9 but MPI"
+    assert len(lines) == 2 and all(x.startswith(want) for x in lines), out.stdout + out.stderr
 
 
 PEER_EXITS = """
