@@ -33,7 +33,7 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -64,6 +64,7 @@ from overlap.optim.sync_trace import SyncTrace
 from overlap.ownership import claim, holder_of, release
 from overlap.params import select, unfrozen_message
 from overlap.rankstate import check_rank, group_rank
+from overlap.unawaited import Unawaited
 
 __all__ = ["OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "schedule", "spare_core"]
 
@@ -327,6 +328,11 @@ class DiLoCo:
         # streaming: says once, in the log, when the landings keep waiting (overlap.optim.late)
         self._late = LateLandings(fragments) if delay > 0 else None
         self._removed = False
+        # astep()/afinish() calls whose coroutine was dropped before it ran (unawaited.py)
+        self._unawaited = Unawaited(
+            "this rank skipped that step while its peers may have taken theirs, and "
+            "the ranks' weights drift apart"
+        )
         self.tracer = tracer
         self._trace = None if tracer is None else SyncTrace(tracer)
         # the job (init_distributed .. destroy_process_group) its syncs belong to
@@ -452,7 +458,7 @@ class DiLoCo:
         if self._trace is not None:
             self._trace.step()
 
-    async def astep(self) -> None:
+    def astep(self) -> Coroutine[Any, Any, None]:
         """As :meth:`step`, awaiting each landing on the event loop; with a delay it returns
         while the issued reductions are in flight.
 
@@ -462,7 +468,13 @@ class DiLoCo:
         would keep other global weights than its peers, and one that skipped an issue would
         pair its later reductions with other fragments'). The next call waits for that task
         first (``astep``) or refuses while it runs (``step``, ``flush``, ``state_dict``), and
-        raises its error if it failed."""
+        raises its error if it failed.
+
+        It must be awaited (or kept as a task): a coroutine dropped before it ran makes the
+        next call raise RuntimeError, since that step never happened on this rank."""
+        return self._unawaited.watch("diloco.astep()", self._astep())
+
+    async def _astep(self) -> None:
         self._check_live()
         self._check_job()
         self._check_frozen()
@@ -622,10 +634,14 @@ class DiLoCo:
         if self._worker is not None:
             run(sync_steps(module_buffers(self._model), self._worker[0]))
 
-    async def afinish(self) -> None:
+    def afinish(self) -> Coroutine[Any, Any, None]:
         """:meth:`finish` in an event loop: each reduction awaited, the loop free meanwhile.
         It runs after any astep() still at work, and cancelling its await cancels the wait,
-        not the finish, as for :meth:`astep` (the peers are in the same reductions)."""
+        not the finish, as for :meth:`astep` (the peers are in the same reductions). Like
+        astep(), it must be awaited."""
+        return self._unawaited.watch("diloco.afinish()", self._afinish())
+
+    async def _afinish(self) -> None:
         self._check_live()
         self._check_job()
         await self._in_order(self._afinish_work)
@@ -1158,6 +1174,7 @@ class DiLoCo:
     def _check_live(self) -> None:
         if self._removed:
             raise RuntimeError("this DiLoCo was removed; build a new one to sync again")
+        self._unawaited.check()
         if self._swapped:
             raise RuntimeError(
                 "the model holds the global weights (inside `with diloco.global_weights():`), "

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Coroutine, Generator, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ from overlap.rankstate import check_rank, group_rank
 from overlap.scheduler.buckets import Bucket, assign_buckets
 from overlap.scheduler.join import Join
 from overlap.scheduler.streams import Launcher
+from overlap.unawaited import Unawaited
 
 __all__ = ["BucketScheduler"]
 
@@ -371,6 +372,8 @@ class BucketScheduler:
         self._finishing: tuple[asyncio.Task[None], int] | None = None
         # the backward a cancelled `await backward()` left running in its thread; see backward()
         self._running: asyncio.Future[None] | None = None
+        # backward() calls whose coroutine was dropped before it ran (unawaited.py)
+        self._unawaited = Unawaited("that backward did not happen here")
         self._steps_begun = 0  # _new_step() calls: which step a _finishing task ends
         self._step = 0
         self._rebuilt = False
@@ -1258,7 +1261,8 @@ class BucketScheduler:
         the peers go through it in step with this rank; a rank that dropped it halfway
         would leave them out of step (measured: with OneBit, the next steps failed on
         every rank). The next ``wait()`` takes that task up and returns its outcome; a
-        backward before it raises (the step has not ended)."""
+        backward before it raises (the step has not ended), so a ``wait()`` left un-awaited
+        shows there; a ``synchronize()`` after it ends the step as the wait would have."""
         await self._backward_done()
         task = self._taken_up()
         if task is None:
@@ -1292,7 +1296,7 @@ class BucketScheduler:
             )
         return None
 
-    async def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> Coroutine[Any, Any, None]:
         """Run ``loss.backward()`` off the event loop, then ``await wait()``.
 
         If the backward raises after some of its gradients reached the buckets, the step
@@ -1300,7 +1304,14 @@ class BucketScheduler:
         IncompleteBackwardError, this one the backward's own error, and the scheduler is
         ready for the next step. Cancelling this call cancels the wait: the backward goes
         on in its thread (a thread cannot be stopped), and the next ``wait()`` waits for
-        it before it ends the step."""
+        it before it ends the step.
+
+        It must be awaited (or kept as a task): one dropped before it ran did no backward,
+        and the next ``backward()`` raises RuntimeError naming it (before, every ``.grad``
+        stayed None with no error and the model never trained)."""
+        return self._unawaited.watch("sched.backward(loss)", self._backward(loss, **kwargs))
+
+    async def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         loop = asyncio.get_running_loop()
         running = loop.run_in_executor(None, functools.partial(loss.backward, **kwargs))
         self._running = running

@@ -1047,3 +1047,51 @@ def float64_sync(frags: int) -> list[Any]:
         return [sorted({str(b.dtype) for b in d._pseudo.values()}), worst]
     finally:
         d.remove()
+
+
+def unawaited_astep() -> list[Any]:
+    """``diloco.astep()`` written without ``await``: before the forty-eighth session that step
+    never ran and nothing said so but Python's warning (a loop of them never synced: the
+    ranks' weights drifted apart). Now the next call raises, naming it. Returns [what the
+    next call raised, whether the ranks' weights agree after the loop goes on right,
+    whether an ``asyncio.gather`` of two asteps ran without a false alarm]."""
+    import gc
+    import warnings
+
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = DiLoCo(model, inner, sync_every=2)
+    out: list[Any] = []
+
+    def inner_step() -> None:
+        model(torch.randn(3, 4) + r).sum().backward()
+        inner.step()
+        inner.zero_grad()
+
+    async def main() -> None:
+        inner_step()
+        d.astep()  # the bug: no await
+        gc.collect()
+        try:
+            await d.astep()
+            out.append("no error")
+        except RuntimeError as e:
+            out.append(str(e).split(":")[0])
+        await d.astep()  # the dropped one, taken now: step 1 of 2
+        inner_step()
+        await d.astep()  # step 2: a sync
+        w = model.weight.detach().clone()
+        out.append(bool(torch.equal(*comm.all_gather(w))))
+        inner_step()
+        await asyncio.gather(d.astep(), d.astep())  # kept by gather: no false alarm
+        out.append(bool(torch.equal(*comm.all_gather(model.weight.detach().clone()))))
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # Python's own "never awaited"
+            overlap.run(main())
+    finally:
+        d.remove()
+    return out

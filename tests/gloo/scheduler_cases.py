@@ -1805,3 +1805,48 @@ def grad_changed_before_synchronize(what: str, as_view: bool, compression: str) 
     finally:
         sched.remove()
     return out
+
+
+def unawaited_backward() -> list[Any]:
+    """``sched.backward(loss)`` written without ``await``: before the forty-eighth session it
+    left every ``.grad`` None with no error (the model never trained). Now the next
+    ``backward()`` names the call that never ran. Returns [what that call raised, whether a
+    step done right afterwards gives the average]."""
+    import asyncio
+    import gc
+    import warnings
+
+    r = comm.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    sched = BucketScheduler(model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(r))
+    out: list[Any] = []
+
+    async def main() -> None:
+        sched.backward(model(x).sum())  # the bug: no await
+        gc.collect()
+        try:
+            await sched.backward(model(x).sum())
+            out.append("no error")
+        except RuntimeError as e:
+            out.append(str(e).split(":")[0])
+        await asyncio.gather(sched.backward(model(x).sum()))  # kept by gather: runs
+        ref = copy.deepcopy(model)
+        ref.zero_grad()
+        ref(x).sum().backward()
+        want = [comm.all_reduce(q.grad.clone(), op="avg") for q in ref.parameters()]
+        out.append(
+            all(
+                torch.allclose(p.grad, w, atol=1e-6)
+                for p, w in zip(model.parameters(), want, strict=True)
+            )
+        )
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # Python's own "never awaited"
+            overlap.run(main())
+    finally:
+        sched.remove()
+    return out

@@ -424,3 +424,11 @@ def test_a_float64_model_syncs_in_float64(pools: Callable[[int], RankPool], frag
     (they were rounded to float32, 6e-11 off on a 1e-3 step)."""
     out = pools(2).run(dc.float64_sync, frags, timeout=60)
     assert all(o[0] == ["torch.float64"] and o[1] < 1e-15 for o in out), out
+
+
+def test_an_unawaited_astep_is_named_at_the_next_call(pools: Callable[[int], RankPool]) -> None:
+    """`diloco.astep()` without await never ran, and a loop of them never synced (the ranks
+    drifted apart, with only Python's warning). The next call now raises, naming it; an
+    asyncio.gather of asteps is not mistaken for one."""
+    want = ["diloco.astep() was called but never ran", True, True]
+    assert pools(2).run(dc.unawaited_astep, timeout=60) == [want] * 2

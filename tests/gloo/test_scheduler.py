@@ -571,3 +571,13 @@ def test_a_grad_changed_between_backward_and_synchronize_drops_the_step(
     want = "a .grad or a parameter changed between backward and synchronize() on ranks 0, 1 (here"
     assert [o[0] for o in out] == [want] * 2, out
     assert [o[1] for o in out] == [True, True], out
+
+
+def test_an_unawaited_backward_is_named_at_the_next_call(
+    pools: Callable[[int], RankPool],
+) -> None:
+    """`sched.backward(loss)` without await left .grad None silently (the model never
+    trained). The next backward() now names the call that never ran, and the scheduler
+    goes on; one kept by asyncio.gather runs."""
+    want = ["sched.backward(loss) was called but never ran", True]
+    assert pools(2).run(sc.unawaited_backward, timeout=60) == [want] * 2
