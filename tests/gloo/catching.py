@@ -1,9 +1,13 @@
-"""A helper the rank-side case modules share: record what each call raised."""
+"""Helpers the rank-side case modules share: record what each call raised; run a loop
+that drops a coroutine on purpose."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Coroutine
 from typing import Any
+
+import overlap
 
 
 def catcher(out: dict[str, str]) -> Callable[[str, Callable[[], Any]], None]:
@@ -17,3 +21,14 @@ def catcher(out: dict[str, str]) -> Callable[[str, Callable[[], Any]], None]:
             out[name] = f"{type(e).__name__}: {e}"
 
     return catch
+
+
+def run_dropping(main: Coroutine[Any, Any, Any], remove: Callable[[], Any]) -> None:
+    """``overlap.run(main)`` without Python's "never awaited" warnings (the loop drops a
+    coroutine on purpose), then ``remove()`` whatever happened."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            overlap.run(main)
+    finally:
+        remove()

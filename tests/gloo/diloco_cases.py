@@ -25,7 +25,7 @@ from torch import nn
 import overlap
 from overlap import BucketScheduler, DiLoCo, comm
 from overlap.errors import CommError, NonFiniteError
-from tests.gloo.catching import catcher
+from tests.gloo.catching import catcher, run_dropping
 
 SHAPES = [(5, 3), (7,), (4, 4), (1,), (33,)]
 LR_IN = 0.05
@@ -1056,7 +1056,6 @@ def unawaited_astep() -> list[Any]:
     next call raised, whether the ranks' weights agree after the loop goes on right,
     whether an ``asyncio.gather`` of two asteps ran without a false alarm]."""
     import gc
-    import warnings
 
     r = comm.get_rank()
     torch.manual_seed(0)
@@ -1088,10 +1087,5 @@ def unawaited_astep() -> list[Any]:
         await asyncio.gather(d.astep(), d.astep())  # kept by gather: no false alarm
         out.append(bool(torch.equal(*comm.all_gather(model.weight.detach().clone()))))
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # Python's own "never awaited"
-            overlap.run(main())
-    finally:
-        d.remove()
+    run_dropping(main(), d.remove)
     return out

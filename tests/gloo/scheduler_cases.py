@@ -17,7 +17,7 @@ from overlap import BucketScheduler, broadcast_parameters, comm
 from overlap.compression import FP16, NoCompression, OneBit, PowerSGD
 from overlap.compression.base import Compressor, Steps
 from overlap.errors import IncompleteBackwardError
-from tests.gloo.catching import catcher
+from tests.gloo.catching import catcher, run_dropping
 
 
 class Net(nn.Module):
@@ -1814,7 +1814,6 @@ def unawaited_backward() -> list[Any]:
     step done right afterwards gives the average]."""
     import asyncio
     import gc
-    import warnings
 
     r = comm.get_rank()
     torch.manual_seed(0)
@@ -1843,10 +1842,5 @@ def unawaited_backward() -> list[Any]:
             )
         )
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # Python's own "never awaited"
-            overlap.run(main())
-    finally:
-        sched.remove()
+    run_dropping(main(), sched.remove)
     return out
