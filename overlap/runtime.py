@@ -62,7 +62,22 @@ def run(
 
     The loop is closed afterwards, after cancelling leftover tasks and shutting down async
     generators, exactly as :func:`asyncio.run` does.
+
+    Called inside a running loop (an async function, a Jupyter cell), it raises
+    RuntimeError saying to ``await`` there instead, with ``main`` untouched: a thread runs
+    one loop at a time, and uvloop's own error ("Cannot run the event loop while another
+    loop is running") named no fix.
     """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # no loop runs in this thread: the usual case
+    else:
+        raise RuntimeError(
+            "overlap.run() was called inside a running event loop (an async function, or a "
+            "Jupyter cell): await it there instead (`await main()`, `await handle`); "
+            "overlap.run starts a loop of its own, and a thread runs one loop at a time"
+        )
     if not asyncio.iscoroutine(main):
         if not inspect.isawaitable(main):
             raise TypeError(

@@ -42,6 +42,24 @@ def test_run_takes_an_awaitable_and_refuses_a_function_with_the_fix() -> None:
         overlap.run(main)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("outer_loop", ["uvloop", "asyncio"])
+def test_run_inside_a_running_loop_says_to_await(outer_loop: str) -> None:
+    """In an async function (or a Jupyter cell) overlap.run used to fail with uvloop's
+    "Cannot run the event loop while another loop is running", which named no fix; the
+    coroutine is left as it was, so awaiting it there still works."""
+
+    async def inner() -> int:
+        return 5
+
+    async def outer() -> int:
+        c = inner()
+        with pytest.raises(RuntimeError, match=r"inside a running event loop .*await it there"):
+            overlap.run(c)
+        return await c
+
+    assert overlap.run(outer(), loop=outer_loop) == 5  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "call",
     [
