@@ -34,7 +34,6 @@ were compared by position, so one that sent float64 to rank 0 and float32 to the
 
 from __future__ import annotations
 
-import os
 import threading
 import zlib
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 
+from overlap.comm.knobs import switch
 from overlap.comm.p2p import describe, dtype_name
 from overlap.dtypes import present
 from overlap.errors import CollectiveMismatchError
@@ -53,7 +53,7 @@ _DESC = 192  # bytes of description exchanged per rank
 
 def env_enabled() -> bool:
     """Whether OVERLAP_DEBUG in the environment asks for debug mode."""
-    return os.environ.get("OVERLAP_DEBUG", "0") not in ("", "0", "false", "False")
+    return switch("OVERLAP_DEBUG", False)
 
 
 _enabled = env_enabled()

@@ -21,7 +21,6 @@ Buffers:
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ from overlap.comm import progress as _progress
 from overlap.comm.aliasing import apart
 from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle
+from overlap.comm.knobs import switch
 from overlap.comm.members import members_error
 from overlap.comm.mpi_recv import MpiRecv
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
@@ -153,7 +153,7 @@ class MpiBackend:
         self.large_count = MPI.Get_version() >= (4, 0)
         ub = world.Get_attr(MPI.TAG_UB)  # MPI promises at least 32767; MPICH: 2**29 - 1
         self.tag_ub: int = int(ub) if ub is not None else 32767
-        self.cuda_aware = os.environ.get("OVERLAP_MPI_CUDA_AWARE", "0") == "1"
+        self.cuda_aware = switch("OVERLAP_MPI_CUDA_AWARE", False)
         self._reductions: dict[
             tuple[Any, torch.dtype], tuple[ReduceOp, Any, Any, torch.dtype | None, bool]
         ] = {}

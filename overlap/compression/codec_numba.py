@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from overlap.comm.knobs import switch
 from overlap.compression.codec import Codec, ErrorFeedback, gather_sources
 from overlap.compression.layout import BLOCK, Layout, Pieces
 
@@ -47,10 +47,12 @@ _tried = False
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 MIN_PER_THREAD = 8 * BLOCK  # below this a second thread costs more than it saves
+# read at import, so a value it cannot read fails there, not in a bucket's first reduction
+_NUMBA_ON = switch("OVERLAP_NUMBA", True)
 
 
 def _build() -> dict[str, Any] | None:
-    if os.environ.get("OVERLAP_NUMBA", "1") == "0":
+    if not _NUMBA_ON:
         return None
     try:
         import numba  # noqa: F401

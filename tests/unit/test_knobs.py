@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from overlap.comm.knobs import number
+from overlap.comm.knobs import number, switch
 
 
 def test_unset_or_empty_gives_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,3 +47,54 @@ def test_importing_overlap_with_a_bad_knob_says_which(name: str) -> None:
     )
     assert proc.returncode != 0
     assert f"environment variable {name}='abc'" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "raw,value",
+    [
+        ("1", True),
+        ("true", True),
+        ("Yes", True),
+        (" ON ", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("off", False),
+        ("", None),
+    ],
+)
+def test_a_switch_reads_the_usual_words(
+    monkeypatch: pytest.MonkeyPatch, raw: str, value: bool | None
+) -> None:
+    monkeypatch.setenv("OVERLAP_TEST_SWITCH", raw)
+    for default in (False, True):
+        assert switch("OVERLAP_TEST_SWITCH", default) is (default if value is None else value)
+
+
+SWITCHES = {
+    # name: (a module that reads it at import or a call that does, what it decides)
+    "OVERLAP_DEBUG": "import overlap.comm.debug as d; print(d.env_enabled())",
+    "OVERLAP_NUMBA": "import overlap.compression.codec_numba as c; print(c._NUMBA_ON)",
+    "OVERLAP_MPI_CUDA_AWARE": "import overlap; overlap.init_distributed('mpi'); "
+    "from overlap.comm import state; print(state.active().cuda_aware)",
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_each_switch_takes_true_and_refuses_what_it_cannot_read(name: str) -> None:
+    """OVERLAP_MPI_CUDA_AWARE=true was read as off and OVERLAP_DEBUG=no as on, silently
+    (forty-eighth session): every switch reads the same words now, and refuses others."""
+    if name == "OVERLAP_MPI_CUDA_AWARE":
+        pytest.importorskip("mpi4py")
+    for raw, want in (("true", "True"), ("maybe", f"environment variable {name}='maybe'")):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        proc = subprocess.run(
+            [sys.executable, "-c", SWITCHES[name]],
+            env={**env, name: raw},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert want in (proc.stdout if raw == "true" else proc.stderr), (
+            proc.stdout + proc.stderr[-2000:]
+        )
