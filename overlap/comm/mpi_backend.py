@@ -261,6 +261,15 @@ class MpiBackend:
 
     # ------------------------------------------------------------------------- helpers
     def _t(self, t: Any, name: str) -> torch.Tensor:
+        """The tensor the op works on: ``t``, or a detached view of it (the same memory)
+        when it requires grad. The op's own writes into it (AVG's division, a bfloat16
+        result copied back from its float32 copy, a float max's ordered keys turned back
+        into floats) are in-place ops, which autograd refuses on a leaf that requires grad
+        (an ``nn.Parameter``): before the forty-eighth session they raised "a leaf Variable
+        that requires grad is being used in an in-place operation" after MPI had summed
+        into the tensor, leaving the sum where the average belonged, and a reduce, whose
+        root alone divides, left the other ranks' next collectives unmatched (a hang until
+        the job timeout). The gloo backend has detached such tensors all along."""
         if (
             isinstance(t, _Tensor)
             and t.is_cpu
@@ -268,10 +277,10 @@ class MpiBackend:
             and t.is_contiguous()
             and (self.large_count or t.nbytes <= INT_MAX)
         ):
-            return t  # the common case, in a few attribute reads
+            return t.detach() if t.requires_grad else t  # the common case
         checked = check_tensor(t, name, _device_type(t), self.name)
         self._check_count(checked.numel() * checked.element_size(), name)
-        return checked
+        return checked.detach() if checked.requires_grad else checked
 
     def _ts(self, ts: Any, name: str, length: int | None = None) -> list[torch.Tensor]:
         first = ts[0] if isinstance(ts, Sequence) and len(ts) else None

@@ -351,3 +351,16 @@ def test_sub_groups_of_a_four_rank_job_on_mpi() -> None:
     for d in results:
         for name in FOUR_RANKS:
             assert d[name] == "ok", f"rank {d['rank']} {name}:\n{d[name]}"
+
+
+def test_parameters_go_through_every_op_on_mpi() -> None:
+    """nn.Parameter tensors (leaves that require grad) in every op, 5 dtypes, blocking and
+    async, twice each: the MPI backend's own in-place writes (AVG's division, a bfloat16
+    result copied back, a float max's keys) raised after MPI had summed into the tensor,
+    and a reduce failed on its root alone (the others hung until the job timeout); gloo
+    detached such tensors all along (forty-eighth session)."""
+    out = mpiexec(2, "-m", "tests.mpi.param_cases", "8", timeout=180)
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert len(rows) == 2, out.stdout + out.stderr[-3000:]
+    for row in rows:
+        assert row["cases"] == 48 and row["failed"] == [], row
