@@ -275,6 +275,8 @@ class MpiBackend:
             and t.is_cpu
             and t.layout is _strided
             and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
             and (self.large_count or t.nbytes <= INT_MAX)
         ):
             return t.detach() if t.requires_grad else t  # the common case
@@ -1011,6 +1013,8 @@ class MpiBackend:
             and tensor.is_cpu
             and tensor.layout is _strided
             and tensor.is_contiguous()
+            and not tensor.is_conj()  # a lazy view at the same address (validate.py)
+            and not tensor.is_neg()
             and _hooks.observer is None
             and not _debug._enabled
         )

@@ -288,6 +288,8 @@ class TorchBackend:
             and (t.is_cpu if self._cpu else t.is_cuda)
             and t.layout is _strided
             and t.is_contiguous()
+            and not t.is_conj()
+            and not t.is_neg()
             and (moves or t.dtype not in self._bad_dtypes)
         ):
             return t.detach() if t.requires_grad else t

@@ -26,6 +26,21 @@ def check_tensor(t: Any, name: str, device_type: str, backend: str) -> torch.Ten
             f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); pass "
             f"{name}.contiguous() and copy the result back if you need it in place"
         )
+    if t.is_conj() or t.is_neg():
+        # A lazy view: its memory holds the values conjugated back (or negated), and ops
+        # move memory. Before the forty-eighth session MPI sent a conjugate view's memory
+        # as if it were its values (the receiver got the unconjugated numbers), and gloo
+        # left a negative view unreduced on every rank, silently.
+        what, fix = (
+            ("a conjugate view (x.conj())", "resolve_conj")
+            if t.is_conj()
+            else ("a negative view (e.g. z.conj().imag)", "resolve_neg")
+        )
+        raise ValueError(
+            f"{name} is {what}: its memory does not hold its values, and an op moves "
+            f"memory; pass {name}.{fix}() (a copy) and copy the result back if you need it "
+            "in place"
+        )
     if t.device.type != device_type:
         hint = ".cpu()" if device_type == "cpu" else ".cuda()"
         raise ValueError(

@@ -40,6 +40,18 @@ def bad_calls() -> dict[str, tuple[str, str]]:
         "unknown_op": _catch(lambda: comm.all_reduce(t, op="median")),
         "avg_on_ints": _catch(lambda: comm.all_reduce(torch.ones(2, dtype=torch.int32), op="avg")),
         "non_contiguous": _catch(lambda: comm.all_reduce(torch.ones(4, 4).t())),
+        # lazy views whose memory is not their values: MPI sent a conjugate view's memory
+        # (the receiver got the unconjugated numbers) and gloo left a negative view
+        # unreduced on every rank, silently, before the forty-eighth session
+        "conj_view_broadcast": _catch(
+            lambda: comm.broadcast(torch.tensor([1 + 2j, 3 - 1j]).conj(), 0)
+        ),
+        "conj_view_isend": _catch(
+            lambda: comm.isend(torch.tensor([1 + 2j]).conj(), dst=(r + 1) % w)
+        ),
+        "neg_view_all_reduce": _catch(
+            lambda: comm.all_reduce(torch.tensor([1 + 2j]).conj().imag)
+        ),
         "wrong_device": _catch(lambda: comm.all_reduce(torch.ones(4, device="meta"))),
         "not_a_tensor": _catch(lambda: comm.all_reduce([1.0, 2.0])),  # type: ignore[arg-type]
         "rs_flat_not_divisible": _catch(
