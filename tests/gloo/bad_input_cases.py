@@ -49,9 +49,7 @@ def bad_calls() -> dict[str, tuple[str, str]]:
         "conj_view_isend": _catch(
             lambda: comm.isend(torch.tensor([1 + 2j]).conj(), dst=(r + 1) % w)
         ),
-        "neg_view_all_reduce": _catch(
-            lambda: comm.all_reduce(torch.tensor([1 + 2j]).conj().imag)
-        ),
+        "neg_view_all_reduce": _catch(lambda: comm.all_reduce(torch.tensor([1 + 2j]).conj().imag)),
         "wrong_device": _catch(lambda: comm.all_reduce(torch.ones(4, device="meta"))),
         "not_a_tensor": _catch(lambda: comm.all_reduce([1.0, 2.0])),  # type: ignore[arg-type]
         "rs_flat_not_divisible": _catch(
