@@ -37,6 +37,7 @@ from overlap.comm import debug as _debug
 from overlap.comm import driver, horovodrun, slurm, state
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
+from overlap.comm.launch_vars import launcher_ints
 from overlap.comm.netif import advertised_address, set_socket_ifname
 from overlap.comm.seconds import positive_seconds
 from overlap.comm.torch_backend import TorchBackend
@@ -101,18 +102,29 @@ def mpi_discovery(
     return rank, size, local_rank
 
 
+def _contradiction(given: tuple[int, int], actual: tuple[int, int]) -> tuple[str, int, int] | None:
+    """The first of ``rank=`` / ``world_size=`` that was passed (rank >= 0, world_size > 0)
+    and differs from ``actual`` (rank, world size): (its name, the value passed, the actual
+    one), or None."""
+    for name, mine, theirs in zip(("rank", "world_size"), given, actual, strict=True):
+        if (mine >= 0 if name == "rank" else mine > 0) and mine != theirs:
+            return name, mine, theirs
+    return None
+
+
 def _check_given(given: tuple[int, int], launched: tuple[int, int]) -> None:
     """ValueError when ``rank=`` or ``world_size=`` was passed and contradicts what the
     launcher set (RANK, WORLD_SIZE): one of them is a mistake, and taking either silently
     would put this process in the wrong place of the job (before, the arguments were
     ignored)."""
-    for name, mine, theirs in zip(("rank", "world_size"), given, launched, strict=True):
-        if (mine >= 0 if name == "rank" else mine > 0) and mine != theirs:
-            var = "RANK" if name == "rank" else "WORLD_SIZE"
-            raise ValueError(
-                f"init_distributed({name}={mine}) but the launcher set {var}={theirs}: leave "
-                f"{name} out to take the launcher's, or start this process without it"
-            )
+    found = _contradiction(given, launched)
+    if found is not None:
+        name, mine, theirs = found
+        var = "RANK" if name == "rank" else "WORLD_SIZE"
+        raise ValueError(
+            f"init_distributed({name}={mine}) but the launcher set {var}={theirs}: leave "
+            f"{name} out to take the launcher's, or start this process without it"
+        )
 
 
 def _adopted_placement(rank: int, world: int) -> tuple[int, int | None, int]:
@@ -526,25 +538,23 @@ def _check_mpi_world(mpi: tuple[int, int], given: tuple[int, int]) -> None:
     """
     mr, ms = mpi
     where = f"MPI's world has {ms} rank{'s' if ms != 1 else ''} (this is rank {mr})"
-    for name, mine, theirs in zip(("rank", "world_size"), given, mpi, strict=True):
-        if (mine >= 0 if name == "rank" else mine > 0) and mine != theirs:
-            raise ValueError(
-                f"init_distributed('mpi', {name}={mine}) but {where}: on MPI the job is what "
-                f"mpiexec started, so leave {name} out (mpiexec -n N sets the world size)"
-            )
-    try:
-        launched = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    except (KeyError, ValueError):  # not both set as numbers: no launcher's word to weigh
+    found = _contradiction(given, mpi)
+    if found is not None:
+        name, mine, _ = found
+        raise ValueError(
+            f"init_distributed('mpi', {name}={mine}) but {where}: on MPI the job is what "
+            f"mpiexec started, so leave {name} out (mpiexec -n N sets the world size)"
+        )
+    read = launcher_ints(os.environ, ("RANK", "WORLD_SIZE"), "the launcher")
+    if read is None or tuple(read) == mpi:
         return
-    if launched == mpi:
-        return
-    said = f"RANK={launched[0]} and WORLD_SIZE={launched[1]}"
+    said = f"RANK={read[0]} and WORLD_SIZE={read[1]}"
     if ms == 1 and not in_mpi_env():
         raise ValueError(
             f"init_distributed('mpi'): this process was started with {said} (torchrun, or "
             "another launcher that is not mpiexec), so MPI sees it alone: each process would "
             "run as a job of one rank and train apart. Launch with mpiexec -n "
-            f"{launched[1]} python ..., or use dist_backend='gloo' (or 'nccl') under torchrun"
+            f"{read[1]} python ..., or use dist_backend='gloo' (or 'nccl') under torchrun"
         )
     raise ValueError(
         f"init_distributed('mpi'): the environment says {said} but {where}: one of them is "
