@@ -43,13 +43,16 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def mpiexec(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def mpiexec(
+    n: int, *args: str, timeout: float = 300, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n N python ARGS`` in :func:`clean_env`, plus ``env_extra``."""
     assert MPIEXEC is not None
     return subprocess.run(
         [MPIEXEC, "-n", str(n), sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=clean_env(),
+        env={**clean_env(), **(env_extra or {})},
         cwd=ROOT,
     )

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.gloo.test_bad_input import EXPECTED
-from tests.mpi.conftest import MPIEXEC, ROOT, clean_env, mpiexec, needs_mpiexec
+from tests.mpi.conftest import ROOT, clean_env, mpiexec, needs_mpiexec
 
 pytestmark = [pytest.mark.mpi, needs_mpiexec]
 
@@ -198,7 +198,6 @@ def test_mpi_refuses_a_launchers_rank_that_contradicts_mpiexecs() -> None:
     """RANK and WORLD_SIZE left in the environment of an mpiexec job, naming another job:
     every rank refuses (one of the two is wrong, and code that reads RANK would shard its
     data by the other)."""
-    assert MPIEXEC is not None
     code = (
         "import overlap\n"
         "try:\n"
@@ -206,14 +205,7 @@ def test_mpi_refuses_a_launchers_rank_that_contradicts_mpiexecs() -> None:
         "except ValueError as e:\n"
         "    print('ERR', e)\n"
     )
-    out = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**clean_env(), "RANK": "5", "WORLD_SIZE": "9"},
-        cwd=ROOT,
-    )
+    out = mpiexec(2, "-c", code, timeout=120, env_extra={"RANK": "5", "WORLD_SIZE": "9"})
     lines = [x for x in out.stdout.splitlines() if x.strip()]
     want = "ERR init_distributed('mpi'): the environment says RANK=5 and WORLD_SIZE=9 but MPI"
     assert len(lines) == 2 and all(x.startswith(want) for x in lines), out.stdout + out.stderr

@@ -72,7 +72,7 @@ def test_a_switch_reads_the_usual_words(
 
 
 SWITCHES = {
-    # name: (a module that reads it at import or a call that does, what it decides)
+    # name: code that reads it (at import, or at init_distributed) and prints what it decided
     "OVERLAP_DEBUG": "import overlap.comm.debug as d; print(d.env_enabled())",
     "OVERLAP_NUMBA": "import overlap.compression.codec_numba as c; print(c._NUMBA_ON)",
     "OVERLAP_MPI_CUDA_AWARE": "import overlap; overlap.init_distributed('mpi'); "
