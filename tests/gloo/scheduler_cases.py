@@ -1705,6 +1705,14 @@ def schedulers_per_subgroup(compression: str = "none") -> dict[str, Any]:
     return out
 
 
+def _averaged_grads(ref: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """``ref``'s gradients of ``ref(x).sum()``, averaged over the ranks: what one plain step
+    of a scheduler over a model like ``ref`` must leave in ``.grad``."""
+    ref.zero_grad()
+    ref(x).sum().backward()
+    return [comm.all_reduce(q.grad.clone(), op="avg") for q in ref.parameters()]
+
+
 def second_backward_drops_the_step(as_view: bool) -> list[Any]:
     """Two backwards before synchronize(): the second one's first gradient raises, and
     autograd has already added it to .grad, which with ``gradient_as_bucket_view`` is the
@@ -1738,8 +1746,7 @@ def second_backward_drops_the_step(as_view: bool) -> list[Any]:
         model.zero_grad()
         model(x).sum().backward()
         sched.synchronize()
-        ref(x).sum().backward()
-        want = [comm.all_reduce(q.grad.clone(), op="avg") for q in ref.parameters()]
+        want = _averaged_grads(ref, x)
         out.append(
             all(torch.allclose(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
         )
@@ -1791,8 +1798,7 @@ def grad_changed_before_synchronize(what: str, as_view: bool, compression: str) 
         ref = copy.deepcopy(model)  # the weights as they are now ("step" moved them)
         model(x).sum().backward()
         sched.synchronize()
-        ref(x).sum().backward()
-        want = [comm.all_reduce(q.grad.clone(), op="avg") for q in ref.parameters()]
+        want = _averaged_grads(ref, x)
         if compression == "onebit":  # 1-bit is not the average: the ranks must agree
             want = [comm.all_gather(p.grad.clone())[0] for p in model.parameters()]
         tol = {"none": 1e-5, "fp16": 1e-2, "onebit": 0.0}[compression]
@@ -1831,10 +1837,7 @@ def unawaited_backward() -> list[Any]:
         except RuntimeError as e:
             out.append(str(e).split(":")[0])
         await asyncio.gather(sched.backward(model(x).sum()))  # kept by gather: runs
-        ref = copy.deepcopy(model)
-        ref.zero_grad()
-        ref(x).sum().backward()
-        want = [comm.all_reduce(q.grad.clone(), op="avg") for q in ref.parameters()]
+        want = _averaged_grads(copy.deepcopy(model), x)
         out.append(
             all(
                 torch.allclose(p.grad, w, atol=1e-6)
