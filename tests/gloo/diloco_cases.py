@@ -11,6 +11,7 @@ becomes alpha local + (1 - alpha) global.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import logging
 import math
@@ -1055,8 +1056,6 @@ def unawaited_astep() -> list[Any]:
     ranks' weights drifted apart). Now the next call raises, naming it. Returns [what the
     next call raised, whether the ranks' weights agree after the loop goes on right,
     whether an ``asyncio.gather`` of two asteps ran without a false alarm]."""
-    import gc
-
     r = comm.get_rank()
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
