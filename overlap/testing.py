@@ -11,6 +11,8 @@ which ranks, and the pool is torn down (the next call starts fresh processes): a
 fast instead of stalling the suite.
 
 ``fn`` and its arguments are pickled, so ``fn`` must be importable (defined at module level).
+A rank may start processes of its own (a DataLoader's workers). A pool left open is
+stopped when it is collected or when the caller exits.
 
 Ranks are forked from multiprocessing's fork server (``start_method="forkserver"``, the
 default where the platform has one), which imports torch and overlap once for the whole
@@ -29,6 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import socket
 import time
@@ -149,6 +152,13 @@ def _pack_error(exc: BaseException) -> tuple[BaseException | None, str, str]:
     return picklable, tb, f"{type(exc).__name__}: {exc}"
 
 
+def _kill_procs(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
 class RankPool:
     """``world_size`` long-lived rank processes in one group, reused across calls."""
 
@@ -180,6 +190,7 @@ class RankPool:
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._finalizer: mp_util.Finalize | None = None
 
     # -------------------------------------------------------------------------- lifecycle
     def start(self) -> RankPool:
@@ -188,13 +199,20 @@ class RankPool:
         ctx = _context(self.start_method)
         port = _free_port()
         env = {**os.environ, **self.env}
+        # runs when the pool is collected, or at interpreter exit before multiprocessing
+        # joins its non-daemonic children (exitpriority >= 0 runs first there): a pool left
+        # open never holds up the caller's exit; it kills what this list holds by then
+        self._finalizer = mp_util.Finalize(self, _kill_procs, args=(self._procs,), exitpriority=10)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
                 args=(rank, self.world_size, port, child, self.backend, env, self.timeout),
                 name=f"overlap-rank-{rank}",
-                daemon=True,
+                # not daemonic, so a rank may start processes of its own (a DataLoader's
+                # workers: "daemonic processes are not allowed to have children"); the
+                # finalizer below stops ranks a caller left running, as the daemon flag did
+                daemon=False,
             )
             p.start()
             child.close()
@@ -219,10 +237,9 @@ class RankPool:
         return codes
 
     def _kill(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        if self._finalizer is not None:
+            self._finalizer()  # kills what is left, once, and unregisters
+            self._finalizer = None
         for c in self._conns:
             c.close()
         self._procs, self._conns = [], []

@@ -177,6 +177,23 @@ def environment_seen() -> tuple[str | None, str | None, str | None, int]:
     return (*got, os.getppid())
 
 
+class _Rows(torch.utils.data.Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), float(i))
+
+
+def data_loader_workers() -> float:
+    """A DataLoader with worker processes inside a rank (a daemonic rank may not start
+    them), its batches summed over the ranks."""
+    batches = torch.utils.data.DataLoader(_Rows(), batch_size=2, num_workers=2)
+    total = torch.stack([b.sum() for b in batches]).sum()
+    comm.all_reduce(total)
+    return float(total)
+
+
 def debug_enabled() -> bool:
     from overlap.comm import debug
 

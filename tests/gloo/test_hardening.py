@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +71,24 @@ def test_ranks_see_the_callers_environment_as_it_is_at_start(
         assert os.getpid() not in parents, parents
     else:
         assert parents == {os.getpid()}
+
+
+def test_a_rank_may_start_processes_of_its_own(pools: Callable[[int], RankPool]) -> None:
+    # 2 ranks x (0 + 1 + 2 + 3) x 2 elements; daemonic ranks refused the DataLoader's workers
+    assert pools(2).run(hc.data_loader_workers, timeout=60) == [24.0, 24.0]
+
+
+def test_a_pool_left_open_does_not_hold_up_the_callers_exit(tmp_path: Path) -> None:
+    """Non-daemonic ranks are joined at exit: the pool's finalizer must stop them first."""
+    script = tmp_path / "left_open.py"
+    script.write_text(
+        "from overlap.testing import RankPool\n"
+        "if __name__ == '__main__':\n"
+        "    pool = RankPool(2, timeout=60).start()\n"
+        "    print(pool.run(len, 'ab'), flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[2, 2]", done
 
 
 def test_a_start_method_rank_pool_cannot_use_is_refused() -> None:
