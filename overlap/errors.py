@@ -113,6 +113,20 @@ class MessageMismatchError(CommError):
         self.ranks = list(ranks or [])
 
 
+class InFlightWriteError(CommError):
+    """Debug mode saw a tensor written in place while an async op on it was in flight.
+
+    ``h = comm.all_reduce(t, async_op=True); t.mul_(2); h.wait()``: the backend reads and
+    writes ``t`` until the op completes, so what lands in ``t`` (or what a send delivers) is
+    some mix of the write and the op, and may differ from rank to rank. Raised where the op
+    is waited or awaited, on the rank that wrote; the op itself completed on every rank, so
+    the group stays in step. Found through the tensor's version counter, which every
+    in-place torch op on it or on any view of it moves (a write through ``.data`` or a NumPy
+    array of it does not, and goes unseen). Only a tensor that is not itself a view is
+    checked: a write to another part of a view's base is not a race.
+    """
+
+
 class OutOfStepError(CommError):
     """A BucketScheduler stopped issuing collectives, because its ranks' no longer match.
 

@@ -32,6 +32,7 @@ import torch
 
 from overlap.comm import debug as _debug
 from overlap.comm import hooks as _hooks
+from overlap.comm import inflight_writes as _inflight_writes
 from overlap.comm import ordered as _ordered
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import progress as _progress
@@ -350,7 +351,10 @@ class MpiBackend:
         post: Post | None,
         keep: Any,
     ) -> Handle:
-        """The Handle of a posted request: an MpiOp, which completes itself."""
+        """The Handle of a posted request: an MpiOp, which completes itself. In debug mode
+        its tensors are checked for writes while it is in flight (overlap.comm.inflight_writes)."""
+        if _debug._enabled:
+            post = _inflight_writes.guard(opname, self.global_rank, result, post)
         return MpiOp(
             opname, result, nbytes, g.name, keep, len(g.ranks), self.MPI, req, post,
             self.global_rank, self.timeout,
@@ -1058,9 +1062,14 @@ class MpiBackend:
             done, err = req.Test(), None
         except Exception as exc:
             done, err = False, exc
+        post = (
+            _inflight_writes.guard(opname, self.global_rank, tensor, None)
+            if _debug._enabled
+            else None
+        )
         op = MpiOp(
             opname, tensor, tensor.nbytes if nbytes < 0 else nbytes, g.name,
-            tensor if keep is None else keep, len(g.ranks), self.MPI, req, None,
+            tensor if keep is None else keep, len(g.ranks), self.MPI, req, post,
             self.global_rank, self.timeout,
         )  # fmt: skip
         if done:

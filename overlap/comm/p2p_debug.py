@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from overlap.comm.handle import Handle
+from overlap.comm.inflight_writes import snapshot
 from overlap.comm.p2p import PAYLOAD_TAGS, describe, dtype_name
 from overlap.errors import MessageMismatchError
 
@@ -109,6 +110,9 @@ def irecv(
 
     ``sender`` gets the sending rank appended once the header is in."""
     head = torch.zeros(_FIELDS, dtype=torch.int64)
+    # the payload is posted once the header is in: a write to the tensor before that is
+    # checked from here (overlap.comm.inflight_writes)
+    written = snapshot("irecv", me, tensor)
 
     def on_header(h: Handle) -> None:
         if h._exc is not None:
@@ -122,7 +126,7 @@ def irecv(
         except BaseException as exc:  # a header from a rank not in debug mode, or the job went away
             outer._finish(exc)
             return
-        part.add_done_callback(lambda p: outer._finish(p._exc or err))
+        part.add_done_callback(lambda p: outer._finish(p._exc or err or written()))
 
     raw(head, src, tag).add_done_callback(on_header)
     return outer

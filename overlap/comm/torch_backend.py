@@ -26,6 +26,7 @@ from overlap.comm import complex_product as _complex
 from overlap.comm import debug as _debug
 from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
+from overlap.comm import inflight_writes as _inflight_writes
 from overlap.comm import ordered as _ordered
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
@@ -373,6 +374,9 @@ class TorchBackend:
                 post()
             handle._finish(None)
             return handle
+        if _debug._enabled and self._cpu and opname in _inflight_writes.RAW_ON_GLOO:
+            # its tensors must not be written until it completes
+            post = _inflight_writes.guard(opname, info.global_rank, result, post)
         stream = None if self._cpu else torch.cuda.current_stream()  # _issue_stream's
         handle._engine = TorchOp(work, post, info.global_rank, stream, future)
         return handle

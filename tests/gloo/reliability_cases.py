@@ -73,6 +73,141 @@ def mismatch_is_detected() -> dict[str, Any]:
     return out
 
 
+def in_flight_writes_are_named() -> dict[str, Any]:
+    """Debug mode, 2 ranks: rank 0 (rank 1 for a receive) writes an async op's tensor in
+    place while the op is in flight (the peer issues its side 0.2 s later). Per case, this
+    rank's ``("ok", values)`` or ``(error class, message)``; then correct uses of the same
+    ops and a sum that shows the group still in step."""
+    r = comm.get_rank()
+    debug.set_enabled(True)
+
+    def late() -> None:
+        if r == 1:
+            time.sleep(0.2)
+
+    def outcome(fn: Any) -> Any:
+        try:
+            return ("ok", fn())
+        except Exception as e:
+            return (type(e).__name__, str(e))
+
+    def all_reduce(write: Any) -> list[float]:
+        t = torch.ones(4)
+        late()
+        h = comm.all_reduce(t, async_op=True)
+        if r == 0:
+            write(t)
+        h.wait()
+        return t.tolist()
+
+    def awaited_broadcast() -> list[float]:
+        t = torch.full((2,), float(r))
+        late()
+
+        async def go() -> None:
+            h = comm.broadcast(t, 0, async_op=True)
+            if r == 0:
+                t.add_(1)
+            await h
+
+        overlap.run(go())
+        return t.tolist()
+
+    def isend() -> Any:
+        s, into = torch.full((3,), float(r)), torch.zeros(3)
+        late()
+        if r == 0:
+            h = comm.isend(s, 1)
+            s.add_(100)
+            h.wait()
+            return "sent"
+        comm.recv(into, 0)
+        return into.tolist()
+
+    def irecv() -> Any:
+        into = torch.zeros(3)
+        if r == 0:
+            time.sleep(0.2)
+            comm.send(torch.ones(3), 1)
+            return "sent"
+        h = comm.irecv(into, 0)
+        into.add_(7)
+        h.wait()
+        return into.tolist()
+
+    def never_flagged() -> list[Any]:
+        """What looks alike and is not a race: overlap's own post-processing (an average,
+        a bf16 max staged in float32, a float max's ordered keys), a write after the wait,
+        a write to another part of the same base, a multi-phase op's own phases."""
+        out: list[Any] = []
+        late()
+        a = torch.full((3,), float(r + 1))
+        b = torch.full((3,), float(r + 1), dtype=torch.bfloat16)
+        c = torch.full((3,), float(r + 1))
+        hs = [
+            comm.all_reduce(a, op="avg", async_op=True),
+            comm.all_reduce(b, op="max", async_op=True),
+            comm.all_reduce(c, op="max", async_op=True),
+        ]
+        for h in hs:
+            h.wait()
+        a.add_(1)
+        flat = torch.ones(8)
+        h = comm.all_reduce(flat[:4], async_op=True)
+        flat[4:].mul_(3)
+        h.wait()
+        ts = [torch.full((2,), float(r)), torch.full((3,), float(r), dtype=torch.float64)]
+        outs = [torch.zeros(2 * t.numel(), dtype=t.dtype) for t in ts]
+        comm.all_gather_coalesced(outs, ts, async_op=True).wait()
+        out += [a.tolist(), b.float().tolist(), c.tolist(), flat.tolist()]
+        out.append([x for o in outs for x in o.tolist()])
+        return out
+
+    out: dict[str, Any] = {}
+    try:
+        out["all_reduce"] = outcome(lambda: all_reduce(lambda t: t.mul_(5)))
+        out["all_reduce_view"] = outcome(lambda: all_reduce(lambda t: t[1:3].zero_()))
+        out["broadcast_awaited"] = outcome(awaited_broadcast)
+        out["isend"] = outcome(isend)
+        out["irecv"] = outcome(irecv)
+        out["never_flagged"] = outcome(never_flagged)
+        t = torch.full((2,), float(r + 1))
+        comm.all_reduce(t)
+        out["after"] = t.tolist()
+    finally:
+        debug.set_enabled(False)
+    return out
+
+
+def check_in_flight_writes(res: list[dict[str, Any]]) -> None:
+    """Asserts on both ranks' :func:`in_flight_writes_are_named` (gloo and MPI alike)."""
+    named = "was written in place while the op was in flight"
+    for case, op, writer in (
+        ("all_reduce", "all_reduce", 0),
+        ("all_reduce_view", "all_reduce", 0),
+        ("broadcast_awaited", "broadcast", 0),
+        ("isend", "isend", 0),
+        ("irecv", "irecv", 1),
+    ):
+        kind, msg = res[writer][case]
+        assert kind == "InFlightWriteError", (case, res[writer][case])
+        assert msg.startswith(f"{op} on rank {writer}: its tensor") and named in msg, msg
+        assert "Wait for the handle (h.wait() or await h) before writing" in msg, msg
+        assert res[1 - writer][case][0] == "ok", (case, res[1 - writer][case])
+    for r, out in enumerate(res):
+        assert out["never_flagged"] == (
+            "ok",
+            [
+                [2.5] * 3,
+                [2.0] * 3,
+                [2.0] * 3,
+                [2.0] * 4 + [3.0] * 4,
+                [0.0, 0.0, 1.0, 1.0] + [0.0] * 3 + [1.0] * 3,
+            ],
+        ), (r, out["never_flagged"])
+        assert out["after"] == [3.0, 3.0], out
+
+
 def message_mismatch_is_detected(in_debug_mode: bool = True) -> dict[str, Any]:
     """Rank 0 sends rank 1 (tag 5) messages that do not fit the receive, in debug mode
     unless told otherwise, then messages that do. Rank 1's outcome per case: ``("ok",

@@ -35,6 +35,12 @@ def test_debug_mode_names_the_mismatch(pools: Callable[[int], RankPool]) -> None
         assert res[r]["uneven_list"] is True
 
 
+def test_debug_mode_names_a_write_to_a_tensor_in_flight(
+    pools: Callable[[int], RankPool],
+) -> None:
+    rc.check_in_flight_writes(pools(2).run(rc.in_flight_writes_are_named, timeout=60))
+
+
 def test_debug_mode_catches_a_message_that_does_not_fit(
     pools: Callable[[int], RankPool],
 ) -> None:

@@ -79,6 +79,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     out["differential"] = _differential
     if comm.get_world_size() == 2:
         out["diloco/late_landings"] = _late_landings
+        out["in_flight_writes"] = _in_flight_writes
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
     out.update({f"state_broadcast/{k}": v for k, v in sb.CHECKS.items()})
     if comm.get_world_size() == 3:  # groups [0, 1] and [2]
@@ -92,6 +93,14 @@ def _differential() -> None:
     """Random ops against a reference each rank computes (tests/gloo/differential_cases.py)."""
     bad = dfc.run(3, 200)
     assert not bad, bad[:5]
+
+
+def _in_flight_writes() -> None:
+    """Debug mode names a write to an async op's tensor while the op is in flight
+    (tests/gloo/reliability_cases.py; every op is checked on MPI)."""
+    both: list[Any] = [None, None]
+    comm.all_gather_object(both, rc.in_flight_writes_are_named())
+    rc.check_in_flight_writes(both)
 
 
 def _disagree(out: dict[str, str]) -> None:

@@ -52,6 +52,8 @@ def test_every_op_and_contract_on_mpi(n: int) -> None:
 
     assert {f"state_broadcast/{k}" for k in state_broadcast_cases.CHECKS} <= set(names)
     assert all(d["backend"] == "mpi" and d["world"] == n for d in results)
+    if n == 2:  # the two-rank checks ran too
+        assert {"in_flight_writes", "diloco/late_landings"} <= set(names)
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
