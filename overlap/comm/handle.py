@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import enum
+import logging
 import sys
 import threading
 import time
@@ -32,6 +33,8 @@ from overlap.comm import hooks as _hooks
 from overlap.comm.seconds import wait_seconds
 from overlap.comm.waker import LoopWaker, resolve
 from overlap.errors import CommTimeoutError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompletionEngine", "Handle", "HandleState"]
 
@@ -127,6 +130,17 @@ def _format_bytes(n: int) -> str:
             return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+def _call(fn: Callable[[Handle], None], handle: Handle) -> None:
+    """Run one done-callback; what it raises is logged, never passed on to the thread that
+    completed the op (a backend's, the waiter pool's, the MPI progress engine's)."""
+    try:
+        fn(handle)
+    except Exception:
+        log.exception(
+            "a done-callback of %r raised; the handle's other callbacks still run", handle
+        )
 
 
 class Handle:
@@ -240,7 +254,7 @@ class Handle:
             IN_CALLBACK.on = True
             try:
                 for cb in callbacks:
-                    cb(self)
+                    _call(cb, self)
             finally:
                 IN_CALLBACK.on = outer
 
@@ -390,12 +404,16 @@ class Handle:
         """Call ``fn(handle)`` once the op completes (at once if it already has).
 
         ``fn`` may run on a backend thread: it must be quick and must not block or wait on
-        other handles.
+        other handles. An exception it raises is logged (logger ``overlap.comm.handle``)
+        and goes no further, as with ``concurrent.futures``: the handle's other callbacks
+        still run, and so does the engine that completed it. Before, the first raising
+        callback skipped the rest, overlap's own among them: a ``collect_all`` of the
+        handle never returned, and on MPI every later async op of the process hung.
         """
         if self._subscribe(fn):
             self._engine.start(self)
         else:
-            fn(self)
+            _call(fn, self)
 
     def _subscribe(self, fn: Callable[[Handle], None]) -> bool:
         """Register ``fn`` for the completion without starting the engine (the caller
@@ -451,6 +469,12 @@ class Handle:
                 if self._waiters is not None and entry in self._waiters:
                     self._waiters.remove(entry)
             raise
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"a Handle cannot be pickled or copied: it is a {self.op} in flight in this "
+            "process. Pickle what h.wait() (or await h) returns instead"
+        )
 
     def __repr__(self) -> str:
         return (

@@ -145,6 +145,73 @@ def callbacks_never_block() -> int:
         waiters._pool = saved
 
 
+def a_raising_callback_harms_nothing() -> dict[str, Any]:
+    """A done-callback that raises, on a pending collective (gloo: completed from gloo's
+    future callback; MPI: from the progress engine), on a pending receive (gloo: a waiter
+    thread) and on a done handle (called at once): the other callbacks run, collect_all
+    returns, later async ops complete, and the error is logged, never raised at the caller."""
+    import logging
+
+    r = comm.get_rank()
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    keep = Keep(logging.ERROR)
+    logging.getLogger("overlap.comm.handle").addHandler(keep)
+    ran: list[str] = []
+
+    def boom(_: Any) -> None:
+        raise ZeroDivisionError("a user's callback")
+
+    async def go() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if r == 1:
+            time.sleep(0.1)  # rank 0's ops are pending when their callbacks are added
+        t = torch.ones(2)
+        h = comm.all_reduce(t, async_op=True)
+        h.add_done_callback(boom)
+        h.add_done_callback(lambda _: ran.append("collective"))
+        await asyncio.wait_for(comm.collect_all([h]), 20)
+        out["collective"] = t.tolist()
+        into = torch.zeros(1)
+        if r == 0:
+            rh = comm.irecv(into, src=1)
+            rh.add_done_callback(boom)
+            rh.add_done_callback(lambda _: ran.append("receive"))
+            await asyncio.wait_for(rh, 20)
+        else:
+            time.sleep(0.1)
+            comm.send(torch.full((1,), 7.0), dst=0)
+        out["received"] = into.item()
+        h.add_done_callback(boom)  # done already: called here, and must not raise here
+        ts = [torch.full((1,), float(i)) for i in range(4)]
+        await asyncio.wait_for(
+            comm.collect_all([comm.all_reduce(x, async_op=True) for x in ts]), 20
+        )
+        out["later"] = [x.item() for x in ts]
+        return out
+
+    try:
+        out = overlap.run(go())
+    finally:
+        logging.getLogger("overlap.comm.handle").removeHandler(keep)
+    out["ran"] = sorted(ran)
+    out["logged"] = sum("a done-callback of" in m and "raised" in m for m in logged)
+    return out
+
+
+def check_raising_callbacks(out: list[dict[str, Any]]) -> None:
+    """Both ranks' :func:`a_raising_callback_harms_nothing` (gloo and MPI)."""
+    for r, o in enumerate(out):
+        assert o["collective"] == [2.0, 2.0] and o["later"] == [0.0, 2.0, 4.0, 6.0], o
+        assert o["received"] == (7.0 if r == 0 else 0.0), o
+        assert o["ran"] == (["collective", "receive"] if r == 0 else ["collective"]), o
+        assert o["logged"] == (3 if r == 0 else 2), o
+
+
 def futureless_ops_use_waiter_threads() -> bool:
     w = comm.get_world_size()
     out = torch.empty(1)

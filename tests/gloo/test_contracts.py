@@ -38,6 +38,12 @@ def test_nothing_blocks_in_future_callbacks(pools: Callable[[int], RankPool]) ->
     assert pools(2).run(cc.callbacks_never_block, timeout=90) == [50, 50]
 
 
+def test_a_raising_callback_harms_no_other_callback_or_op(
+    pools: Callable[[int], RankPool],
+) -> None:
+    cc.check_raising_callbacks(pools(2).run(cc.a_raising_callback_harms_nothing, timeout=60))
+
+
 def test_futureless_ops_complete_through_waiter_threads(
     pools: Callable[[int], RankPool],
 ) -> None:

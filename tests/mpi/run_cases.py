@@ -80,6 +80,7 @@ def checks() -> dict[str, Callable[[], Any]]:
     if comm.get_world_size() == 2:
         out["diloco/late_landings"] = _late_landings
         out["in_flight_writes"] = _in_flight_writes
+        out["raising_callbacks"] = _raising_callbacks
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
     out.update({f"state_broadcast/{k}": v for k, v in sb.CHECKS.items()})
     if comm.get_world_size() == 3:  # groups [0, 1] and [2]
@@ -101,6 +102,14 @@ def _in_flight_writes() -> None:
     both: list[Any] = [None, None]
     comm.all_gather_object(both, rc.in_flight_writes_are_named())
     rc.check_in_flight_writes(both)
+
+
+def _raising_callbacks() -> None:
+    """A done-callback that raises harms no other callback and no later op (on MPI: the
+    progress engine that runs it goes on)."""
+    both: list[Any] = [None, None]
+    comm.all_gather_object(both, cc.a_raising_callback_harms_nothing())
+    cc.check_raising_callbacks(both)
 
 
 def _disagree(out: dict[str, str]) -> None:

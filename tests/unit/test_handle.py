@@ -131,6 +131,31 @@ def test_failure_reaches_waiter_with_cause() -> None:
     assert h.exception() is err and h.state is HandleState.FAILED
 
 
+def test_a_raising_callback_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = Handle("all_reduce", result=1, nbytes=4)
+    ran: list[str] = []
+    h.add_done_callback(lambda _: ran.append("first"))
+    h.add_done_callback(lambda _: 1 / 0)
+    h.add_done_callback(lambda _: ran.append("third"))
+    with caplog.at_level("ERROR", logger="overlap.comm.handle"):
+        h._finish(None)  # a backend thread's call: it must not see the callback's error
+        h.add_done_callback(lambda _: 1 / 0)  # done already: called here, and logged
+    assert ran == ["first", "third"] and h.wait() == 1
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [ZeroDivisionError] * 2
+
+
+def test_a_handle_refuses_pickling_with_what_to_pickle_instead() -> None:
+    import copy
+    import pickle
+
+    h = Handle("all_reduce", result=1, nbytes=4)
+    for attempt in (pickle.dumps, copy.copy):
+        with pytest.raises(TypeError, match=r"all_reduce in flight .* Pickle what h\.wait"):
+            attempt(h)
+
+
 def test_finish_is_idempotent_and_callbacks_run_once() -> None:
     h = Handle("x", result=1)
     seen: list[Handle] = []
