@@ -584,7 +584,9 @@ class ProgressEngine(_Poller):
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
-        self._loop = loop
+        # weakly: the registry's entry would otherwise keep its loop alive for good
+        # (overlap.comm.waker says why, measured)
+        self._loop = weakref.ref(loop)
         self._scheduled = False
 
     _last: ClassVar[tuple[Any, Any]] = (None, None)  # (weakref to loop, engine)
@@ -611,8 +613,10 @@ class ProgressEngine(_Poller):
         self._last_progress = time.monotonic()
         self._delay = 0.0
         if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._tick)
+            loop = self._loop()
+            if loop is not None:  # called on the loop's thread: it is alive
+                self._scheduled = True
+                loop.call_soon(self._tick)
 
     def _tick(self) -> None:
         self._scheduled = False
@@ -622,12 +626,13 @@ class ProgressEngine(_Poller):
             # inside MPI calls, a piece per call, so the rate of calls sets its speed.
             self._pending[self._head].spin(TICK_SPIN_S)
         self._poll()
-        if self.has_pending() and not self._loop.is_closed():
+        loop = self._loop()
+        if self.has_pending() and loop is not None and not loop.is_closed():
             self._scheduled = True
             if self._delay:
-                self._loop.call_later(self._delay, self._tick)
+                loop.call_later(self._delay, self._tick)
             else:
-                self._loop.call_soon(self._tick)
+                loop.call_soon(self._tick)
 
 
 class _Reaper(_Poller):

@@ -8,7 +8,13 @@ around the system call, so the loop thread wakes and runs at once. Measured on t
 call_soon_threadsafe took 1.43x the blocking call, the waiter thread + eventfd path 1.22x.
 
 A waker is created on the loop's own thread (``add_reader`` is not thread-safe) and lives as
-long as the loop object; its file descriptors are closed when the loop is collected.
+long as the loop object; its file descriptors are closed when the loop is collected. The
+registry maps each loop to its waker weakly, and the waker holds no reference to its loop:
+before, it did, so the registry's entry kept every loop that ever awaited a gloo op alive,
+with its eventfd open. Measured on 2 gloo ranks, 100 ``overlap.run`` calls that each awaited
+one all_reduce (a loop per call, as a training loop that runs each step that way): 53 loops
+and 53 eventfds more alive after than before, on rank 0; the process ran out of file
+descriptors in time.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def _close_fds(fds: tuple[int, ...]) -> None:
 class LoopWaker:
     """A self-pipe for one event loop: ``post(fut)`` from any thread resolves ``fut`` on it."""
 
-    __slots__ = ("__weakref__", "_closed", "_loop", "_pending", "_rfd", "_wfd")
+    __slots__ = ("__weakref__", "_pending", "_rfd", "_wfd")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         if hasattr(os, "eventfd"):
@@ -49,9 +55,8 @@ class LoopWaker:
             self._rfd, self._wfd = os.pipe()
             os.set_blocking(self._rfd, False)
             os.set_blocking(self._wfd, False)
-        self._loop = loop
+        # no reference to the loop here (see the module's docstring)
         self._pending: collections.deque[asyncio.Future[Any]] = collections.deque()
-        self._closed = False
         loop.add_reader(self._rfd, self._drain)
         weakref.finalize(loop, _close_fds, (self._rfd, self._wfd))
 
@@ -68,7 +73,11 @@ class LoopWaker:
         return waker
 
     def post(self, fut: asyncio.Future[Any]) -> None:
-        """Resolve ``fut`` (with None) on the loop thread. Safe from any thread; never blocks."""
+        """Resolve ``fut`` (with None) on the loop thread. Safe from any thread; never blocks.
+        A future already done (its awaiter was cancelled) is not kept: it would keep its
+        loop alive if the loop had closed since."""
+        if fut.done():
+            return
         self._pending.append(fut)
         try:
             os.write(self._wfd, b"\x01\x00\x00\x00\x00\x00\x00\x00")

@@ -44,6 +44,11 @@ def test_a_raising_callback_harms_no_other_callback_or_op(
     cc.check_raising_callbacks(pools(2).run(cc.a_raising_callback_harms_nothing, timeout=60))
 
 
+def test_event_loops_that_awaited_ops_are_freed(pools: Callable[[int], RankPool]) -> None:
+    # 0.1.0 to the forty-eighth session: every loop was kept with its eventfd, (30, 30)
+    assert pools(2).run(cc.loops_are_freed, 30, timeout=60) == [(0, 0), (0, 0)]
+
+
 def test_futureless_ops_complete_through_waiter_threads(
     pools: Callable[[int], RankPool],
 ) -> None:

@@ -81,6 +81,7 @@ def checks() -> dict[str, Callable[[], Any]]:
         out["diloco/late_landings"] = _late_landings
         out["in_flight_writes"] = _in_flight_writes
         out["raising_callbacks"] = _raising_callbacks
+        out["loops_are_freed"] = _loops_are_freed
     out.update({f"ds_comm/{k}": v for k, v in ds.CHECKS.items()})
     out.update({f"state_broadcast/{k}": v for k, v in sb.CHECKS.items()})
     if comm.get_world_size() == 3:  # groups [0, 1] and [2]
@@ -110,6 +111,12 @@ def _raising_callbacks() -> None:
     both: list[Any] = [None, None]
     comm.all_gather_object(both, cc.a_raising_callback_harms_nothing())
     cc.check_raising_callbacks(both)
+
+
+def _loops_are_freed() -> None:
+    """Event loops that polled MPI ops on their progress engine are freed."""
+    kept = cc.loops_are_freed(30)
+    assert kept == (0, 0), f"(loops, anon-inode fds) kept: {kept}"
 
 
 def _disagree(out: dict[str, str]) -> None:
