@@ -51,13 +51,16 @@ def _netns() -> str:
 def _child_holding_hosts() -> tuple[subprocess.Popen[str], str]:
     """A process that makes 2 namespace hosts and sleeps; it and its hosts' name tag."""
     code = (
-        "import time\n"
+        "import faulthandler, signal, time\n"
+        "faulthandler.register(signal.SIGUSR1)\n"  # its stack, if it does not end in time
         "from overlap.bench.hosts import namespace_hosts\n"
         "with namespace_hosts(2) as hs:\n"
         "    print(hs[0].netns.split('-')[0], flush=True)\n"
         "    time.sleep(60)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert child.stdout is not None
     return child, child.stdout.readline().strip()
 
@@ -183,7 +186,17 @@ def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
 def test_sigterm_removes_the_hosts() -> None:
     child, tag = _child_holding_hosts()
     child.terminate()
-    child.wait(timeout=30)
+    try:
+        child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        # once in a full run (forty-ninth session) the child had not ended after 30 s, and
+        # never alone or under load since: say where it was, should it happen again
+        child.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        child.kill()
+        _, err = child.communicate(timeout=30)
+        stuck = f"SIGTERM did not end the child within 60 s; its stack:\n{err}"
+        raise AssertionError(stuck) from None
     assert tag not in _netns()
     assert not [x for x in _etc_netns() if x.startswith(f"{tag}-")]
 
