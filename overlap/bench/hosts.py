@@ -2,7 +2,8 @@
 
 ``namespace_hosts(2, link="1gbit")`` makes, as root:
 
-* a hub namespace ``ovh<pid>-hub`` holding a bridge (the switch);
+* a hub namespace ``ovh<pid>-hub`` holding a bridge (the switch; a cluster made while
+  another of the process is alive is ``ovh<pid>c<k>-*``);
 * per host i a namespace ``ovh<pid>-<i>`` with its loopback up and an ``eth0`` (one end of a
   veth pair whose other end is on the bridge), address ``10.77.0.<i+1>/24``;
 * with ``link``: ``tc tbf`` on each host's ``eth0`` egress, so every host sends at most
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +45,24 @@ from overlap.runtime import pid_alive
 __all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
 
 SUBNET = "10.77.0"
-_NAME = re.compile(r"^ovh(\d+)-")
+# ovh<pid>-*, and ovh<pid>c<k>-* for a process's second and later clusters alive at once
+_NAME = re.compile(r"^ovh(\d+)(?:c\d+)?-")
+_live: set[str] = set()  # the tags of this process's clusters now alive
+_live_lock = threading.Lock()
+
+
+def _claim_tag() -> str:
+    """A name tag no live cluster of this process has: ``ovh<pid>``, or ``ovh<pid>c<k>``
+    while others are alive (a cluster made inside another's ``with``). Before, the second
+    failed with ip's "Cannot create namespace file ... File exists"."""
+    base = f"ovh{os.getpid()}"
+    with _live_lock:
+        tag, k = base, 0
+        while tag in _live:
+            k += 1
+            tag = f"{base}c{k}"
+        _live.add(tag)
+    return tag
 
 
 @dataclass(frozen=True)
@@ -192,10 +211,14 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
         check_rate(link, "link")
     require_root("namespace hosts", "network namespaces, veth pairs and a bridge", "unshare")
     sweep_stale()
-    tag = f"ovh{os.getpid()}"
+    tag = _claim_tag()
     hub = f"{tag}-hub"
     made: list[str] = []
-    tmp = tempfile.mkdtemp(prefix=f"{tag}-")
+    try:
+        tmp = tempfile.mkdtemp(prefix=f"{tag}-")
+    except BaseException:
+        _live.discard(tag)
+        raise
     try:
         with _terminate_as_exit():
             _run("ip", "netns", "add", hub)
@@ -235,3 +258,5 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
         for ns in reversed(made):
             _remove(ns)
         shutil.rmtree(tmp, ignore_errors=True)
+        with _live_lock:
+            _live.discard(tag)

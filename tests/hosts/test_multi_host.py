@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -75,7 +76,7 @@ def _etc_netns() -> list[str]:
 def _ours() -> list[str]:
     """This process's namespaces, and their files in /etc/netns, still there."""
     listed = [x.split()[0] for x in _netns().splitlines()] + _etc_netns()
-    return [x for x in listed if x.startswith(f"ovh{os.getpid()}-")]
+    return [x for x in listed if re.match(rf"ovh{os.getpid()}(c\d+)?-", x)]
 
 
 def _torchrun_job(script: str) -> dict[str, object]:
@@ -180,6 +181,21 @@ def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
         assert tag not in _netns()
         assert not [x for x in _etc_netns() if x.startswith(f"{tag}-")]
     assert sweep_stale() == []
+    assert _ours() == []
+
+
+def test_a_cluster_made_inside_another_has_names_of_its_own() -> None:
+    """Before, the inner one failed ("Cannot create namespace file ... File exists")."""
+    from overlap.bench.hosts import _NAME, namespace_hosts
+
+    with namespace_hosts(2) as outer:
+        with namespace_hosts(1) as inner:
+            names = [h.netns for h in (*outer, *inner)]
+            assert len(set(names)) == 3 and inner[0].netns == f"ovh{os.getpid()}c1-0", names
+            assert all(n in _netns() for n in names)
+            assert all(_NAME.match(n) for n in names)  # a killed run's are swept alike
+        assert [h.netns in _netns() for h in outer] == [True, True]
+        assert inner[0].netns not in _netns()
     assert _ours() == []
 
 
