@@ -190,6 +190,39 @@ def load_spans(path: str) -> tuple[list[Any], int]:
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise TraceFormatError(f"{path} is JSON but not a Chrome trace (no traceEvents list)")
+    ours = isinstance(doc, dict) and (doc.get("otherData") or {}).get("producer") == "overlap"
+    cats = {e.get("cat") for e in events if isinstance(e, dict)}
+    if not ours and not cats & _REPORTED:
+        # a torch.profiler or other tool's trace: before, a table of zeros and no word why
+        named = ", ".join(sorted(str(c) for c in cats if c is not None)[:6]) or "none"
+        raise TraceFormatError(
+            f"{path} holds no overlap spans (no 'comm', 'compute' or 'bucket' events; its "
+            f"categories: {named}) and was not written by overlap: `overlap trace` reads "
+            "the files of Tracer.export_chrome. Open this one in Perfetto "
+            "(https://ui.perfetto.dev)"
+        )
+    try:
+        spans, ranks = _spans_of(path, events)
+    except (KeyError, ValueError, TypeError) as exc:
+        if isinstance(exc, TraceFormatError):
+            raise
+        raise TraceFormatError(
+            f"{path}: an event it cannot read ({type(exc).__name__}: {exc}); the file was "
+            "changed after Tracer.export_chrome wrote it: export it again"
+        ) from None
+    world = (
+        int(doc.get("otherData", {}).get("world_size", len(ranks) or 1))
+        if isinstance(doc, dict)
+        else max(len(ranks), 1)
+    )
+    return spans, world
+
+
+_REPORTED = {"comm", "compute", "bucket"}  # what the report is made of
+
+
+def _spans_of(path: str, events: list[Any]) -> tuple[list[Any], set[int]]:
+    """(spans, ranks) of a trace's events."""
     spans: list[Any] = []
     opened: dict[str, dict[str, Any]] = {}
     ranks = set()
@@ -230,9 +263,4 @@ def load_spans(path: str) -> tuple[list[Any], int]:
         elif ph == "i":
             t = int(float(e["ts"]) * 1000)
             spans.append((e["name"], e.get("cat", "user"), t, t, e.get("tid", 0), args))
-    world = (
-        int(doc.get("otherData", {}).get("world_size", len(ranks) or 1))
-        if isinstance(doc, dict)
-        else max(len(ranks), 1)
-    )
-    return spans, world
+    return spans, ranks

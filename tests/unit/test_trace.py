@@ -125,6 +125,22 @@ def test_truncated_and_foreign_files_are_refused(tmp_path: Path) -> None:
     binary.write_bytes(bytes(range(128, 256)))
     with pytest.raises(TraceFormatError, match="is not a text file, so not a trace"):
         load_spans(str(binary))
+    # a torch.profiler trace: before, `overlap trace summarize` printed a table of zeros
+    prof = tmp_path / "prof.json"
+    prof.write_text(
+        json.dumps(
+            {"traceEvents": [{"name": "aten::mm", "cat": "cpu_op", "ph": "X", "ts": 1, "dur": 5}]}
+        )
+    )
+    with pytest.raises(TraceFormatError, match=r"no overlap spans .* categories: cpu_op\)"):
+        load_spans(str(prof))
+    # an event edited by hand: before, a KeyError or ValueError traceback
+    doc = json.loads(path.read_text())
+    next(e for e in doc["traceEvents"] if e.get("ph") == "X").pop("ts")
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    with pytest.raises(TraceFormatError, match="an event it cannot read \\(KeyError: 'ts'\\)"):
+        load_spans(str(edited))
 
 
 def test_unwritable_path_errors_and_leaves_nothing(tmp_path: Path) -> None:
