@@ -19,8 +19,9 @@ dictionary lookup per registration anywhere in the process, nothing per step) an
 such changes in :attr:`Selection.changed`; the reducers refuse them where they refuse an
 unfrozen parameter.
 
-A lazy module's parameter (``nn.LazyLinear`` before its first forward) has no shape yet:
-it is refused here with the fix, instead of torch's error from deep inside the set-up.
+A lazy module's parameter (``nn.LazyLinear`` before its first forward) has no shape yet,
+and a parameter on the meta device no data: each is refused here with the fix, instead of
+torch's error from deep inside the set-up.
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def select(model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter], what
     """Split a module's parameters (or an iterable of them) into trainable and frozen.
 
     Raises TypeError for an item that is not a tensor and ValueError for a lazy module's
-    uninitialised parameter, naming ``what`` (the reducer being built) in the fix."""
+    uninitialised parameter or one on the meta device, naming ``what`` (the reducer being
+    built) in the fix."""
     if isinstance(model_or_params, torch.nn.Module):
         named = list(model_or_params.named_parameters())
     else:
@@ -176,6 +178,14 @@ def select(model_or_params: torch.nn.Module | Iterable[torch.nn.Parameter], what
             raise ValueError(
                 f"{name} is not initialised yet (a lazy module such as nn.LazyLinear has no "
                 f"shape before its first forward): run one forward pass, then build the {what}"
+            )
+        if p.is_meta:
+            # before: torch's "Cannot copy out of meta tensor; no data!" from a DiLoCo's set-up
+            raise ValueError(
+                f"{name} is on the meta device, which holds no data (a model built under "
+                "`with torch.device('meta')` or with its initialisation deferred): materialise "
+                "it first (model.to_empty(device='cpu'), then initialise or load the weights), "
+                f"then build the {what}"
             )
         if p.requires_grad:
             out.params.append(p)

@@ -86,6 +86,18 @@ def _root_layout(src: int, group: Any, layout: Any) -> Any:
     return box[0]
 
 
+def _source(what: str, src: Any, root_rank: Any) -> Any:
+    """The root: ``src``, or Horovod's ``root_rank`` spelling of it (0 when neither)."""
+    if root_rank is None:
+        return 0 if src is None else src
+    if src is not None and src != root_rank:
+        raise ValueError(
+            f"{what}: src={src!r} and root_rank={root_rank!r} name two roots; root_rank is "
+            "Horovod's name for src: pass one of them"
+        )
+    return root_rank
+
+
 def _check_src(what: str, src: Any, group: Any) -> None:
     ranks = comm.get_all_ranks_from_group(group)
     if isinstance(src, bool) or not isinstance(src, int) or src not in ranks:
@@ -95,9 +107,13 @@ def _check_src(what: str, src: Any, group: Any) -> None:
         )
 
 
-def broadcast_parameters(params: Any, src: int = 0, group: Any = None) -> None:
-    """Overwrite every tensor of ``params`` with global rank ``src``'s, in place, on every
-    rank of ``group``. Horovod's ``broadcast_parameters``; a collective.
+def broadcast_parameters(
+    params: Any, src: int | None = None, group: Any = None, *, root_rank: int | None = None
+) -> None:
+    """Overwrite every tensor of ``params`` with global rank ``src``'s (default 0), in place,
+    on every rank of ``group``. Horovod's ``broadcast_parameters``; a collective.
+    ``root_rank=`` is Horovod's name for ``src`` and is taken too, so a ported
+    ``broadcast_parameters(model.state_dict(), root_rank=0)`` runs as it is.
 
     ``params``: ``model.state_dict()`` (parameters and buffers, by name),
     ``model.named_parameters()``, or tensors (``model.parameters()``). Every rank passes the
@@ -106,6 +122,7 @@ def broadcast_parameters(params: Any, src: int = 0, group: Any = None) -> None:
     tensor (a module's ``_extra_state``) is refused the same way: it cannot be overwritten
     in place."""
     what = "broadcast_parameters"
+    src = _source(what, src, root_rank)
     _check_src(what, src, group)
     named = _named(params)
     error = None
@@ -162,11 +179,16 @@ def _group_sizes(state: dict[str, Any]) -> list[int]:
 
 
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, src: int = 0, group: Any = None
+    optimizer: torch.optim.Optimizer,
+    src: int | None = None,
+    group: Any = None,
+    *,
+    root_rank: int | None = None,
 ) -> None:
-    """Give every rank of ``group`` global rank ``src``'s optimizer state: its per-parameter
-    state (Adam's moments and step counts...) and its parameter groups' settings (lr,
-    betas...). Horovod's ``broadcast_optimizer_state``; a collective.
+    """Give every rank of ``group`` global rank ``src``'s (default 0) optimizer state: its
+    per-parameter state (Adam's moments and step counts...) and its parameter groups'
+    settings (lr, betas...). Horovod's ``broadcast_optimizer_state``; a collective.
+    ``root_rank=`` is Horovod's name for ``src`` and is taken too.
 
     Every rank's optimizer must be of the same class and have the same parameter groups,
     with as many parameters each (what ``load_state_dict`` checks) of the same shapes (what
@@ -187,6 +209,7 @@ def broadcast_optimizer_state(
             f"{what}: a OneBitAdam's state holds each rank's own 1-bit error feedback, which "
             "another rank must not take; save and load its state_dict() per rank"
         )
+    src = _source(what, src, root_rank)
     _check_src(what, src, group)
     is_root = comm.get_rank() == src
     state = optimizer.state_dict()

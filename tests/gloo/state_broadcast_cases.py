@@ -79,6 +79,24 @@ def parameters() -> None:
         assert t.tolist() == [float(w - 1)] * 3
 
 
+def horovods_root_rank() -> None:
+    """Horovod's ``root_rank=`` spelling of ``src``, as a ported script writes it (before:
+    "got an unexpected keyword argument 'root_rank'"); both given and differing: refused."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    m = _model(r)
+    want = {k: v.clone() for k, v in _model(w - 1).state_dict().items()}
+    overlap.broadcast_parameters(m.state_dict(), root_rank=w - 1)
+    assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
+    opt = torch.optim.Adam(m.parameters(), lr=0.1 * (r + 1))
+    overlap.broadcast_optimizer_state(opt, root_rank=w - 1)
+    assert opt.param_groups[0]["lr"] == 0.1 * w
+    overlap.broadcast_parameters(m.state_dict(), src=0, root_rank=0)  # the same root: fine
+    _raises(
+        "src=0 and root_rank=1 name two roots",
+        lambda: overlap.broadcast_parameters(m.state_dict(), src=0, root_rank=1),
+    )
+
+
 def optimizer_state() -> None:
     r = comm.get_rank()
     torch.manual_seed(0)
@@ -216,6 +234,7 @@ def diloco_finish_buffers() -> None:
 CHECKS: dict[str, Callable[[], None]] = {
     "parameters": parameters,
     "optimizer_state": optimizer_state,
+    "horovods_root_rank": horovods_root_rank,
     "buffers": buffers,
     "diloco_finish_buffers": diloco_finish_buffers,
 }

@@ -40,6 +40,12 @@ def test_refusals_name_the_fix() -> None:
         select([nn.Parameter(torch.ones(1)), 3], "X")  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"^0\.weight is not initialised yet .* then build the X$"):
         select(nn.Sequential(nn.LazyLinear(2)), "X")
+    with torch.device("meta"):
+        deferred = nn.Linear(2, 2)
+    deferred.weight.requires_grad_(False)  # frozen ones too: they are broadcast at the start
+    # before: a DiLoCo raised torch's "Cannot copy out of meta tensor; no data!"
+    with pytest.raises(ValueError, match=r"^weight is on the meta device, .*model\.to_empty\(.*X$"):
+        select(deferred, "X")
 
 
 def test_the_unfrozen_message_names_the_parameters_or_the_ranks() -> None:
