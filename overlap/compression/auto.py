@@ -42,7 +42,7 @@ import torch
 from overlap import comm
 from overlap.argcheck import count
 from overlap.comm.steps import Steps
-from overlap.compression.base import BF16, FP16, Compressor, NoCompression
+from overlap.compression.base import BF16, FP16, Compressor, NoCompression, steps_of
 from overlap.compression.codec import gather_sources, write_outputs
 from overlap.compression.nonfinite import check_mode
 from overlap.compression.onebit import OneBit
@@ -190,13 +190,14 @@ class Auto(Compressor):
         if outputs and c.writes_outputs:
             kw = {"read_outputs": True} if read_outputs and c.reads_outputs else {}
             return (
-                yield from c.reduce_steps(
-                    key, flat, group=group, shapes=shapes, outputs=outputs, **kw
+                yield from steps_of(
+                    c,
+                    c.reduce_steps(key, flat, group=group, shapes=shapes, outputs=outputs, **kw),
                 )
             )
         if read_outputs:  # the outputs hold the input: the active one reads flat
             gather_sources(flat, outputs)
-        out = yield from c.reduce_steps(key, flat, group=group, shapes=shapes)
+        out = yield from steps_of(c, c.reduce_steps(key, flat, group=group, shapes=shapes))
         write_outputs(flat, outputs)  # outputs were meant for a writer: fill them from flat
         return out
 

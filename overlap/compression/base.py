@@ -17,7 +17,7 @@ an awaitable Handle.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -26,7 +26,25 @@ from overlap import comm
 from overlap.comm import driver
 from overlap.comm.steps import Steps, run
 
-__all__ = ["BF16", "FP16", "Compressor", "NoCompression"]
+__all__ = ["BF16", "FP16", "Compressor", "NoCompression", "steps_of"]
+
+
+def steps_of(compressor: Any, steps: Any) -> Steps:
+    """``steps`` (what ``compressor.reduce_steps`` returned), checked to be a generator.
+
+    A compressor of a user's own written as a plain function (it reduces and returns the
+    tensor, with no ``yield``) hung the BucketScheduler: driven as phases, the returned
+    tensor was iterated element by element. Now it is a TypeError with the fix."""
+    if not isinstance(steps, Generator):
+        name = type(compressor).__name__
+        raise TypeError(
+            f"{name}.reduce_steps returned {type(steps).__name__}, not a generator: write it "
+            "with `yield [handles]` for each phase (the async_op=True handles it needs "
+            "finished before it goes on) and `return` the result, as the Compressor "
+            "docstring shows; a one-phase body is `yield [comm.all_reduce(flat, op='avg', "
+            "group=group, async_op=True)]` then `return flat`"
+        )
+    return steps
 
 
 class Compressor(ABC):
@@ -108,12 +126,13 @@ class Compressor(ABC):
         self.begin_step()
         kw: dict[str, Any] = {"encoded": True} if encoded and self.encodes_result else {}
         if not async_op:
-            return run(self.reduce_steps(key, flat, group=group, shapes=shapes, **kw))
+            steps = self.reduce_steps(key, flat, group=group, shapes=shapes, **kw)
+            return run(steps_of(self, steps))
 
         def job(twin: Any) -> Steps:
             if ready is not None:
                 ready()
-            return self.reduce_steps(key, flat, group=twin, shapes=shapes, **kw)
+            return steps_of(self, self.reduce_steps(key, flat, group=twin, shapes=shapes, **kw))
 
         return driver.submit(
             self.name,

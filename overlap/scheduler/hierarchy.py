@@ -65,7 +65,7 @@ import torch
 from overlap import comm
 from overlap.comm.objects import _device
 from overlap.comm.steps import Steps
-from overlap.compression.base import Compressor
+from overlap.compression.base import Compressor, steps_of
 from overlap.compression.codec import codec_for, gather_sources, write_outputs
 from overlap.compression.layout import Layout, layout
 from overlap.compression.nonfinite import nan_result
@@ -360,7 +360,9 @@ class Hierarchical(Compressor):
             # dropping inputs or mean_with would reduce a chunk that was never written
             raise RuntimeError(f"OneBit-only keywords for {cur!r}: {sorted(kw)}")
         try:
-            yield from target.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
+            yield from steps_of(
+                target, target.reduce_steps((key, "chunk"), chunk, group=self.cross_group, **kw)
+            )
         except NonFiniteError as exc:
             self._nonfinite[key] = exc
             return _RAISED

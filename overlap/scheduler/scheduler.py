@@ -44,7 +44,7 @@ from overlap.comm import state as comm_state
 from overlap.comm.handle import Handle
 from overlap.comm.siblings import groups_like
 from overlap.comm.steps import Steps, run, run_async
-from overlap.compression.base import Compressor, NoCompression
+from overlap.compression.base import Compressor, NoCompression, steps_of
 from overlap.errors import CommError, IncompleteBackwardError, OutOfStepError
 from overlap.initial_sync import broadcast_state, module_state
 from overlap.ownership import claim, holder_of, release
@@ -750,7 +750,9 @@ class BucketScheduler:
                 kw: dict[str, Any] = {"outputs": outputs} if outputs else {}
                 if sourced:
                     kw["read_outputs"] = True
-                steps = comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes, **kw)
+                steps = steps_of(
+                    comp, comp.reduce_steps(b.index, b.flat, group=group, shapes=shapes, **kw)
+                )
                 yield from (steps if tracer is None else _traced(steps, tracer, b.index))
                 if not average:
                     b.flat.mul_(w)

@@ -158,6 +158,40 @@ def user_compressor_equals_ddp() -> int:
         sched.remove()
 
 
+class ReturnsAtOnce(Compressor):
+    """A user's compressor written as a plain function: it reduces and returns, no yield."""
+
+    name = "returns-at-once"
+    summable = True
+
+    def reduce_steps(self, key: Any, flat: torch.Tensor, **kw: Any) -> Any:  # type: ignore[override]
+        comm.all_reduce(flat, op="avg", group=kw.get("group"))
+        return flat
+
+
+def a_compressor_that_is_no_generator() -> dict[str, str]:
+    """Before: the scheduler hung (the returned tensor was driven as phases); direct
+    ``reduce()`` calls raised "'Tensor' object is not an iterator"."""
+    out: dict[str, str] = {}
+    m = nn.Linear(4, 2)
+    sched = BucketScheduler(m, compression=ReturnsAtOnce())
+    try:
+        m(torch.ones(2, 4)).sum().backward()
+        try:
+            sched.synchronize()
+            out["scheduler"] = "no error"
+        except Exception as e:
+            out["scheduler"] = f"{type(e).__name__}: {e}"
+    finally:
+        sched.remove()
+    try:
+        ReturnsAtOnce().reduce("k", torch.ones(3))
+        out["reduce"] = "no error"
+    except Exception as e:
+        out["reduce"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def no_sync_equals_ddp(solo_bytes: int = 0) -> bool:
     """``solo_bytes`` as in :func:`equals_ddp`: the accumulated weights are then scaled and
     reduced in place in .grad."""

@@ -30,6 +30,17 @@ def test_gradient_as_bucket_view_equals_ddp(pools: Callable[[int], RankPool]) ->
     assert pools(2).run(sc.equals_ddp, "blocking", True, timeout=120) == [3, 3]
 
 
+def test_a_user_compressor_that_is_no_generator_is_named_not_hung(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for out in pools(2).run(sc.a_compressor_that_is_no_generator, timeout=60):
+        for where in ("scheduler", "reduce"):
+            assert out[where].startswith(
+                "TypeError: ReturnsAtOnce.reduce_steps returned Tensor, not a generator: write "
+                "it with `yield [handles]` for each phase"
+            ), out
+
+
 def test_a_user_compressor_of_the_original_signature_still_works(
     pools: Callable[[int], RankPool],
 ) -> None:
