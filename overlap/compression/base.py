@@ -24,6 +24,7 @@ import torch
 
 from overlap import comm
 from overlap.comm import driver
+from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, run
 
 __all__ = ["BF16", "FP16", "Compressor", "NoCompression", "steps_of"]
@@ -44,7 +45,43 @@ def steps_of(compressor: Any, steps: Any) -> Steps:
             "docstring shows; a one-phase body is `yield [comm.all_reduce(flat, op='avg', "
             "group=group, async_op=True)]` then `return flat`"
         )
-    return steps
+    if type(compressor).__module__.startswith("overlap."):
+        return steps  # overlap's own: their phases are tested, and the wrapper costs a frame
+    return _checked_phases(type(compressor).__name__, steps)
+
+
+def _checked_phases(name: str, steps: Steps) -> Steps:
+    """``steps``, each phase checked to be a list (or tuple) of Handles on its way out. A
+    user's ``yield h`` (one handle, not a list) or bare ``yield`` hung the scheduler on
+    every rank; now it is a TypeError at that phase. Sends and throws go through to
+    ``steps`` unchanged, as ``yield from`` would pass them."""
+    value: Any = None
+    thrown: BaseException | None = None
+    while True:
+        try:
+            phase = steps.send(value) if thrown is None else steps.throw(thrown)
+        except StopIteration as stop:
+            return stop.value
+        thrown = None
+        if not isinstance(phase, (list, tuple)) or not all(isinstance(h, Handle) for h in phase):
+            steps.close()
+            what = (
+                type(phase).__name__
+                if not isinstance(phase, (list, tuple))
+                else ("a list holding " + ", ".join(sorted({type(h).__name__ for h in phase})))
+            )
+            raise TypeError(
+                f"{name}.reduce_steps yielded {what}: each phase yields a list of the Handles "
+                "it needs finished (`yield [h]` for one, `yield []` for none), from comm "
+                "calls made with async_op=True"
+            )
+        try:
+            value = yield list(phase)
+        except GeneratorExit:
+            steps.close()
+            raise
+        except BaseException as exc:  # a failed handle, thrown in by the driver
+            thrown = exc
 
 
 class Compressor(ABC):

@@ -223,6 +223,23 @@ class BucketScheduler:
         hierarchy: str = "auto",
         init_sync: bool = True,
     ) -> None:
+        if not isinstance(model_or_params, torch.nn.Module):
+            model_or_params = list(model_or_params)  # read twice: an iterator would be spent
+        # first: parameters on the meta device and on another are "several devices" (select
+        # refuses a meta one alone)
+        given = (
+            model_or_params.parameters()
+            if isinstance(model_or_params, torch.nn.Module)
+            else model_or_params
+        )
+        devices = sorted(
+            {str(p.device) for p in given if isinstance(p, torch.Tensor) and p.requires_grad}
+        )
+        if len(devices) > 1:
+            raise ValueError(
+                f"parameters are on several devices {devices}; a BucketScheduler reduces one "
+                "device's parameters: create one scheduler per device, or move the model"
+            )
         # tied parameters reduced once, frozen ones skipped (and checked at each step)
         self._selection = select(model_or_params, "BucketScheduler")
         self.params: list[torch.nn.Parameter] = self._selection.params
@@ -230,12 +247,6 @@ class BucketScheduler:
             raise ValueError("no parameter requires grad: nothing to reduce")
         if isinstance(model_or_params, torch.nn.Module):
             _refuse_sparse(model_or_params, {id(p) for p in self.params})
-        devices = sorted({str(p.device) for p in self.params})
-        if len(devices) > 1:
-            raise ValueError(
-                f"parameters are on several devices {devices}; a BucketScheduler reduces one "
-                "device's parameters: create one scheduler per device, or move the model"
-            )
         bucket_cap_mb = positive_real("bucket_cap_mb", bucket_cap_mb)
         first_bucket_mb = positive_real("first_bucket_mb", first_bucket_mb)
         if gradient_as_bucket_view and reduce_dtype is not None:
@@ -930,8 +941,11 @@ class BucketScheduler:
         t_wait = time.perf_counter_ns()
         if tracer is not None and self._bwd:
             tracer.record("backward", "compute", self._bwd[0], self._bwd[1])
-        if self._launcher.broken is not None:
-            # before any collective (streams.py, "Out of step")
+        launcher = self._launcher
+        if launcher.broken is not None and (
+            self._origin_raised or isinstance(launcher.origin, (CommError, *_INTERRUPTS))
+        ):
+            # before any collective (streams.py, "Out of step"): a peer may be gone
             raise (yield from self._stop_here(None))
         n, w, me = len(self.params), self.world, comm.get_rank(self.ctrl)
         # The parameters used on each rank, then per rank: its backward raised halfway, it
@@ -940,7 +954,7 @@ class BucketScheduler:
         # Python, a bytearray under the tensor and one tolist() back: with tensor indexing,
         # nonzero() and any() the vote cost 83 us a step at 12 parameters and 319 us at
         # 1,000, against 6 and 82 (timeit, this machine).
-        votes = bytearray(n + 4 * w)
+        votes = bytearray(n + 5 * w)
         for i in self._order:
             votes[i] = 1
         for i in self._accumulated:
@@ -955,6 +969,13 @@ class BucketScheduler:
             votes[n + 3 * w + me] = 1
         if self._joined:  # join(): this rank has no more batches
             votes[n + 2 * w + me] = 1
+        # A reduction of this step failed here with this rank's own error (a bug in a
+        # compressor): said in the vote, so that every rank stops at once. Before, a rank
+        # whose worker had failed skipped the vote, and whether a peer's worker had failed
+        # yet when it reached the vote was a race: ranks that all raised the same TypeError
+        # at a bucket's first phase hung in the vote 1 run in 5 until the job's timeout.
+        if launcher.broken is not None:
+            votes[n + 4 * w + me] = 1
         elif self._order or self._accumulated:
             self._trained += 1
         mask = torch.frombuffer(votes, dtype=torch.uint8).to(self._ctrl_device)
@@ -977,6 +998,17 @@ class BucketScheduler:
             yield from self._abandon(issued)
             raise
         got = mask.tolist()
+        stopped = [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[n + 4 * w + i]]
+        if stopped or launcher.broken is not None:
+            peers = None
+            if launcher.broken is None:  # a peer's worker failed: nothing to pair with here
+                peers = OutOfStepError(
+                    f"a bucket's reduction failed on rank{'s' if len(stopped) > 1 else ''} "
+                    f"{', '.join(map(str, stopped))} with an error of its own (its log says "
+                    "which), so every rank of this BucketScheduler stops issuing collectives. "
+                    "Create new process groups and a new BucketScheduler to go on"
+                )
+            raise (yield from self._stop_here(peers))
         incomplete, woken, changers = (
             [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[at + i]]
             for at in (n, n + w, n + 3 * w)
@@ -1190,8 +1222,11 @@ class BucketScheduler:
         every later step, where it is raised before anything is sent. The error that
         stopped it is raised once (``exc``, or the launcher's: a bug of this rank's own, or
         a CommError from a collective whose peer stopped); later steps raise the launcher's
-        OutOfStepError. The vote is not cast any more: a peer still in step waits for it
-        until its timeout, as for the buckets' collectives, and stops in turn.
+        OutOfStepError. The step's vote is cast when this rank's own error (not a failed
+        collective, not an interrupt) stopped it during the step, with a bit that says so,
+        so that every rank stops at once when all failed alike (a compressor's bug); after
+        that, or after a failed collective, it is not cast any more: a peer still in step
+        waits for it until its timeout, as for the buckets' collectives, and stops in turn.
 
         Waits until the worker has ended every reduction (none issues more, none writes
         into ``.grad`` later, a hierarchical bucket's shared-memory file is gone), which
@@ -1206,9 +1241,10 @@ class BucketScheduler:
         assert launcher.broken is not None
         if not self._origin_raised:
             self._origin_raised = True
-            if exc is not None:
+            own = launcher.origin is not None and launcher.origin is not exc
+            if exc is not None and not (isinstance(exc, OutOfStepError) and own):
                 return exc
-            if launcher.origin is not None:
+            if launcher.origin is not None:  # this rank's own error, which it also had
                 return launcher.origin
         # a fresh traceback each step: re-raising one instance would chain them
         return launcher.broken.with_traceback(None)

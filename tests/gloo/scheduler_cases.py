@@ -192,6 +192,49 @@ def a_compressor_that_is_no_generator() -> dict[str, str]:
     return out
 
 
+class YieldsWrongPhase(Compressor):
+    """A user's compressor whose phase is not a list of handles: one handle (``yield h``), a
+    bare ``yield``, or a list of something else."""
+
+    name = "wrong-phase"
+    summable = True
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def reduce_steps(self, key: Any, flat: torch.Tensor, **kw: Any) -> Any:  # type: ignore[override]
+        if self.kind == "junk":
+            yield [42]
+        h = comm.all_reduce(flat, op="avg", group=kw.get("group"), async_op=True)
+        yield h if self.kind == "handle" else None
+        h.wait()
+        return flat
+
+
+def wrong_phases_stop_every_rank(trials: int) -> list[str]:
+    """Each rank raises the same error at a bucket's first phase, ``trials`` times over (a
+    new scheduler each time): every rank must raise it at once. Before, a rank whose worker
+    had failed skipped the step's vote, and a peer that reached the vote first waited in it
+    until the job's timeout (1 run in 5 with ``[42]``); ``yield h`` and a bare ``yield``
+    hung every time."""
+    out = []
+    m = nn.Linear(4, 2)
+    for i in range(trials):
+        kind = ("junk", "handle", "none")[i % 3]
+        sched = BucketScheduler(m, compression=YieldsWrongPhase(kind))
+        try:
+            m(torch.ones(2, 4)).sum().backward()
+            try:
+                sched.synchronize()
+                out.append("no error")
+            except TypeError as e:
+                out.append(str(e))
+        finally:
+            sched.remove()
+            m.zero_grad()
+    return out
+
+
 def no_sync_equals_ddp(solo_bytes: int = 0) -> bool:
     """``solo_bytes`` as in :func:`equals_ddp`: the accumulated weights are then scaled and
     reduced in place in .grad."""

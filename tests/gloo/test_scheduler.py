@@ -41,6 +41,19 @@ def test_a_user_compressor_that_is_no_generator_is_named_not_hung(
             ), out
 
 
+def test_a_compressor_bug_on_every_rank_stops_every_rank_at_once(
+    pools: Callable[[int], RankPool],
+) -> None:
+    said = [
+        "YieldsWrongPhase.reduce_steps yielded a list holding int: each phase yields a list",
+        "YieldsWrongPhase.reduce_steps yielded Handle: each phase yields a list",
+        "YieldsWrongPhase.reduce_steps yielded NoneType: each phase yields a list",
+    ]
+    for out in pools(2).run(sc.wrong_phases_stop_every_rank, 12, timeout=60):
+        want = [said[i % 3] for i in range(12)]
+        assert [m[: len(w)] for m, w in zip(out, want, strict=True)] == want
+
+
 def test_a_user_compressor_of_the_original_signature_still_works(
     pools: Callable[[int], RankPool],
 ) -> None:
