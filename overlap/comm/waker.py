@@ -13,8 +13,8 @@ registry maps each loop to its waker weakly, and the waker holds no reference to
 before, it did, so the registry's entry kept every loop that ever awaited a gloo op alive,
 with its eventfd open. Measured on 2 gloo ranks, 100 ``overlap.run`` calls that each awaited
 one all_reduce (a loop per call, as a training loop that runs each step that way): 53 loops
-and 53 eventfds more alive after than before, on rank 0; the process ran out of file
-descriptors in time.
+and 53 eventfds more alive after than before, on rank 0 (the others had completed in the
+spin, with no waker); with the peer 3 ms late, 30 calls kept 30 of each, under mpiexec too.
 """
 
 from __future__ import annotations
