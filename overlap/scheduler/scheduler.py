@@ -969,6 +969,8 @@ class BucketScheduler:
             votes[n + 3 * w + me] = 1
         if self._joined:  # join(): this rank has no more batches
             votes[n + 2 * w + me] = 1
+        elif self._order or self._accumulated:
+            self._trained += 1
         # A reduction of this step failed here with this rank's own error (a bug in a
         # compressor): said in the vote, so that every rank stops at once. Before, a rank
         # whose worker had failed skipped the vote, and whether a peer's worker had failed
@@ -976,8 +978,6 @@ class BucketScheduler:
         # at a bucket's first phase hung in the vote 1 run in 5 until the job's timeout.
         if launcher.broken is not None:
             votes[n + 4 * w + me] = 1
-        elif self._order or self._accumulated:
-            self._trained += 1
         mask = torch.frombuffer(votes, dtype=torch.uint8).to(self._ctrl_device)
         try:
             yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
