@@ -378,6 +378,8 @@ class BucketScheduler:
         self._joined = False
         self._all_joined = False
         self._trained = 0
+        # the CommError a vote gave when only peers had stopped (see _stop_here)
+        self._peers_stopped: BaseException | None = None
         # An awaited end of step whose awaiter was cancelled goes on as a task, and the
         # next wait() takes it up: (the task, the step's number); see wait()
         self._finishing: tuple[asyncio.Task[None], int] | None = None
@@ -1001,13 +1003,17 @@ class BucketScheduler:
         stopped = [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[n + 4 * w + i]]
         if stopped or launcher.broken is not None:
             peers = None
-            if launcher.broken is None:  # a peer's worker failed: nothing to pair with here
-                peers = OutOfStepError(
-                    f"a bucket's reduction failed on rank{'s' if len(stopped) > 1 else ''} "
-                    f"{', '.join(map(str, stopped))} with an error of its own (its log says "
-                    "which), so every rank of this BucketScheduler stops issuing collectives. "
-                    "Create new process groups and a new BucketScheduler to go on"
+            if launcher.broken is None:
+                # a peer's worker failed: this rank's collectives it never issued end at the
+                # backend's timeout; a CommError either way, as when the peer's failure came
+                # after this rank's vote (then this rank learns of it from that timeout)
+                peers = CommError(
+                    f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} "
+                    "stopped issuing this BucketScheduler's collectives (a bucket's reduction "
+                    "failed there with an error of its own; its log says which), so this rank "
+                    "stops too. Create new process groups and a new BucketScheduler to go on"
                 )
+            self._peers_stopped = peers
             raise (yield from self._stop_here(peers))
         incomplete, woken, changers = (
             [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[at + i]]
@@ -1241,8 +1247,10 @@ class BucketScheduler:
         assert launcher.broken is not None
         if not self._origin_raised:
             self._origin_raised = True
+            # a peer's stop learnt from the vote, while this rank's worker failed too: its own
+            # error is the one to raise (ranks that all failed alike raise it alike)
             own = launcher.origin is not None and launcher.origin is not exc
-            if exc is not None and not (isinstance(exc, OutOfStepError) and own):
+            if exc is not None and not (own and exc is self._peers_stopped):
                 return exc
             if launcher.origin is not None:  # this rank's own error, which it also had
                 return launcher.origin
