@@ -30,30 +30,6 @@ def test_gradient_as_bucket_view_equals_ddp(pools: Callable[[int], RankPool]) ->
     assert pools(2).run(sc.equals_ddp, "blocking", True, timeout=120) == [3, 3]
 
 
-def test_a_user_compressor_that_is_no_generator_is_named_not_hung(
-    pools: Callable[[int], RankPool],
-) -> None:
-    for out in pools(2).run(sc.a_compressor_that_is_no_generator, timeout=60):
-        for where in ("scheduler", "reduce"):
-            assert out[where].startswith(
-                "TypeError: ReturnsAtOnce.reduce_steps returned Tensor, not a generator: write "
-                "it with `yield [handles]` for each phase"
-            ), out
-
-
-def test_a_compressor_bug_on_every_rank_stops_every_rank_at_once(
-    pools: Callable[[int], RankPool],
-) -> None:
-    said = [
-        "YieldsWrongPhase.reduce_steps yielded a list holding int: each phase yields a list",
-        "YieldsWrongPhase.reduce_steps yielded Handle: each phase yields a list",
-        "YieldsWrongPhase.reduce_steps yielded NoneType: each phase yields a list",
-    ]
-    for out in pools(2).run(sc.wrong_phases_stop_every_rank, 12, timeout=60):
-        want = [said[i % 3] for i in range(12)]
-        assert [m[: len(w)] for m, w in zip(out, want, strict=True)] == want
-
-
 def test_a_user_compressor_of_the_original_signature_still_works(
     pools: Callable[[int], RankPool],
 ) -> None:
