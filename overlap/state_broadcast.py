@@ -86,25 +86,25 @@ def _root_layout(src: int, group: Any, layout: Any) -> Any:
     return box[0]
 
 
-def _source(what: str, src: Any, root_rank: Any) -> Any:
-    """The root: ``src``, or Horovod's ``root_rank`` spelling of it (0 when neither)."""
-    if root_rank is None:
-        return 0 if src is None else src
-    if src is not None and src != root_rank:
-        raise ValueError(
-            f"{what}: src={src!r} and root_rank={root_rank!r} name two roots; root_rank is "
-            "Horovod's name for src: pass one of them"
-        )
-    return root_rank
-
-
-def _check_src(what: str, src: Any, group: Any) -> None:
+def _check_src(what: str, src: Any, root_rank: Any, group: Any) -> Any:
+    """The root, checked: ``src``, or Horovod's ``root_rank`` spelling of it (0 when
+    neither)."""
+    if root_rank is not None:
+        if src is not None and src != root_rank:
+            raise ValueError(
+                f"{what}: src={src!r} and root_rank={root_rank!r} name two roots; root_rank "
+                "is Horovod's name for src: pass one of them"
+            )
+        src = root_rank
+    elif src is None:
+        src = 0
     ranks = comm.get_all_ranks_from_group(group)
     if isinstance(src, bool) or not isinstance(src, int) or src not in ranks:
         raise ValueError(
             f"{what}: src={src!r} is not a global rank of the group (ranks {ranks}); pass "
             "the global rank whose values every rank should take"
         )
+    return src
 
 
 def broadcast_parameters(
@@ -122,8 +122,7 @@ def broadcast_parameters(
     tensor (a module's ``_extra_state``) is refused the same way: it cannot be overwritten
     in place."""
     what = "broadcast_parameters"
-    src = _source(what, src, root_rank)
-    _check_src(what, src, group)
+    src = _check_src(what, src, root_rank, group)
     named = _named(params)
     error = None
     others = [k for k, v in named if not isinstance(v, torch.Tensor)]
@@ -209,8 +208,7 @@ def broadcast_optimizer_state(
             f"{what}: a OneBitAdam's state holds each rank's own 1-bit error feedback, which "
             "another rank must not take; save and load its state_dict() per rank"
         )
-    src = _source(what, src, root_rank)
-    _check_src(what, src, group)
+    src = _check_src(what, src, root_rank, group)
     is_root = comm.get_rank() == src
     state = optimizer.state_dict()
     tensors: list[torch.Tensor] = []

@@ -214,12 +214,9 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
     tag = _claim_tag()
     hub = f"{tag}-hub"
     made: list[str] = []
+    tmp: str | None = None
     try:
         tmp = tempfile.mkdtemp(prefix=f"{tag}-")
-    except BaseException:
-        _live.discard(tag)
-        raise
-    try:
         with _terminate_as_exit():
             _run("ip", "netns", "add", hub)
             made.append(hub)
@@ -257,6 +254,7 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
     finally:
         for ns in reversed(made):
             _remove(ns)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         with _live_lock:
             _live.discard(tag)

@@ -56,7 +56,12 @@ def _watched(result: Any) -> list[tuple[int, torch.Tensor, int]]:
 def snapshot(opname: str, rank: int, result: Any) -> Callable[[], InFlightWriteError | None]:
     """A check, to call once the op is complete: the error to fail it with if ``result``'s
     tensors were written since now, else None."""
-    watched = _watched(result)
+    return _checker(opname, rank, result, _watched(result))
+
+
+def _checker(
+    opname: str, rank: int, result: Any, watched: list[tuple[int, torch.Tensor, int]]
+) -> Callable[[], InFlightWriteError | None]:
     listed = isinstance(result, (list, tuple))
 
     def written() -> InFlightWriteError | None:
@@ -79,9 +84,10 @@ def guard(
 ) -> Callable[..., Any] | None:
     """``post`` preceded by :func:`snapshot`'s check, which raises the error; ``post``
     itself (None stays None) when there is no tensor to check."""
-    if not _watched(result):
+    watched = _watched(result)
+    if not watched:
         return post
-    written = snapshot(opname, rank, result)
+    written = _checker(opname, rank, result, watched)
 
     def checked(*args: Any) -> Any:
         err = written()

@@ -63,12 +63,13 @@ def _checked_phases(name: str, steps: Steps) -> Steps:
         except StopIteration as stop:
             return stop.value
         thrown = None
-        if not isinstance(phase, (list, tuple)) or not all(isinstance(h, Handle) for h in phase):
+        listed = isinstance(phase, (list, tuple))
+        if not listed or not all(isinstance(h, Handle) for h in phase):
             steps.close()
             what = (
-                type(phase).__name__
-                if not isinstance(phase, (list, tuple))
-                else ("a list holding " + ", ".join(sorted({type(h).__name__ for h in phase})))
+                "a list holding " + ", ".join(sorted({type(h).__name__ for h in phase}))
+                if listed
+                else type(phase).__name__
             )
             raise TypeError(
                 f"{name}.reduce_steps yielded {what}: each phase yields a list of the Handles "

@@ -203,9 +203,9 @@ def load_spans(path: str) -> tuple[list[Any], int]:
         )
     try:
         spans, ranks = _spans_of(path, events)
+    except TraceFormatError:
+        raise
     except (KeyError, ValueError, TypeError) as exc:
-        if isinstance(exc, TraceFormatError):
-            raise
         raise TraceFormatError(
             f"{path}: an event it cannot read ({type(exc).__name__}: {exc}); the file was "
             "changed after Tracer.export_chrome wrote it: export it again"
