@@ -378,6 +378,8 @@ class BucketScheduler:
         self._joined = False
         self._all_joined = False
         self._trained = 0
+        # the CommError a vote gave when only peers had stopped (see _stop_here)
+        self._peers_stopped: BaseException | None = None
         # An awaited end of step whose awaiter was cancelled goes on as a task, and the
         # next wait() takes it up: (the task, the step's number); see wait()
         self._finishing: tuple[asyncio.Task[None], int] | None = None
@@ -941,8 +943,11 @@ class BucketScheduler:
         t_wait = time.perf_counter_ns()
         if tracer is not None and self._bwd:
             tracer.record("backward", "compute", self._bwd[0], self._bwd[1])
-        if self._launcher.broken is not None:
-            # before any collective (streams.py, "Out of step")
+        launcher = self._launcher
+        if launcher.broken is not None and (
+            self._origin_raised or isinstance(launcher.origin, (CommError, *_INTERRUPTS))
+        ):
+            # before any collective (streams.py, "Out of step"): a peer may be gone
             raise (yield from self._stop_here(None))
         n, w, me = len(self.params), self.world, comm.get_rank(self.ctrl)
         # The parameters used on each rank, then per rank: its backward raised halfway, it
@@ -951,7 +956,7 @@ class BucketScheduler:
         # Python, a bytearray under the tensor and one tolist() back: with tensor indexing,
         # nonzero() and any() the vote cost 83 us a step at 12 parameters and 319 us at
         # 1,000, against 6 and 82 (timeit, this machine).
-        votes = bytearray(n + 4 * w)
+        votes = bytearray(n + 5 * w)
         for i in self._order:
             votes[i] = 1
         for i in self._accumulated:
@@ -968,6 +973,14 @@ class BucketScheduler:
             votes[n + 2 * w + me] = 1
         elif self._order or self._accumulated:
             self._trained += 1
+        # A reduction of this step failed here with this rank's own error (a bug in a
+        # compressor): said in the vote, so that every rank stops at once. Before, a rank
+        # whose worker had failed skipped the vote, and whether a peer's worker had failed
+        # yet when it reached the vote was a race: ranks that all raised the same TypeError
+        # at a bucket's first phase waited in the vote until the job's timeout (30 minutes
+        # by default; for ever on MPI), in the first of 30 trials on 2 gloo ranks.
+        if launcher.broken is not None:
+            votes[n + 4 * w + me] = 1
         mask = torch.frombuffer(votes, dtype=torch.uint8).to(self._ctrl_device)
         try:
             yield [comm.all_reduce(mask, op="max", group=self.ctrl, async_op=True)]
@@ -988,6 +1001,21 @@ class BucketScheduler:
             yield from self._abandon(issued)
             raise
         got = mask.tolist()
+        stopped = [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[n + 4 * w + i]]
+        if stopped or launcher.broken is not None:
+            peers = None
+            if launcher.broken is None:
+                # a peer's worker failed: this rank's collectives it never issued end at the
+                # backend's timeout; a CommError either way, as when the peer's failure came
+                # after this rank's vote (then this rank learns of it from that timeout)
+                peers = CommError(
+                    f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} "
+                    "stopped issuing this BucketScheduler's collectives (a bucket's reduction "
+                    "failed there with an error of its own; its log says which), so this rank "
+                    "stops too. Create new process groups and a new BucketScheduler to go on"
+                )
+            self._peers_stopped = peers
+            raise (yield from self._stop_here(peers))
         incomplete, woken, changers = (
             [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[at + i]]
             for at in (n, n + w, n + 3 * w)
@@ -1201,8 +1229,11 @@ class BucketScheduler:
         every later step, where it is raised before anything is sent. The error that
         stopped it is raised once (``exc``, or the launcher's: a bug of this rank's own, or
         a CommError from a collective whose peer stopped); later steps raise the launcher's
-        OutOfStepError. The vote is not cast any more: a peer still in step waits for it
-        until its timeout, as for the buckets' collectives, and stops in turn.
+        OutOfStepError. The step's vote is cast when this rank's own error (not a failed
+        collective, not an interrupt) stopped it during the step, with a bit that says so,
+        so that every rank stops at once when all failed alike (a compressor's bug); after
+        that, or after a failed collective, it is not cast any more: a peer still in step
+        waits for it until its timeout, as for the buckets' collectives, and stops in turn.
 
         Waits until the worker has ended every reduction (none issues more, none writes
         into ``.grad`` later, a hierarchical bucket's shared-memory file is gone), which
@@ -1217,9 +1248,12 @@ class BucketScheduler:
         assert launcher.broken is not None
         if not self._origin_raised:
             self._origin_raised = True
-            if exc is not None:
+            # a peer's stop learnt from the vote, while this rank's worker failed too: its own
+            # error is the one to raise (ranks that all failed alike raise it alike)
+            own = launcher.origin is not None and launcher.origin is not exc
+            if exc is not None and not (own and exc is self._peers_stopped):
                 return exc
-            if launcher.origin is not None:
+            if launcher.origin is not None:  # this rank's own error, which it also had
                 return launcher.origin
         # a fresh traceback each step: re-raising one instance would chain them
         return launcher.broken.with_traceback(None)

@@ -26,7 +26,8 @@ the buckets in flight end with :class:`~overlap.errors.OutOfStepError` after the
 they are in, and nothing is issued again (:attr:`Launcher.broken`). What this rank did
 issue is a prefix of what its peers issue, so nothing can pair wrongly: a peer's next
 collective waits until the backend's timeout, fails with CommError, and stops that peer
-the same way.
+the same way; or, where the error came before this rank cast the step's vote, the vote
+carries a bit that says so, and each peer stops at once (``BucketScheduler``'s end of step).
 
 The completion event is recorded *before* the bucket's handle is finished. The order matters:
 ``synchronize()`` calls ``wait_compute()`` once every handle is done, and a CUDA stream that

@@ -299,7 +299,8 @@ def test_an_error_on_one_rank_stops_every_rank_on_mpi() -> None:
     """The one-rank-failure cases of tests/gloo (a scheduler's bucket, before its first
     collective and between its two; an async multi-phase op) on MPI: the failing rank
     raises its error, its peer CommError at the 5 s job timeout, later steps and ops
-    OutOfStepError; no wrong result, and the processes exit."""
+    OutOfStepError; no wrong result, and the processes exit. And when every rank fails
+    alike, every rank stops at once."""
     t0 = time.monotonic()
     out = mpiexec(2, "-m", "tests.mpi.out_of_step", timeout=120)
     lines = [line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -311,6 +312,12 @@ def test_an_error_on_one_rank_stops_every_rank_on_mpi() -> None:
     stopped = ["OutOfStepError", "OutOfStepError"]
     assert results[0]["driver"] == ["ValueError", "RuntimeError", *stopped]
     assert results[1]["driver"] == ["ValueError", "CommError", *stopped]
+    # every rank failing alike: every rank stops at once (before, a rank could wait in the
+    # step's vote until the job's timeout, which MPI has none of by default)
+    for trial in zip(results[0]["alike"], results[1]["alike"], strict=True):
+        kinds = [kind for kind, _ in trial]
+        assert "TypeError" in kinds and set(kinds) <= {"TypeError", "CommError"}, results
+        assert max(seconds for _, seconds in trial) < 2.5, results
     assert time.monotonic() - t0 < 90
 
 
