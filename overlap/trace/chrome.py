@@ -8,11 +8,13 @@ arrow (``ph: s``/``f``) from the moment it became ready. Timestamps are microsec
 In a multi-rank job every rank calls :func:`export`; the events are gathered to rank 0 with
 every rank's clock shifted onto rank 0's (offsets measured at export, see clock.py), and
 rank 0 writes one file: to a temporary file beside the target, then an atomic rename, so a
-failure never leaves a partial trace.
+failure never leaves a partial trace. A path ending in ``.gz`` is written gzipped, as
+torch.profiler's ``export_chrome_trace`` does; :func:`load_spans` reads either.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from typing import Any
@@ -162,14 +164,35 @@ def _write_atomic(path: str, text: str) -> None:
             f"cannot write the trace to {path}: it is a directory; pass a file path "
             f"such as {os.path.join(path, 'trace.json')}"
         )
-    write_whole(target, lambda f: f.write(text.encode()), "the trace")
+    data = text.encode()
+    if target.endswith(".gz"):
+        # as torch.profiler's export_chrome_trace: a .gz path gets gzip, which Perfetto
+        # and chrome://tracing open as they are (a trace's JSON shrinks about tenfold);
+        # mtime=0: the same trace gives the same bytes
+        data = gzip.compress(data, compresslevel=6, mtime=0)
+    write_whole(target, lambda f: f.write(data), "the trace")
+
+
+def _read_text(path: str) -> str:
+    """The file's text; gunzipped first where it starts with gzip's magic bytes (a
+    ``.gz`` export, or any gzipped trace), whatever its name."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise TraceFormatError(
+                f"{path} is gzip but cannot be unpacked ({exc}); the file may be truncated: "
+                "export it again"
+            ) from None
+    return raw.decode()
 
 
 def load_spans(path: str) -> tuple[list[Any], int]:
     """Spans (per rank) back from a trace file written by :func:`export`; (spans, world)."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
+        doc = json.loads(_read_text(path))
     except FileNotFoundError:
         raise TraceFormatError(f"{path}: no such file") from None
     except IsADirectoryError:

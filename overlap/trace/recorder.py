@@ -249,7 +249,8 @@ class Tracer:
 
     def export_chrome(self, path: str) -> str | None:
         """Write a Chrome/Perfetto trace. In a job, every rank calls it; rank 0 writes one
-        merged file with the ranks' clocks aligned. Returns the path on the writing rank."""
+        merged file with the ranks' clocks aligned. A path ending in ``.gz`` is gzipped (as
+        torch.profiler's ``export_chrome_trace``). Returns the path on the writing rank."""
         from overlap.trace.chrome import export
 
         self.resolve_device()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -141,6 +142,23 @@ def test_truncated_and_foreign_files_are_refused(tmp_path: Path) -> None:
     edited.write_text(json.dumps(doc))
     with pytest.raises(TraceFormatError, match="an event it cannot read \\(KeyError: 'ts'\\)"):
         load_spans(str(edited))
+
+
+def test_a_gz_path_is_written_gzipped_and_read_back(tmp_path: Path) -> None:
+    """As torch.profiler's export_chrome_trace: a ``.gz`` path gets gzip (before, plain JSON
+    under a .gz name), and ``overlap trace`` reads a gzipped trace by its magic bytes."""
+    plain, packed = tmp_path / "t.json", tmp_path / "t.json.gz"
+    tracer = make_trace()
+    tracer.export_chrome(str(plain))
+    tracer.export_chrome(str(packed))
+    raw = packed.read_bytes()
+    assert raw[:2] == b"\x1f\x8b" and len(raw) < plain.stat().st_size
+    assert json.loads(gzip.decompress(raw)) == json.loads(plain.read_text())
+    assert load_spans(str(packed)) == load_spans(str(plain))
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(TraceFormatError, match="is gzip but cannot be unpacked"):
+        load_spans(str(cut))
 
 
 def test_unwritable_path_errors_and_leaves_nothing(tmp_path: Path) -> None:
