@@ -33,6 +33,7 @@ from overlap.errors import (
     RankError,
 )
 from overlap.optim import DiLoCo, OneBitAdam
+from overlap.ownership import holder as holder_of
 from overlap.runtime import new_event_loop, run
 from overlap.scheduler import BucketScheduler
 from overlap.state_broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -73,6 +74,7 @@ __all__ = [
     "comm",
     "compression",
     "destroy_process_group",
+    "holder_of",
     "init_distributed",
     "new_event_loop",
     "run",

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["claim", "holder_of", "release"]
+__all__ = ["claim", "holder", "holder_of", "release"]
 
 # id(obj) -> (a weak reference to obj, its holders, the first claim first)
 _HELD: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
@@ -59,3 +59,22 @@ def release(objs: Iterable[Any], holder: Any) -> None:
         hs[:] = [h for h in hs if h is not holder]
         if not hs:
             del _HELD[id(obj)]
+
+
+def holder(obj: Any) -> Any | None:
+    """The BucketScheduler or DiLoCo that holds ``obj``, or None: public as
+    ``overlap.holder_of``.
+
+    ``obj`` is a model (``torch.nn.Module``: the holder of any of its parameters), a
+    parameter, a compressor, or a OneBitAdam (the scheduler that reduces it). Made for the
+    holder a caller lost without ``remove()``: one built in a function that raised, or in a
+    notebook cell that ran again. Its hooks keep it alive and its parameters claimed, so a
+    new scheduler over them is refused; ``overlap.holder_of(model).remove()`` frees them."""
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return next((h for p in obj.parameters() if (h := holder_of(p)) is not None), None)
+    found = holder_of(obj)
+    if found is None and isinstance(obj, torch.optim.Optimizer):
+        found = getattr(obj, "_sched", None)  # a OneBitAdam's scheduler
+    return found

@@ -289,7 +289,8 @@ class DiLoCo:
             if not isinstance(held, BucketScheduler):
                 raise ValueError(
                     f"this model's parameters are already synced by a {type(held).__name__}: "
-                    "remove() it first"
+                    "remove() it first (overlap.holder_of(model) returns it where you no "
+                    "longer hold it)"
                 )
             nested = _nested_error(held, group)
             # a worker of several ranks (hierarchical DiLoCo): finish() makes the buffers

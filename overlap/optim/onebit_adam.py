@@ -456,8 +456,8 @@ class OneBitAdam(torch.optim.Optimizer):
         if self._sched is not None:
             raise ValueError(
                 "this OneBitAdam is already reduced by another BucketScheduler; one optimizer "
-                "takes one scheduler: call remove() on the first one, or make a second "
-                "optimizer"
+                "takes one scheduler: call remove() on the first one (overlap.holder_of("
+                "optimizer) returns it), or make a second optimizer"
             )
         mine = {id(p) for p, _ in self._params()}
         theirs = {id(p) for p in sched.params}

@@ -272,7 +272,8 @@ class BucketScheduler:
             raise ValueError(
                 f"these parameters are already reduced by a {type(held).__name__} that was "
                 "not removed: call remove() on it before building a BucketScheduler (both "
-                f"would average every gradient){under}"
+                "would average every gradient; overlap.holder_of(model) returns it where you "
+                f"no longer hold it){under}"
             )
         if isinstance(compression, str):
             if compression != "auto":
@@ -287,7 +288,8 @@ class BucketScheduler:
             raise ValueError(
                 f"this {type(compression).__name__} is already used by a "
                 f"{type(held).__name__}: a compressor keeps per-bucket state (error feedback), "
-                "so give each its own (or remove() the other one first)"
+                "so give each its own (or remove() the other one first: "
+                "overlap.holder_of(compressor) returns it)"
             )
         self.device = self.params[0].device
         backend = comm.get_backend()

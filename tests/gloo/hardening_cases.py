@@ -234,6 +234,7 @@ def scheduler_lifecycle(cycles: int) -> dict[str, Any]:
     s1.remove()  # idempotent
     comp = OneBit()
     s2 = BucketScheduler(lin, compression=comp)
+    assert overlap.holder_of(comp) is s2
     other = nn.Linear(2, 2)
     try:
         BucketScheduler(other, compression=comp)
@@ -244,6 +245,35 @@ def scheduler_lifecycle(cycles: int) -> dict[str, Any]:
     s3 = BucketScheduler(other, compression=comp)  # free again after remove()
     step(s3, other)
     s3.remove()
+
+    # a scheduler lost without remove() (built in a function that raised): its hooks keep
+    # it and its claim alive, so before the fiftieth session nothing could free the model
+    def build_and_fail() -> None:
+        BucketScheduler(lin, compression=OneBit())
+        raise KeyError("the rest of the set-up")
+
+    try:
+        build_and_fail()
+    except KeyError:
+        pass
+    try:
+        BucketScheduler(lin)
+        out["lost"] = "no error"
+    except ValueError as e:
+        out["lost"] = str(e)
+    lost = overlap.holder_of(lin)
+    out["found"] = [type(lost).__name__, overlap.holder_of(lin.weight) is lost]
+    lost.remove()
+    s4 = BucketScheduler(lin)
+    out["freed"] = [overlap.holder_of(lin) is s4]
+    step(s4, lin)
+    s4.remove()
+    out["freed"].append(overlap.holder_of(lin) is None)
+    opt = overlap.OneBitAdam(lin.parameters())
+    s5 = BucketScheduler(lin, optimizer=opt)
+    out["freed"].append(overlap.holder_of(opt) is s5)
+    s5.remove()
+    out["freed"].append(overlap.holder_of(opt) is None and overlap.holder_of(comp) is None)
     step_model = nn.Linear(4, 3)
     s = BucketScheduler(step_model)  # warm everything up once
     step(s, step_model)

@@ -104,6 +104,9 @@ def test_scheduler_lifecycle_refusals_and_release(pools: Callable[[int], RankPoo
             "these parameters are already reduced by a BucketScheduler"
         ), out
         assert "call remove() on it" in out["second"]
+        assert "overlap.holder_of(model) returns it" in out["second"]
+        assert out["lost"].startswith("these parameters are already reduced by a Bucket"), out
+        assert out["found"] == ["BucketScheduler", True] and out["freed"] == [True] * 4, out
         assert out["shared_compressor"].startswith(
             "this OneBit is already used by a BucketScheduler"
         ), out
