@@ -37,7 +37,7 @@ from overlap.comm import debug as _debug
 from overlap.comm import driver, horovodrun, slurm, state
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
-from overlap.comm.launch_vars import launcher_ints
+from overlap.comm.launch_vars import launcher_ints, launcher_local_rank, master_port
 from overlap.comm.netif import advertised_address, set_socket_ifname
 from overlap.comm.seconds import positive_seconds
 from overlap.comm.torch_backend import TorchBackend
@@ -88,7 +88,7 @@ def mpi_discovery(
         addr = "127.0.0.1"
     else:  # several hosts: rank 0's address that the others reach (tests/hosts)
         addr = comm.bcast(advertised_address() if rank == 0 else None)
-    port = int(os.environ.get("MASTER_PORT", distributed_port))
+    port = master_port(os.environ, distributed_port, size)
     _export(rank, size, local_rank, local_size, node, addr, port)
     (log.info if verbose else log.debug)(
         "Discovered MPI settings of world_rank=%d, local_rank=%d, world_size=%d, "
@@ -134,7 +134,7 @@ def _adopted_placement(rank: int, world: int) -> tuple[int, int | None, int]:
     ``init_process_group`` from SLURM's variables, say), else (0, None, 0): one host. Before,
     such a job's every rank said local rank 0 on host 0 of one."""
     if "LOCAL_RANK" in os.environ:
-        return (int(os.environ["LOCAL_RANK"]), *_env_placement())
+        return (launcher_local_rank(os.environ), *_env_placement())
     for seen in (horovodrun.horovod_placement(), slurm.srun_placement()):
         if seen is not None and (seen.rank, seen.world) == (rank, world):
             return seen.local_rank, seen.local_world, seen.node
@@ -170,7 +170,7 @@ def _horovod_discovery(
             "rank 0's host (MASTER_ADDR=host0 horovodrun ...), or launch with torchrun or "
             "mpiexec (docs/cluster.md)"
         )
-    port = int(os.environ.get("MASTER_PORT", distributed_port))
+    port = master_port(os.environ, distributed_port, hvd.world)
     _export(hvd.rank, hvd.world, hvd.local_rank, hvd.local_world, hvd.node, hvd.master, port)
     (log.info if verbose else log.debug)(
         "init_distributed: started by horovodrun: rank %d of %d, local rank %d of %d, master %s:%d",
@@ -415,10 +415,11 @@ def init_distributed(
         _init_mpi(None if td is None else td.total_seconds(), rank, world_size)
         return
     env = os.environ
-    local_rank = int(env.get("LOCAL_RANK", 0))
-    if "RANK" in env and "WORLD_SIZE" in env:
+    local = launcher_local_rank(env)
+    said = launcher_ints(env, ("RANK", "WORLD_SIZE"), "torchrun or the environment")
+    if said is not None:
         given = (rank, world_size)
-        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        rank, world_size = said
         _check_given(given, (rank, world_size))
     elif rank >= 0 and world_size > 0:
         pass
@@ -428,13 +429,13 @@ def init_distributed(
             "or neither"
         )
     elif auto_mpi_discovery and in_mpi_env() and not _srun_instead_of_mpi():
-        rank, world_size, local_rank = mpi_discovery(distributed_port, verbose)
+        rank, world_size, local = mpi_discovery(distributed_port, verbose)
     elif (hvd := horovodrun.horovod_placement()) is not None and hvd.world > 1:
-        rank, world_size, local_rank = _horovod_discovery(hvd, distributed_port, verbose)
+        rank, world_size, local = _horovod_discovery(hvd, distributed_port, verbose)
     elif (srun := slurm.srun_placement()) is not None and srun.world > 1:
         # a step of one task (an interactive `srun --pty bash`) runs as below: a free local
         # port, not the step's derived one, which two such runs on a node would share
-        rank, world_size, local_rank = _srun_discovery(srun, distributed_port, verbose)
+        rank, world_size, local = _srun_discovery(srun, distributed_port, verbose)
     else:
         rank, world_size = 0, 1
         tasks = slurm.unlaunched_tasks()
@@ -450,6 +451,7 @@ def init_distributed(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     if init_method is None:
+        master_port(env, distributed_port, world_size)  # before anything waits on it
         if world_size == 1 and "MASTER_PORT" not in env:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         else:
@@ -464,7 +466,7 @@ def init_distributed(
             master = urlparse(init_method).hostname
         set_socket_ifname(master)
     if backend == "nccl":
-        torch.cuda.set_device(_cuda_device(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(_cuda_device(local, torch.cuda.device_count()))
     kwargs: dict[str, Any] = {
         "backend": backend,
         "init_method": init_method,
@@ -475,7 +477,7 @@ def init_distributed(
     if td is not None:
         kwargs["timeout"] = td
     dist.init_process_group(**kwargs)
-    state.set_active(TorchBackend(backend, td), local_rank, *_env_placement())
+    state.set_active(TorchBackend(backend, td), local, *_env_placement())
     info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
 
 

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
-from overlap.comm.launch_vars import launcher_ints
+from overlap.comm.launch_vars import launcher_ints, master_port
 
 __all__ = [
     "SrunPlacement",
@@ -163,7 +163,7 @@ def srun_port(env: Mapping[str, str] | None = None, given: int | None = None) ->
     torch's 29500."""
     env = os.environ if env is None else env
     if env.get("MASTER_PORT"):
-        return int(env["MASTER_PORT"])
+        return master_port(env, TORCH_DISTRIBUTED_DEFAULT_PORT, world=2)  # a step of several
     if given is not None:
         return given
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", "0")

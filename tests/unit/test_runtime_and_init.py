@@ -106,6 +106,44 @@ def test_arguments_that_contradict_the_launcher_are_refused(
     _check_given((-1, -1), (1, 2))  # nothing passed
 
 
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2"}, r"^RANK='x' is not an integer \(set by torchrun"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, r"^RANK=0 is outside WORLD_SIZE=0$"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "a"}, r"^LOCAL_RANK='a' is not an int"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"}, r"^LOCAL_RANK=-1 is negative"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "99999"}, r"^MASTER_PORT='99999' is not"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, r"^MASTER_PORT='0' is not a port"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29x"}, r"^MASTER_PORT='29x' is not"),
+    ],
+)
+def test_launcher_variables_that_are_wrong_are_named(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], said: str
+) -> None:
+    """Before: int()'s "invalid literal for int() with base 10: 'x'", "rank 0 is outside
+    world_size 0", torch's "port must have value from 0 to 65535" (none naming the variable),
+    and MASTER_PORT=0 on two ranks waited until the timeout. Refused before any rendezvous."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(ValueError, match=said):
+        overlap.init_distributed("gloo", timeout=5)
+    assert not comm.is_initialized()
+
+
+def test_master_port_zero_is_any_free_port_for_one_rank_only() -> None:
+    from overlap.comm.launch_vars import master_port
+
+    assert master_port({"MASTER_PORT": "0"}, 29500, world=1) == 0  # as torch takes it
+    assert master_port({}, 29500, world=4) == 29500
+    assert master_port({"MASTER_PORT": "65535"}, 29500, world=4) == 65535
+    with pytest.raises(ValueError, match="the same on every rank"):
+        master_port({"MASTER_PORT": "0"}, 29500, world=2)
+
+
 SINGLE_RANK = textwrap.dedent(
     """
     import asyncio, os, torch, overlap
