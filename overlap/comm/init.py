@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from overlap.comm import debug as _debug
 from overlap.comm import driver, horovodrun, slurm, state
+from overlap.comm import interruptible as _interruptible
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from overlap.comm.launch_vars import launcher_ints, launcher_local_rank, master_port
@@ -476,7 +477,12 @@ def init_distributed(
     td = _timeout(timeout)
     if td is not None:
         kwargs["timeout"] = td
-    dist.init_process_group(**kwargs)
+    if backend == "gloo":  # Ctrl-C raises while it waits for ranks that have not come
+        _interruptible.rendezvous(
+            lambda: dist.init_process_group(**kwargs), dist.destroy_process_group
+        )
+    else:  # NCCL: not moved to another thread without a GPU to prove it on
+        dist.init_process_group(**kwargs)
     state.set_active(TorchBackend(backend, td), local, *_env_placement())
     info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
 

@@ -27,6 +27,7 @@ from overlap.comm import debug as _debug
 from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
 from overlap.comm import inflight_writes as _inflight_writes
+from overlap.comm import interruptible as _interruptible
 from overlap.comm import ordered as _ordered
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
@@ -351,7 +352,7 @@ class TorchBackend:
             try:
                 work = issue()
                 if work is not None:
-                    work.wait()
+                    _interruptible.wait(work, future and self._cpu)  # Ctrl-C lands in it
             except (ValueError, TypeError):
                 raise
             except Exception as exc:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from overlap.comm import inflight as _inflight
+from overlap.comm import interruptible as _interruptible
 from overlap.comm import knobs as _knobs
 from overlap.comm import quiesce as _quiesce
 from overlap.comm import spin as _spin
@@ -69,27 +70,43 @@ def _on_stream(stream: Any) -> Any:
     return torch.cuda.stream(stream)
 
 
-def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: Any = None) -> None:
+def observe(
+    work: Any,
+    handle: Handle,
+    post: PostFn | None,
+    rank: int,
+    stream: Any = None,
+    sliced: bool = False,
+) -> None:
     """Wait for ``work`` (blocking; on NCCL: order it on ``stream``), post-process, complete
     ``handle``. Raises nothing but a KeyboardInterrupt or SystemExit that a signal raised
     here (a ``h.wait()`` on the main thread, Ctrl-C), which goes on to the caller: the
     handle completes if the Work says it has and there is no post-processing (the signal
     lands once ``Work.wait()`` has returned), else it fails with a CommError saying it was
     interrupted (the post-processing may have run in part). Before, the interrupt was
-    wrapped in a CommError with an empty message and the Ctrl-C was lost. The caller has
-    registered the observation for the exit hook (``_quiesce.begin``); this ends it."""
+    wrapped in a CommError with an empty message and the Ctrl-C was lost. ``sliced``: a
+    gloo collective, waited for in slices on the main thread so that the signal lands
+    while the op runs (overlap.comm.interruptible); where it lands before the op has
+    completed, the handle stays pending, untouched, for a later wait or await to observe
+    (the caller gives the Work back: :meth:`TorchOp.wait`). The caller has registered the
+    observation for the exit hook (``_quiesce.begin``); this ends it."""
     interrupted: BaseException | None = None
     try:
         err: BaseException | None = None
+        resumable = False
         try:
             if stream is None:  # gloo: no context to enter (a nullcontext cost 0.3 us a wait)
-                _wait_and_post(work, post)
+                _interruptible.wait(work, sliced)
+                if post is not None:
+                    post()
             else:
                 with _on_stream(stream):
                     _wait_and_post(work, post)
         except (KeyboardInterrupt, SystemExit) as exc:
             interrupted = exc
-            if post is None and _completed(work):
+            if sliced and not _ended(work):
+                resumable = True  # between two slices: the op runs on, untouched
+            elif post is None and _completed(work):
                 err = None  # the signal landed once wait() had returned: the op is done
             else:
                 err = CommError(
@@ -100,8 +117,9 @@ def observe(work: Any, handle: Handle, post: PostFn | None, rank: int, stream: A
                 err.__cause__ = exc
         except BaseException as exc:
             err = translate_error(exc, handle, rank)
-        _inflight.untrack(handle)
-        handle._finish(err)
+        if not resumable:
+            _inflight.untrack(handle)
+            handle._finish(err)
     finally:
         _quiesce.end(handle)
     if interrupted is not None:
@@ -112,6 +130,14 @@ def _wait_and_post(work: Any, post: PostFn | None) -> None:
     work.wait()
     if post is not None:
         post()
+
+
+def _ended(work: Any) -> bool:
+    """Whether ``work`` has ended, either way; True where it cannot say."""
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return True
 
 
 def _completed(work: Any) -> bool:
@@ -140,7 +166,7 @@ class TorchOp:
     An op of a job that was destroyed since it was issued fails with CommError.
     """
 
-    __slots__ = ("_claimed", "_taken", "future", "gen", "post", "rank", "stream", "work")
+    __slots__ = ("_claimed", "_taken", "future", "gen", "post", "rank", "sliced", "stream", "work")
 
     def __init__(
         self,
@@ -155,6 +181,8 @@ class TorchOp:
         self.rank = rank
         self.stream = stream  # NCCL: the CUDA stream current at issue, None otherwise
         self.future = future and post is None and stream is None
+        # a gloo collective (p2p has no future): a blocking wait in slices, for Ctrl-C
+        self.sliced = future and stream is None
         self.gen = _state.generation
         # Two atomic test-and-set flags: a lock is held once its flag is set
         self._claimed = threading.Lock()  # someone hands the Work off (can be given back)
@@ -228,7 +256,7 @@ class TorchOp:
         False if one does."""
         if not self._take():
             return False
-        observe(self.work, handle, self.post, self.rank, self.stream)
+        observe(self.work, handle, self.post, self.rank, self.stream, self.sliced)
         return True
 
     def wait(self, handle: Handle, timeout: float | None) -> bool:
@@ -239,7 +267,12 @@ class TorchOp:
             try:
                 _quiesce.begin(handle)
                 if self._taken.acquire(blocking=False):
-                    observe(self.work, handle, self.post, self.rank, self.stream)
+                    try:
+                        observe(self.work, handle, self.post, self.rank, self.stream, self.sliced)
+                    except BaseException:
+                        if handle._state is PENDING:  # interrupted while the op runs on:
+                            self._taken.release()  # the next wait or await observes it
+                        raise
                 else:  # a pool thread took it before an interrupt
                     handle._block_until_done(None)
             except BaseException:

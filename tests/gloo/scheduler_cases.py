@@ -1483,28 +1483,48 @@ def interrupted_wait() -> dict[str, Any]:
     """Ctrl-C on rank 0 in ``h.wait()`` of an all_reduce and of a receive (rank 1 is 2 s
     late): the KeyboardInterrupt reaches the caller, and a second ``h.wait()`` returns the
     op's result: the signal interrupts the wait, not the op (on gloo it lands once the
-    backend's wait has returned, and the handle completes then; on MPI with a job timeout
-    it lands in the polling, and the op goes on). Before, gloo's wait raised a CommError
-    with an empty message and the interrupt was lost."""
+    backend's wait has returned for a receive, and the handle completes then; for a gloo
+    collective while the op runs, since the fiftieth session; on MPI with a job timeout it
+    lands in the polling, and the op goes on). Before, gloo's wait raised a CommError with
+    an empty message and the interrupt was lost. On gloo, also a blocking all_reduce: the
+    interrupt lands while it runs (``blocking_s``, the seconds to it), and the op goes on
+    (its result after the next barrier). Before the fiftieth session a gloo collective's
+    interrupt landed only when the late peer came (``all_reduce_s`` about LATE_S)."""
     r = comm.get_rank()
     out: dict[str, Any] = {}
     t = torch.ones(2)
     buf = torch.zeros(3)
+    gloo = comm.get_backend() == "gloo"
     if r == 0:
         for name, h in (
             ("all_reduce", comm.all_reduce(t, async_op=True)),
             ("irecv", comm.irecv(buf, src=1, tag=4)),
         ):
             timer = _interrupt_in(0.3)
+            start = time.monotonic()
             try:
                 h.wait()
                 out[name] = "no interrupt"
             except KeyboardInterrupt:
                 out[name] = "KeyboardInterrupt"
+            out[f"{name}_s"] = time.monotonic() - start
             timer.cancel()
             value = h.wait().tolist()  # again: the op went on (or had completed)
             out[f"{name}_after"] = (str(h.exception()), value)
             comm.barrier()
+        if gloo:
+            blocking = torch.ones(2)
+            timer = _interrupt_in(0.3)
+            start = time.monotonic()
+            try:
+                comm.all_reduce(blocking)
+                out["blocking"] = "no interrupt"
+            except KeyboardInterrupt:
+                out["blocking"] = "KeyboardInterrupt"
+            out["blocking_s"] = time.monotonic() - start
+            timer.cancel()
+            comm.barrier()  # gloo's barrier waits for the group's earlier ops
+            out["blocking_after"] = blocking.tolist()
     else:
         time.sleep(LATE_S)
         comm.all_reduce(t)
@@ -1513,6 +1533,10 @@ def interrupted_wait() -> dict[str, Any]:
             time.sleep(LATE_S)
             comm.send(torch.full((3,), 7.0), dst=0, tag=4)
         comm.barrier()
+        if gloo:
+            time.sleep(LATE_S)
+            comm.all_reduce(torch.ones(2))
+            comm.barrier()
     out["world"] = comm.get_world_size()
     return out
 

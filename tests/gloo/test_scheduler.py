@@ -439,6 +439,11 @@ def test_casting_the_model_after_building_the_scheduler_is_refused(
 def test_ctrl_c_reaches_the_caller_and_stops_the_scheduler(short_pool: RankPool) -> None:
     out = short_pool.run(sc.interrupted_step, SHORT_TIMEOUT, timeout=90)
     check_interrupted_wait(out[0])
+    # a gloo collective's wait is interrupted while the late peer is still away; a
+    # receive's only once it has come (gloo cannot time a p2p wait out and go on)
+    assert out[0]["all_reduce_s"] < sc.LATE_S / 2 and out[0]["irecv_s"] > sc.LATE_S / 2, out
+    assert out[0]["blocking"] == "KeyboardInterrupt" and out[0]["blocking_s"] < sc.LATE_S / 2
+    assert out[0]["blocking_after"] == [2.0, 2.0], out
     assert out[0]["steps"] == ["ok", "KeyboardInterrupt", "OutOfStepError"], out
     assert out[1]["steps"] == ["ok", "ok", "CommError"], out
     assert out[0]["after"] == out[1]["after"] == 2.0, out

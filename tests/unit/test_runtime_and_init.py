@@ -144,6 +144,44 @@ def test_master_port_zero_is_any_free_port_for_one_rank_only() -> None:
         master_port({"MASTER_PORT": "0"}, 29500, world=2)
 
 
+LONELY_RANK = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time, overlap
+    from overlap import comm
+    os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        overlap.init_distributed("gloo", timeout=40)
+    except KeyboardInterrupt:
+        print(f"interrupted after {time.monotonic() - start:.1f} s", flush=True)
+    assert not comm.is_initialized()
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        os.environ.pop(k)
+    overlap.init_distributed("gloo")  # a single rank now, on a port of its own
+    assert comm.get_world_size() == 1
+    print("OK", flush=True)
+    """
+)
+
+
+def test_ctrl_c_in_the_rendezvous_raises_at_once() -> None:
+    """Rank 0 of 2 with no rank 1 waits in torch's rendezvous; Ctrl-C a second in. Before,
+    the KeyboardInterrupt came only when the rendezvous timed out (torch's TCPStore
+    swallows it, pytorch/pytorch#63802): 31 s with a 30 s timeout, 30 minutes by default."""
+    from overlap.testing import _free_port
+
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", LONELY_RANK, str(_free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = out.stdout.split()
+    assert said[0] == "interrupted" and float(said[2]) < 5 and said[-1] == "OK", out.stdout
+    assert time.monotonic() - start < 30, out.stdout
+
+
 SINGLE_RANK = textwrap.dedent(
     """
     import asyncio, os, torch, overlap
