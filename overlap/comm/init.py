@@ -499,7 +499,39 @@ def _finalize_mpi() -> None:
         MPI.Finalize()
 
 
+def _abort_if_failed() -> None:
+    """atexit, registered after :func:`_finalize_mpi` (so it runs first): when this rank
+    exits with an uncaught exception (a bug, Ctrl-C) in a job of several ranks, abort the
+    MPI job, as ``python -m mpi4py`` does, instead of finalising.
+
+    Why: with no job timeout (MPI's default), a rank that raised left its peers waiting in
+    their next collective for ever, and itself hung in MPI_Finalize, which waits for them:
+    measured, under ``mpiexec -n 2`` rank 1 raising a RuntimeError while rank 0 waited in an
+    all_reduce hung the job until it was killed (60 s here, for ever otherwise); Ctrl-C to
+    mpiexec reached only the rank that was running Python, with the same end. MPI_Abort
+    ends every rank of the job, and the launcher reports the failing one. An exception
+    left over in an interactive session is not taken for a failure, nor is ``sys.exit``
+    (not an uncaught exception)."""
+    import sys
+
+    failure = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if failure is None or sys.flags.interactive or hasattr(sys, "ps1"):
+        return
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return
+    log.error(
+        "rank %d exits with an uncaught %s: aborting the MPI job (MPI_Abort), so that its "
+        "peers stop instead of waiting for it for ever",
+        MPI.COMM_WORLD.Get_rank(),
+        type(failure).__name__,
+    )
+    MPI.COMM_WORLD.Abort(1)
+
+
 def _init_mpi(timeout: float | None = None, rank: int = -1, world_size: int = -1) -> None:
+    import atexit
     import sys
 
     try:
@@ -508,8 +540,6 @@ def _init_mpi(timeout: float | None = None, rank: int = -1, world_size: int = -1
         if "mpi4py.MPI" not in sys.modules:
             # overlap initialises MPI, so it also finalises it (see _finalize_mpi)
             mpi4py.rc.finalize = False
-            import atexit
-
             atexit.register(_finalize_mpi)
         from mpi4py import MPI
     except ImportError as exc:
@@ -520,6 +550,8 @@ def _init_mpi(timeout: float | None = None, rank: int = -1, world_size: int = -1
     from overlap.comm.mpi_backend import MpiBackend
 
     _check_mpi_usable(MPI, mpi4py.rc.thread_level)
+    atexit.unregister(_abort_if_failed)  # once, and after _finalize_mpi: it runs first
+    atexit.register(_abort_if_failed)
     comm = MPI.COMM_WORLD
     _check_mpi_world((comm.Get_rank(), comm.Get_size()), (rank, world_size))
     _, (local_rank, local_size, node) = _mpi_placement(MPI)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.gloo.test_bad_input import EXPECTED
-from tests.mpi.conftest import ROOT, clean_env, mpiexec, needs_mpiexec
+from tests.mpi.conftest import MPIEXEC, ROOT, clean_env, mpiexec, needs_mpiexec
 
 pytestmark = [pytest.mark.mpi, needs_mpiexec]
 
@@ -319,6 +321,29 @@ def test_an_error_on_one_rank_stops_every_rank_on_mpi() -> None:
         assert "TypeError" in kinds and set(kinds) <= {"TypeError", "CommError"}, results
         assert max(seconds for _, seconds in trial) < 2.5, results
     assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.parametrize("how", ["raise", "sigint"])
+def test_an_uncaught_exception_on_one_rank_ends_the_job(how: str) -> None:
+    """Regression: with no job timeout, a rank that exited with an uncaught exception (or
+    Ctrl-C) left its peer waiting in an all_reduce for ever, and itself hung in
+    MPI_Finalize: the job never ended. Now that rank aborts the job (as python -m mpi4py
+    does). The launcher runs in a session of its own, killed whole if it ever hangs."""
+    assert MPIEXEC is not None
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", sys.executable, "-m", "tests.mpi.uncaught", how],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(),
+        cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not end within 60 s:\n{out[-3000:]}")
+    assert proc.returncode != 0, out
+    assert "rank 1 exits with an uncaught" in out and "aborting the MPI job" in out, out
+    assert "rank 0 was not stopped" not in out, out
 
 
 def test_bench_ops_on_mpi_with_a_job_timeout() -> None:
