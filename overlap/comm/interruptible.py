@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = ["SLICE", "rendezvous", "wait"]
 # Long enough that a slow op pays a few hundred slice ends at most (each about 20 us: a
 # C++ exception turned into a Python one), short enough that Ctrl-C feels immediate.
 SLICE = datetime.timedelta(milliseconds=200)
+_SLICE_S = SLICE.total_seconds()
 _MAIN = threading.main_thread().ident
 
 
@@ -55,12 +57,15 @@ def wait(work: Any, sliced: bool) -> None:
         work.wait()
         return
     while True:
+        start = time.monotonic()
         try:
             work.wait(SLICE)
             return
         except RuntimeError:
-            if work.is_completed():
-                work.wait()  # it failed, or completed as the slice ran out: its outcome
+            if work.is_completed() or time.monotonic() - start < _SLICE_S / 2:
+                # it failed, or completed as the slice ran out; or this Work refused the
+                # timed wait at once (no slice ran out): the untimed wait, its outcome
+                work.wait()
                 return
 
 
@@ -94,7 +99,7 @@ def rendezvous(start: Callable[[], None], stop: Callable[[], None]) -> None:
     thread.start()
     try:
         while thread.is_alive():
-            thread.join(SLICE.total_seconds())
+            thread.join(_SLICE_S)
     except BaseException:
         with lock:
             abandoned = True
