@@ -175,12 +175,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "overlap ratio": "" if r["overlap"] is None else f"{r['overlap']:.2f}",
                 "bytes/rank/step": human_bytes(r["bytes"]),
                 # auto's measuring steps trained it further: its loss is not comparable
-                "final loss": ""
-                if r["loss"] is None or name == "overlap-auto"
+                "final loss": "-"
+                if name == "overlap-auto"
+                else ""
+                if r["loss"] is None
                 else f"{r['loss']:.3f}",
             }
         )
     _out(t.render())
+    if "overlap-auto" in rows:
+        _out("- overlap-auto's final loss is left out: its measuring steps trained it further.")
     costs = ", ".join(f"{n} {ms:.0f}" for n, ms in r0["auto"]["costs_ms"].items())
     _out(f"\nauto measured (median step ms, slowest rank): {costs}; chose {choice}.")
     _out(_verdict(rows, choice, label))

@@ -59,6 +59,8 @@ def test_demo_runs_two_ranks_and_writes_trace_and_timeline(tmp_path: Path) -> No
     for variant in ("ddp", "overlap-none", "overlap-fp16", "overlap-onebit"):
         assert variant in out.stdout
     assert "overlap ratio" in out.stdout and "ui.perfetto.dev" in out.stdout
+    # auto's loss is not comparable, and the table says why rather than leave a blank
+    assert "overlap-auto's final loss is left out" in out.stdout
     trace = json.loads((tmp_path / "overlap-trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert (tmp_path / "overlap-timeline.png").read_bytes()[:4] == b"\x89PNG"
