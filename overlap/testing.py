@@ -8,7 +8,8 @@ runs on an event loop, uvloop by default) and returns each rank's result, in ran
 If a rank raises, its exception is re-raised in the caller with the rank's traceback as
 ``__cause__``. If a rank dies or does not answer within ``timeout`` seconds, RankError says
 which ranks, and the pool is torn down (the next call starts fresh processes): a hang fails
-fast instead of stalling the suite.
+fast instead of stalling the suite. A rank that did not answer first writes every thread's
+stack to stderr (faulthandler, on SIGUSR1), so a hang shows where it was.
 
 ``fn`` and its arguments are pickled, so ``fn`` must be importable (defined at module level).
 A rank may start processes of its own (a DataLoader's workers). A pool left open is
@@ -106,8 +107,14 @@ def _worker(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    import faulthandler
+    import signal
+
     import torch
 
+    # a hung rank's stacks, every thread's, on stderr: the pool asks for them before it
+    # stops the ranks that did not answer in time (RankPool._collect)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     from overlap.comm import debug, destroy_process_group, init_distributed
 
@@ -278,6 +285,24 @@ class RankPool:
             getattr(fn, "__name__", repr(fn)), timeout or self.timeout, set(expect_dead)
         )
 
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Ask each of ``ranks`` for its threads' stacks (faulthandler, on SIGUSR1; written
+        to the rank's stderr, which is the caller's), and give them a moment to write, so
+        that a hang is seen where it is before the ranks are stopped."""
+        import signal
+
+        asked = False
+        for r in ranks:
+            proc = self._procs[r]
+            if proc.is_alive() and proc.pid is not None:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                    asked = True
+                except OSError:
+                    pass
+        if asked:
+            time.sleep(1.0)
+
     def _collect(self, what: str, timeout: float, may_die: set[int] | None = None) -> list[Any]:
         pending = dict(enumerate(self._conns))
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
@@ -287,10 +312,12 @@ class RankPool:
             left = deadline - time.monotonic()
             if left <= 0:
                 ranks = sorted(pending)
+                self._dump_stacks(ranks)
                 self._kill()
                 raise RankError(
                     f"{what}: ranks {ranks} did not finish within {timeout:.0f} s (a hang or a "
-                    "mismatched collective); the rank processes were stopped"
+                    "mismatched collective); the rank processes were stopped (their threads' "
+                    "stacks are on stderr, from faulthandler)"
                 )
             ready = wait([*pending.values(), *sentinels], timeout=left)
             for obj in ready:

@@ -91,6 +91,30 @@ def test_a_pool_left_open_does_not_hold_up_the_callers_exit(tmp_path: Path) -> N
     assert done.returncode == 0 and done.stdout.strip() == "[2, 2]", done
 
 
+def test_a_rank_that_hangs_shows_where(tmp_path: Path) -> None:
+    """A rank that does not answer in time has its threads' stacks written to stderr before
+    the pool stops it, so a hang seen once (in a CI run) shows where it was. Before, the
+    RankError named the rank and nothing more."""
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import time\n"
+        "from overlap import comm\n"
+        "from overlap.testing import RankPool\n"
+        "def stuck_here():\n"
+        "    if comm.get_rank() == 1:\n"
+        "        time.sleep(60)\n"
+        "if __name__ == '__main__':\n"
+        "    pool = RankPool(2, timeout=60).start()\n"
+        "    try:\n"
+        "        pool.run(stuck_here, timeout=3)\n"
+        "    except Exception as e:\n"
+        "        print(type(e).__name__, e, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert "RankError stuck_here: ranks [1] did not finish within 3 s" in done.stdout, done
+    assert "line 6 in stuck_here" in done.stderr and "(most recent call first)" in done.stderr, done
+
+
 def test_a_start_method_rank_pool_cannot_use_is_refused() -> None:
     for bad in ("fork", "threads"):
         with pytest.raises(ValueError, match=f"start_method='{bad}': RankPool starts ranks"):
