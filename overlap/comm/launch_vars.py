@@ -16,12 +16,7 @@ def launcher_ints(env: Mapping[str, str], names: Sequence[str], launcher: str) -
     world."""
     if not all(n in env for n in names):
         return None
-    out = []
-    for n in names:
-        try:
-            out.append(int(env[n]))
-        except ValueError:
-            raise ValueError(f"{n}={env[n]!r} is not an integer (set by {launcher})") from None
+    out = [_integer(env[n], n, launcher) for n in names]
     rank, world = out[0], out[1]
     if not 0 <= rank < world:
         raise ValueError(f"{names[0]}={rank} is outside {names[1]}={world}")
@@ -30,11 +25,7 @@ def launcher_ints(env: Mapping[str, str], names: Sequence[str], launcher: str) -
 
 def launcher_local_rank(env: Mapping[str, str]) -> int:
     """LOCAL_RANK as an integer (0 when unset); a ValueError naming it otherwise."""
-    raw = env.get("LOCAL_RANK", "0")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"LOCAL_RANK={raw!r} is not an integer (set by the launcher)") from None
+    value = _integer(env.get("LOCAL_RANK", "0"), "LOCAL_RANK", "the launcher")
     if value < 0:
         raise ValueError(f"LOCAL_RANK={value} is negative (set by the launcher)")
     return value
@@ -59,3 +50,12 @@ def master_port(env: Mapping[str, str], default: int, world: int) -> int:
             "on rank 0's host, the same on every rank (e.g. 29500)"
         )
     return port
+
+
+def _integer(raw: str, name: str, launcher: str) -> int:
+    """``raw``, the value of the variable ``name``, as an integer; a ValueError naming the
+    variable and ``launcher`` otherwise."""
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer (set by {launcher})") from None

@@ -96,12 +96,10 @@ def observe(
         resumable = False
         try:
             if stream is None:  # gloo: no context to enter (a nullcontext cost 0.3 us a wait)
-                _interruptible.wait(work, sliced)
-                if post is not None:
-                    post()
+                _wait_and_post(work, post, sliced)
             else:
                 with _on_stream(stream):
-                    _wait_and_post(work, post)
+                    _wait_and_post(work, post, sliced)
         except (KeyboardInterrupt, SystemExit) as exc:
             interrupted = exc
             if sliced and not _ended(work):
@@ -126,8 +124,8 @@ def observe(
         raise interrupted
 
 
-def _wait_and_post(work: Any, post: PostFn | None) -> None:
-    work.wait()
+def _wait_and_post(work: Any, post: PostFn | None, sliced: bool) -> None:
+    _interruptible.wait(work, sliced)
     if post is not None:
         post()
 

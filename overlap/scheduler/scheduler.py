@@ -380,8 +380,6 @@ class BucketScheduler:
         self._joined = False
         self._all_joined = False
         self._trained = 0
-        # the CommError a vote gave when only peers had stopped (see _stop_here)
-        self._peers_stopped: BaseException | None = None
         # An awaited end of step whose awaiter was cancelled goes on as a task, and the
         # next wait() takes it up: (the task, the step's number); see wait()
         self._finishing: tuple[asyncio.Task[None], int] | None = None
@@ -1016,8 +1014,7 @@ class BucketScheduler:
                     "failed there with an error of its own; its log says which), so this rank "
                     "stops too. Create new process groups and a new BucketScheduler to go on"
                 )
-            self._peers_stopped = peers
-            raise (yield from self._stop_here(peers))
+            raise (yield from self._stop_here(peers, from_vote=True))
         incomplete, woken, changers = (
             [comm.get_global_rank(self.ctrl, i) for i in range(w) if got[at + i]]
             for at in (n, n + w, n + 3 * w)
@@ -1225,9 +1222,12 @@ class BucketScheduler:
         self._launcher.stop_for(exc)
         self._origin_raised = True  # the interrupt itself is what this step raises
 
-    def _stop_here(self, exc: BaseException | None) -> Generator[list[Handle], None, BaseException]:
+    def _stop_here(
+        self, exc: BaseException | None, from_vote: bool = False
+    ) -> Generator[list[Handle], None, BaseException]:
         """This rank stopped issuing the buckets' collectives (streams.py, "Out of step"),
-        or ``exc`` (a failed collective) stops it now: return what to raise, now and at
+        or ``exc`` (a failed collective, or ``from_vote``: the CommError of peers that said
+        in the step's vote they stopped) stops it now: return what to raise, now and at
         every later step, where it is raised before anything is sent. The error that
         stopped it is raised once (``exc``, or the launcher's: a bug of this rank's own, or
         a CommError from a collective whose peer stopped); later steps raise the launcher's
@@ -1253,7 +1253,7 @@ class BucketScheduler:
             # a peer's stop learnt from the vote, while this rank's worker failed too: its own
             # error is the one to raise (ranks that all failed alike raise it alike)
             own = launcher.origin is not None and launcher.origin is not exc
-            if exc is not None and not (own and exc is self._peers_stopped):
+            if exc is not None and not (own and from_vote):
                 return exc
             if launcher.origin is not None:  # this rank's own error, which it also had
                 return launcher.origin
