@@ -284,16 +284,17 @@ def cmd_bench_ops(args: argparse.Namespace) -> int:
 
     if args.hosts:
         args.world_size = args.hosts * args.procs_per_host
-    if args.world_size < 2 and "sendrecv" in ops:
+    p2p = [o for o in ops if o in ("sendrecv", "isend-irecv")]
+    if args.world_size < 2 and p2p:
         # a rank cannot send to itself: gloo failed with "Pair is not connected", MPI exited 1
         if args.op:
             _err(
-                f"--op sendrecv needs a peer, and the job has {args.world_size} rank: pass "
-                "--world-size 2 or more, or leave out --op sendrecv"
+                f"--op {p2p[0]} needs a peer, and the job has {args.world_size} rank: pass "
+                f"--world-size 2 or more, or leave out --op {p2p[0]}"
             )
             return 2
-        ops = [o for o in ops if o != "sendrecv"]
-        _err("note: sendrecv left out: it needs a peer, and the job has 1 rank")
+        ops = [o for o in ops if o not in p2p]
+        _err(f"note: {' and '.join(p2p)} left out: they need a peer, and the job has 1 rank")
     short = ops_shortfall(ops, max(sizes), args.world_size)
     if short is not None:
         _err(f"overlap bench ops: {short}")

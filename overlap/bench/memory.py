@@ -57,7 +57,10 @@ DEMO_RANK_BYTES = {"small": 700_784 << 10, "medium": 1_583_952 << 10, "large": 3
 # 256MiB --iters 2 --warmup 1` (2 ranks): all_reduce 504,356 KiB, sendrecv 760,768 KiB,
 # all_gather 1,549,056 KiB, i.e. about 250 MiB + 1, 2 and 5 buffers.
 OPS_BASE_BYTES = 300 << 20
-OPS_BUFFERS = {"all_reduce": 1, "broadcast": 1, "sendrecv": 2, "reduce_scatter": 2, "all_to_all": 2}
+OPS_BUFFERS = {
+    "all_reduce": 1, "broadcast": 1, "sendrecv": 2, "isend-irecv": 2, "reduce_scatter": 2,
+    "all_to_all": 2,
+}  # fmt: skip
 
 
 def ops_rank_bytes(ops: list[str], largest: int, ranks: int) -> int:

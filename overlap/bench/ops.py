@@ -115,14 +115,10 @@ def _all_to_all(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     return ours, lambda: dist.all_to_all_single(out, inp)
 
 
-def _sendrecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
-    send, recv = torch.ones(n), torch.empty(n)
+def _exchange_reference(send: torch.Tensor, recv: torch.Tensor, r: int, w: int) -> Any:
+    """The backend's own pair: mpi4py's ``Irecv`` + ``Isend`` + ``Waitall``, or torch's
+    ``irecv`` + ``isend`` + a wait on each."""
     nxt, prv = (r + 1) % w, (r - 1) % w
-
-    def ours(a: bool) -> Any:
-        hs = [comm.irecv(recv, src=prv), comm.isend(send, dst=nxt)]
-        return hs if a else [h.wait() for h in hs]
-
     if _on_mpi():
         MPI = _mpi()
         c = MPI.COMM_WORLD
@@ -134,14 +130,39 @@ def _sendrecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
         def theirs_mpi() -> None:
             MPI.Request.Waitall([c.Irecv(rbuf, prv), c.Isend(sbuf, nxt)])
 
-        return ours, theirs_mpi
+        return theirs_mpi
 
     def theirs() -> None:
         ws: list[Any] = [dist.irecv(recv, src=prv), dist.isend(send, dst=nxt)]
         for x in ws:
             x.wait()
 
-    return ours, theirs
+    return theirs
+
+
+def _sendrecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    """``comm.sendrecv``: one call, one Handle (fifty-first session on; before, this row
+    was the pair of ``isend-irecv``)."""
+    send, recv = torch.ones(n), torch.empty(n)
+    nxt, prv = (r + 1) % w, (r - 1) % w
+
+    def ours(a: bool) -> Any:
+        return comm.sendrecv(send, nxt, recv, prv, async_op=a)
+
+    return ours, _exchange_reference(send, recv, r, w)
+
+
+def _isend_irecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
+    """The same exchange as ``irecv`` + ``isend``: two Handles, awaited with one
+    ``collect_all``."""
+    send, recv = torch.ones(n), torch.empty(n)
+    nxt, prv = (r + 1) % w, (r - 1) % w
+
+    def ours(a: bool) -> Any:
+        hs = [comm.irecv(recv, src=prv), comm.isend(send, dst=nxt)]
+        return hs if a else [h.wait() for h in hs]
+
+    return ours, _exchange_reference(send, recv, r, w)
 
 
 OPS: dict[str, Builder] = {
@@ -151,6 +172,7 @@ OPS: dict[str, Builder] = {
     "reduce_scatter": _reduce_scatter,
     "all_to_all": _all_to_all,
     "sendrecv": _sendrecv,
+    "isend-irecv": _isend_irecv,
 }
 
 

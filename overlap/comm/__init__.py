@@ -168,6 +168,7 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "sendrecv",
     "send_object_list",
     "set_backend",
     "timed_op",
@@ -1111,6 +1112,45 @@ def batch_isend_irecv(p2p_op_list: Sequence[Any]) -> list[Handle]:
             _claims.settle("batch_isend_irecv", w, r)
     handles: list[Handle] = state.active().batch_isend_irecv(p2p_op_list)
     return handles
+
+
+def sendrecv(
+    send_tensor: torch.Tensor,
+    dst: int,
+    recv_tensor: torch.Tensor,
+    src: int | None,
+    group: Any = None,
+    tag: int = 0,
+    async_op: bool = False,
+    prof: bool = False,
+    log_name: str = "sendrecv",
+    debug: str | None = None,
+) -> Any:
+    """Send ``send_tensor`` to rank ``dst`` and receive ``recv_tensor`` from rank ``src``
+    (any rank if None) in one call, as ``MPI_Sendrecv``: the receive is posted first, both
+    with ``tag``. Returns ``recv_tensor`` once both are over, or with ``async_op=True`` one
+    Handle that resolves to it (its ``source``: the sender's global rank).
+
+    A send whose memory overlaps the receive's is sent from a copy taken at the call, so
+    ``sendrecv(t, dst, t, src)`` exchanges ``t`` in place. Every argument is checked before
+    anything is posted. The same tensors exchanged with the same peers again cost about
+    what the backend's own pair costs (overlap.comm.exchange; docs/architecture.md)."""
+    if tag:
+        check_tag(tag)
+    if _claims.live:
+        _claims.settle("sendrecv", (recv_tensor,), (send_tensor,))
+    b = state._backend  # state.active() without its call (it raises when not initialised)
+    if b is None:
+        b = state.active()
+    if _LOG.enabled and _LOG.wants(prof, log_name):
+        return _LOG.timed(
+            "sendrecv",
+            log_name,
+            debug,
+            lambda a: b.sendrecv(send_tensor, dst, recv_tensor, src, group, tag, a),
+            async_op,
+        )
+    return b.sendrecv(send_tensor, dst, recv_tensor, src, group, tag, async_op)
 
 
 def _p2p_roles(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -87,9 +87,13 @@ class _Collected(Handle):
         if pending:
             return False
         if self._state is PENDING:
-            self._result = [h._result for h in self.handles]
+            self._result = self._results()
         self._finish(None)
         return True
+
+    def _results(self) -> Any:
+        """The result once every handle is done: their results, in order."""
+        return [h._result for h in self.handles]
 
     def _one_done(self, h: Handle) -> None:
         # Any thread (a backend's, a waiter's, the loop's): a few stores under a short lock.

@@ -20,6 +20,7 @@ Buffers:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from overlap.comm import debug as _debug
+from overlap.comm import exchange as _exchange
 from overlap.comm import hooks as _hooks
 from overlap.comm import inflight_writes as _inflight_writes
 from overlap.comm import ordered as _ordered
@@ -41,7 +43,7 @@ from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle
 from overlap.comm.knobs import switch
 from overlap.comm.members import members_error
-from overlap.comm.mpi_recv import MpiRecv
+from overlap.comm.mpi_recv import MpiPair, MpiRecv, short_message
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
 from overlap.comm.p2p import P2POp
 from overlap.comm.progress import MpiOp
@@ -161,6 +163,7 @@ class MpiBackend:
         # mpi4py 4 calls it MPI.buffer, 3.x MPI.memory: a buffer made from an address is
         # 4x cheaper than a NumPy view of the tensor (0.5 against 2.2 us, measured)
         self._fromaddress = (getattr(MPI, "buffer", None) or MPI.memory).fromaddress
+        self._byte = MPI.BYTE
         self._bufs: dict[tuple[int, int], Any] = {}  # (address, bytes) -> buffer (see _mem)
         # (address, bytes, dtype, op, group) -> (group, MPI_Iallreduce), ready to call (see
         # all_reduce)
@@ -175,6 +178,9 @@ class MpiBackend:
         # the two-tensor collectives', per op: (output ref, input ref, key, group, call)
         self._last_two: dict[str, tuple[Any, Any, tuple[Any, ...], MpiGroup, Callable[[], Any]]]
         self._last_two = {}
+        # sendrecv's last kept exchange: (send ref, recv ref, dst, src, group, tag, send
+        # address, recv address, send bytes, recv bytes, group, receive call, send call)
+        self._last_sr: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ process & groups
     def _g(self, group: Any) -> MpiGroup:
@@ -257,6 +263,7 @@ class MpiBackend:
                 extra.comm.Free()
         self._ready.clear()  # no ready call may outlive its communicator
         self._last = self._last_bcast = self._last_send = self._last_recv = None
+        self._last_sr = None
         self._last_two.clear()
         group.comm.Free()
 
@@ -1352,6 +1359,139 @@ class MpiBackend:
         frm = h.source
         assert frm is not None  # a receive that completed knows its sender
         return frm
+
+    def sendrecv(
+        self,
+        send: Any,
+        dst: Any,
+        recv: Any,
+        src: Any,
+        group: Any = None,
+        tag: int = 0,
+        async_op: bool = False,
+    ) -> Any:
+        """overlap.comm.sendrecv: the last exchange by its two tensor objects (weak
+        references), peers, group and tag objects, with the same addresses, byte counts and
+        contiguity, posts its two cached calls again and waits on both with one
+        ``Wait`` each (blocking, no job timeout: written out here), or returns one
+        :class:`MpiPair`. Anything else takes :meth:`_sendrecv`.
+
+        Why: an 8-byte exchange as ``irecv`` + ``isend`` + two waits cost 3.7x mpi4py's
+        ``Irecv`` + ``Isend`` + ``Waitall`` on 2 ranks, most of it two Handles made and
+        completed (docs/architecture.md, "The floor of a Python handle"). The receive's
+        Status is the memo's own, made once (a fresh one, in a list for ``Waitall``, cost
+        0.2-0.4 us a call): two threads that exchange the very same tensors at once race
+        on those tensors anyway."""
+        m = self._last_sr
+        if (
+            m is not None
+            and m[0]() is send
+            and m[1]() is recv
+            and dst is m[2]
+            and src is m[3]
+            and group is m[4]
+            and tag is m[5]
+            and send.data_ptr() == m[6]
+            and recv.data_ptr() == m[7]
+            and send.nbytes == m[8]
+            and recv.nbytes == m[9]
+            and send.is_contiguous()
+            and recv.is_contiguous()
+            and _hooks.observer is None
+            and not _debug._enabled
+        ):
+            if async_op or self.timeout is not None:
+                return self._post_pair(m[10], m[11], m[12], send, recv, tag, async_op)
+            st = m[13]
+            rreq = sreq = None
+            try:
+                rreq = m[11]()
+                sreq = m[12]()
+                rreq.Wait(st)
+                sreq.Wait()
+            except Exception as exc:
+                raise self._pair_failed(m[10], rreq, exc) from exc
+            except BaseException:  # Ctrl-C after a Wait returned: MPI may still use them
+                _progress._graveyard.extend(q for q in (rreq, sreq) if q)
+                raise
+            got = st.Get_count(self._byte)
+            if 0 <= got < m[9]:
+                frm = m[10].ranks[st.Get_source()]
+                raise short_message("sendrecv", self.global_rank, m[10].name, tag, got, recv, frm)
+            return recv
+        return self._sendrecv(send, dst, recv, src, group, tag, async_op)
+
+    def _sendrecv(
+        self, send: Any, dst: Any, recv: Any, src: Any, group: Any, tag: int, async_op: bool
+    ) -> Any:
+        """sendrecv's full path: every check before anything is posted; a plain exchange
+        of CPU tensors (given peers, memory apart, no tracer or debug mode) is kept for
+        :meth:`sendrecv` and posted as it will be again; anything else is the backend's own
+        irecv and isend (overlap.comm.exchange.composed)."""
+        s = self._t(send, "send_tensor")
+        r = self._t(recv, "recv_tensor")
+        g = self._g(group)
+        dest = self._peer(dst, "dst", g)
+        source = None if src is None else self._peer(src, "src", g)
+        if tag > self.tag_ub:
+            raise self._tag_refused(tag)
+        s = apart(s, r)  # an in-place exchange sends a copy
+        if (
+            s is send
+            and r is recv
+            and source is not None
+            and type(dst) is int
+            and type(src) is int
+            and type(tag) is int
+            and _hooks.observer is None
+            and not _debug._enabled
+        ):
+            rstart = partial(g.comm.Irecv, self._buf(r), source, tag)
+            sstart = partial(g.comm.Isend, self._buf(s), dest, tag)
+            self._last_sr = (
+                _weak(s), _weak(r), dst, src, group, tag, s.data_ptr(), r.data_ptr(),
+                s.nbytes, r.nbytes, g, rstart, sstart, self.MPI.Status(),
+            )  # fmt: skip
+            return self._post_pair(g, rstart, sstart, s, r, tag, async_op)
+        return _exchange.composed(self, s, dst, r, src, group, tag, async_op)
+
+    def _pair_failed(self, g: MpiGroup, rreq: Any, exc: Exception) -> CommError:
+        """The CommError of an exchange MPI refused; its receive, if posted and still
+        pending, is cancelled first: left posted, it would take a later message."""
+        if rreq:
+            with contextlib.suppress(Exception):
+                rreq.Cancel()
+                rreq.Wait()
+        return self._error("sendrecv", g, exc)
+
+    def _post_pair(
+        self,
+        g: MpiGroup,
+        rstart: Callable[[], Any],
+        sstart: Callable[[], Any],
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        tag: int,
+        async_op: bool,
+    ) -> Any:
+        """Post a kept exchange, the receive first, as one :class:`MpiPair` (also the
+        blocking form under a job timeout, which the MpiPair enforces, and the first call of
+        a blocking exchange)."""
+        rreq = None
+        try:
+            rreq = rstart()
+            sreq = sstart()
+        except Exception as exc:
+            raise self._pair_failed(g, rreq, exc) from exc
+        op = MpiPair(
+            "sendrecv", recv, recv.nbytes, g.name, (send, recv), len(g.ranks), self.MPI, rreq,
+            None, self.global_rank, self.timeout,
+        )  # fmt: skip
+        op.ranks, op.tag, op.sreq, op.rstatus = g.ranks, tag, sreq, None
+        if async_op:
+            return op
+        op.wait()
+        return recv
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> list[Handle]:
         if not p2p_op_list:

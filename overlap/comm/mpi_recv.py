@@ -11,13 +11,15 @@ Debug mode's framed receives (overlap.comm.p2p_debug) keep a ``post`` of their o
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
+from overlap.comm.handle import PENDING
 from overlap.comm.p2p import describe
-from overlap.comm.progress import MpiOp
+from overlap.comm.progress import MpiOp, _graveyard
 from overlap.errors import CommError, MessageMismatchError
 
-__all__ = ["MpiRecv"]
+__all__ = ["MpiPair", "MpiRecv", "short_message"]
 
 
 class MpiRecv(MpiOp):
@@ -54,16 +56,78 @@ class MpiRecv(MpiOp):
         self._source = frm
         got = status.Get_count(self.MPI.BYTE)
         if 0 <= got < self.nbytes:  # (MPI_UNDEFINED, negative, past 2**31 - 1 bytes: unchecked)
-            me = self.rank
             self._fail(
-                MessageMismatchError(
-                    f"irecv on rank {me} (group {self.group}, tag {self.tag}) received {got} "
-                    f"bytes from rank {frm} into a {self.nbytes}-byte tensor "
-                    f"({describe(self._result)}): the sender's tensor is smaller. Send and "
-                    f"receive tensors of the same size; MPI wrote the first {got} bytes and "
-                    "left the rest as it was",
-                    ranks=[frm, me],
-                )
+                short_message(self.op, self.rank, self.group, self.tag, got, self._result, frm)
             )
             return
         MpiOp._complete(self, status)
+
+
+def short_message(
+    op: str, me: int, group: str, tag: int, got: int, t: Any, frm: int
+) -> MessageMismatchError:
+    """The error of a receive into ``t`` that got ``got`` bytes, fewer than ``t`` holds."""
+    return MessageMismatchError(
+        f"{op} on rank {me} (group {group}, tag {tag}) received {got} bytes from rank {frm} "
+        f"into a {t.nbytes}-byte tensor ({describe(t)}): the sender's tensor is smaller. "
+        f"Send and receive tensors of the same size; MPI wrote the first {got} bytes and left "
+        "the rest as it was",
+        ranks=[frm, me],
+    )
+
+
+class MpiPair(MpiRecv):
+    """A sendrecv's two requests behind one Handle: the receive's (``req`` at first), then
+    the send's (``sreq``). The op is over when both are.
+
+    The progress engine, ``spin`` and MPI's Wait handle one request per op, so the pair
+    completes in two stages through them: when the receive's request completes, its
+    Status is kept (``rstatus``) and the send's request becomes ``req``; if that one is
+    over already (a small message leaves at its post), the op finishes at once, else it
+    stays pending and whoever tests or waits on it next tests or waits on the send. The
+    receive's checks (its sender, a short message) are made at the end, so a failed pair
+    still owns both tensors until MPI is done with both. ``_open`` counts the pair once.
+
+    Every stage reads its place from the requests themselves (``req is sreq``, a request
+    MPI has freed is false), so a signal raised between two lines here leaves a state the
+    next test or wait carries on from."""
+
+    __slots__ = ("rstatus", "sreq")
+
+    # Set by the backend right after construction (MpiOp's own __init__, no frame more),
+    # with ranks and tag: the send's request, and None.
+    sreq: Any
+    rstatus: Any
+
+    def _complete(self, status: Any) -> None:
+        sreq = self.sreq
+        if self.req is not sreq:  # the receive is over: keep its Status, go on to the send
+            self.rstatus = status
+            self.req = sreq
+        if sreq:  # not yet freed by MPI: the send may still be in flight
+            try:
+                if not sreq.Test():
+                    return  # pending: the next test or wait is on the send
+            except Exception as exc:
+                self._fail(exc)
+                return
+        MpiRecv._complete(self, self.rstatus)
+
+    def spin(self, seconds: float) -> bool:
+        """:meth:`MpiOp.spin` over both stages, in one window."""
+        clock = time.perf_counter
+        end = clock() + seconds
+        while MpiOp.spin(self, max(end - clock(), 0.0)):
+            if self._state is not PENDING:
+                return True
+            # the receive completed in that spin and the send is pending: spin on it
+        return False
+
+    def _wait_forever(self) -> None:
+        while self._state is PENDING:
+            MpiOp._wait_forever(self)
+
+    def expire(self) -> None:
+        if self.req is not self.sreq:
+            _graveyard.append(self.sreq)  # MPI may still read the send's buffer too
+        MpiOp.expire(self)

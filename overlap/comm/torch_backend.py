@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from overlap.comm import complex_product as _complex
 from overlap.comm import debug as _debug
+from overlap.comm import exchange as _exchange
 from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
 from overlap.comm import inflight_writes as _inflight_writes
@@ -203,6 +204,8 @@ class TorchBackend:
         # again with no check repeated but those that can change: see _last_p2p
         self._last_send: _P2PMemo | None = None
         self._last_recv: _P2PMemo | None = None
+        # sendrecv's last kept exchange (see sendrecv)
+        self._last_sr: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ process & groups
     def get_rank(self, group: Any = None) -> int:
@@ -243,7 +246,7 @@ class TorchBackend:
 
     def destroy(self) -> None:
         clear_cache()
-        self._last_send = self._last_recv = None
+        self._last_send = self._last_recv = self._last_sr = None
 
     def destroy_group(self, group: Any) -> None:
         """Free one group from new_group (torch's destroy_process_group(group))."""
@@ -256,7 +259,7 @@ class TorchBackend:
             )
         from overlap.comm import debug, driver
 
-        self._last_send = self._last_recv = None  # no memo may outlive its group
+        self._last_send = self._last_recv = self._last_sr = None  # no memo outlives its group
         if not is_live(group):
             # made in a job that destroy_process_group() has ended, which freed it then
             # (a scheduler made before it, removed after a new init_distributed())
@@ -1033,6 +1036,110 @@ class TorchBackend:
         if src is not None:
             return src
         return int(info.ranks[work._source_rank()]) if hasattr(work, "_source_rank") else -1
+
+    def sendrecv(
+        self,
+        send: Any,
+        dst: Any,
+        recv: Any,
+        src: Any,
+        group: Any = None,
+        tag: int = 0,
+        async_op: bool = False,
+    ) -> Any:
+        """overlap.comm.sendrecv: the last exchange by its two tensor objects (weak
+        references), peers and group objects, with the same dtypes, addresses, byte counts
+        and contiguity, posts both to the process group again (``pg.recv``, ``pg.send``)
+        and waits on both here, or returns one Handle whose engine waits both on one
+        waiter thread (overlap.comm.exchange.PairWork). Anything else takes
+        :meth:`_sendrecv`."""
+        m = self._last_sr
+        if (
+            m is not None
+            and m[0]() is send
+            and m[1]() is recv
+            and dst is m[2]
+            and src is m[3]
+            and group is m[4]
+            and send.dtype is m[5]
+            and recv.dtype is m[6]
+            and send.data_ptr() == m[7]
+            and recv.data_ptr() == m[8]
+            and send.nbytes == m[9]
+            and recv.nbytes == m[10]
+            and send.is_contiguous()
+            and recv.is_contiguous()
+            and _hooks.observer is None
+            and not _debug._enabled
+        ):
+            return self._post_pair(m[11], m[12], m[13], m[14], send, recv, tag, async_op)
+        return self._sendrecv(send, dst, recv, src, group, tag, async_op)
+
+    def _sendrecv(
+        self, send: Any, dst: Any, recv: Any, src: Any, group: Any, tag: int, async_op: bool
+    ) -> Any:
+        """sendrecv's full path: every check before anything is posted; a plain gloo
+        exchange (given peers, memory apart, dtypes gloo moves as they are, no tracer or
+        debug mode) is kept for :meth:`sendrecv`; anything else is this backend's own irecv
+        and isend (overlap.comm.exchange.composed)."""
+        s = self._t(send, "send_tensor", moves=True)
+        r = self._t(recv, "recv_tensor", moves=True)
+        info = resolve_group(group)
+        pd = self._p2p_check(dst, "dst", info)
+        ps = None if src is None else self._p2p_check(src, "src", info)
+        s = apart(s, r)  # an in-place exchange sends a copy
+        if (
+            self._cpu
+            and s is send
+            and r is recv
+            and ps is not None
+            and type(dst) is int
+            and type(src) is int
+            and s.nbytes
+            and r.nbytes
+            and not (s.is_complex() or r.is_complex())
+            and s.dtype not in self._bad_dtypes
+            and r.dtype not in self._bad_dtypes
+            and _hooks.observer is None
+            and not _debug._enabled
+        ):
+            gsrc = int(info.ranks[ps])
+            self._last_sr = (
+                _weak(s), _weak(r), dst, src, group, s.dtype, r.dtype, s.data_ptr(),
+                r.data_ptr(), s.nbytes, r.nbytes, info, pd, ps, gsrc,
+            )  # fmt: skip
+            return self._post_pair(info, pd, ps, gsrc, s, r, tag, async_op)
+        return _exchange.composed(self, s, dst, r, src, group, tag, async_op)
+
+    def _post_pair(
+        self,
+        info: GroupInfo,
+        pd: int,
+        ps: int,
+        gsrc: int,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        tag: int,
+        async_op: bool,
+    ) -> Any:
+        """Post a kept exchange (group ranks ``pd``, ``ps``): the receive, then the send."""
+        pg = info.pg
+        try:
+            rw = pg.recv([recv], ps, tag)
+            sw = pg.send([send], pd, tag)
+            if not async_op:
+                rw.wait()
+                sw.wait()
+                return recv
+        except Exception as exc:
+            raise issue_failed("sendrecv", info.global_rank, info.name, self.name, exc) from exc
+        h = Handle(
+            "sendrecv", recv, recv.nbytes, info.name, self.name, (send, recv), EVENT_ENGINE,
+            info.size,
+        )  # fmt: skip
+        h._engine = TorchOp(_exchange.PairWork(rw, sw), None, info.global_rank)
+        h._source = gsrc
+        return h
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[Any]) -> list[Handle]:
         if not p2p_op_list:

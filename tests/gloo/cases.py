@@ -581,6 +581,87 @@ def case_batch_isend_irecv(mode: str) -> None:
     _allclose(buf, torch.full((2,), float(prv)))
 
 
+def case_sendrecv(mode: str) -> None:
+    """comm.sendrecv round a ring: the received values and sender, round after round on the
+    same tensors (the kept exchange from the second), and the same objects changed in place
+    since (another storage, another size: the kept addresses and sizes must not be used), an
+    in-place exchange (the send is a copy), a receive from any rank, and with a tracer
+    attached (the composed form: the tracer sees the receive and the send)."""
+    r, w = rw()
+    if w == 1:
+        return
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    send, recv = torch.zeros(4), torch.zeros(4)
+    holder: list[Any] = []
+
+    def exchange(s: torch.Tensor, d: torch.Tensor, src: Any = prv, tag: int = 0) -> Any:
+        def issue(a: bool) -> Any:
+            out = comm.sendrecv(s, nxt, d, src, tag=tag, async_op=a)
+            if a:
+                holder[:] = [out]
+            return out
+
+        got = go(issue, mode)
+        assert got is d, "sendrecv resolves to the receive tensor"
+        if mode != "blocking":
+            assert holder[0].source == prv, holder[0].source
+        return got
+
+    # Refused calls post nothing: a send posted before the refusal would land in the
+    # peer's next receive (999 where 0 + prv belongs).
+    bad = torch.full((4,), 999.0)
+    for kwargs, err in (
+        ({"src": r}, ValueError),  # from itself
+        ({"src": w}, ValueError),  # not a rank
+        ({"recv_tensor": [recv]}, TypeError),
+        ({"tag": -1}, ValueError),
+    ):
+        call = {"send_tensor": bad, "dst": nxt, "recv_tensor": recv, "src": prv, **kwargs}
+        try:
+            comm.sendrecv(**call)
+        except err:
+            pass
+        else:
+            raise AssertionError(f"sendrecv{kwargs} was not refused")
+    for i in range(3):
+        send.fill_(float(10 * i + r))
+        exchange(send, recv)
+        _allclose(recv, torch.full((4,), float(10 * i + prv)))
+    recv.set_(torch.zeros(4))  # another storage under the same object
+    send.fill_(float(50 + r))
+    exchange(send, recv)
+    _allclose(recv, torch.full((4,), float(50 + prv)))
+    old = send.view_as(send)  # keeps the old storage (50 + r) alive: a stale send shows
+    send.set_(torch.full((4,), float(55 + r)))
+    exchange(send, recv)
+    _allclose(recv, torch.full((4,), float(55 + prv)))
+    del old
+    send.resize_(6).fill_(float(60 + r))  # another size (and address) on the same objects
+    recv.resize_(6)
+    exchange(send, recv)
+    _allclose(recv, torch.full((6,), float(60 + prv)))
+    t = torch.full((3,), float(r))
+    exchange(t, t)  # in place: a copy of t is sent
+    _allclose(t, torch.full((3,), float(prv)))
+    anyone = torch.zeros(2)
+    exchange(torch.full((2,), float(r)), anyone, None, 7)
+    _allclose(anyone, torch.full((2,), float(prv)))
+    with overlap.Tracer() as tracer:
+        send.fill_(float(70 + r))
+        exchange(send, recv)
+    _allclose(recv, torch.full((6,), float(70 + prv)))
+    names = sorted({span[0] for span in tracer.spans})
+    assert "irecv" in names and "isend" in names, names
+    if w >= 3:  # a sub-group of ranks 0 and 1 (global ranks), twice: kept, then destroyed
+        g = comm.new_group([0, 1])
+        for i in range(2):
+            if r < 2:
+                mine, theirs = torch.full((2,), float(80 + i + r)), torch.zeros(2)
+                assert comm.sendrecv(mine, 1 - r, theirs, 1 - r, group=g) is theirs
+                _allclose(theirs, torch.full((2,), float(80 + i + 1 - r)))
+        comm.destroy_process_group(g)
+
+
 def case_irecv_source(mode: str) -> None:
     """Handle.source names the rank whose message landed: from any rank (``src=None``,
     torch's ``Work._source_rank()``, MPI's status) and from the one asked for, in a batch

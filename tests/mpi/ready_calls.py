@@ -234,6 +234,101 @@ def check_p2p() -> None:
     assert cc.p2p_last_call() == "ok"
 
 
+def check_sendrecv() -> None:
+    """comm.sendrecv's kept exchange: the values and sender of its first call; a short
+    message refused with its sizes on the kept path (blocking, waited and awaited); a pair
+    whose receive has landed while its send is still in flight stays pending until the send
+    is over (the MpiPair's second stage); and a destroyed job's memo is not used."""
+    import asyncio
+    import time
+
+    r = comm.get_rank()
+    peer = 1 - r
+    backend = state.active()
+    send, recv = torch.zeros(4), torch.zeros(4)
+    for i in range(3):
+        send.fill_(float(10 * i + r))
+        assert comm.sendrecv(send, peer, recv, peer) is recv
+        assert recv.tolist() == [float(10 * i + peer)] * 4, (i, recv)
+    memo = backend._last_sr
+    assert memo is not None and memo[0]() is send and memo[1]() is recv, memo
+
+    # A short message into the kept receive: rank 1 sends 2 floats where rank 0's kept
+    # exchange receives 4.
+    four, two = torch.ones(4), torch.ones(2)
+    got = torch.zeros(4)
+    comm.sendrecv(four, peer, got, peer)  # kept on both ranks
+    raised: list[str] = []
+    for how in ("blocking", "wait", "await"):
+        got.zero_()
+        mine = four if r == 0 else two
+        try:
+            if how == "blocking":
+                comm.sendrecv(mine, peer, got, peer)
+            elif how == "wait":
+                comm.sendrecv(mine, peer, got, peer, async_op=True).wait()
+            else:
+
+                async def aw(mine: torch.Tensor = mine) -> None:
+                    await comm.sendrecv(mine, peer, got, peer, async_op=True)
+
+                overlap.run(aw())
+            raised.append("no error")
+        except Exception as exc:
+            raised.append(f"{type(exc).__name__}: {exc}")
+    if r == 0:
+        for how, msg in zip(("blocking", "wait", "await"), raised, strict=True):
+            assert msg.startswith("MessageMismatchError") and "received 8 bytes" in msg, (how, msg)
+            assert "16-byte tensor" in msg, msg
+    else:
+        assert raised == ["no error"] * 3, raised
+    comm.barrier()
+
+    # The receive lands at once (tested by h.done()); the 4 MiB send waits for rank 1's
+    # receive, posted 0.4 s later (above MPICH's eager limit, a send completes only when it
+    # is received).
+    large, small = torch.full((1 << 20,), 7.0), torch.zeros(2)
+    if r == 0:
+        h = comm.sendrecv(large, peer, small, peer, async_op=True)
+        end = time.monotonic() + 0.2
+        while time.monotonic() < end:  # MPI moves messages only inside MPI calls
+            pending = not h.done()
+            time.sleep(0.005)
+        landed = small.tolist()
+        t0 = time.monotonic()
+        assert h.wait() is small and h.source == peer
+        waited = time.monotonic() - t0
+        assert landed == [5.0, 5.0], landed
+        assert pending and waited > 0.1, (pending, waited)
+        comm.barrier()
+    else:
+        comm.send(torch.full((2,), 5.0), dst=peer)
+        time.sleep(0.4)
+        into = torch.zeros(1 << 20)
+        comm.recv(into, src=peer)
+        assert bool((into == 7.0).all())
+        comm.barrier()
+
+    # The same, awaited: the loop's engine completes both stages.
+    async def staged() -> tuple[bool, float]:
+        h = comm.sendrecv(large, peer, small, peer, async_op=True)
+        await asyncio.sleep(0.2)
+        pending = not h.done()
+        t0 = time.monotonic()
+        await h
+        return pending, time.monotonic() - t0
+
+    if r == 0:
+        small.zero_()
+        pending, waited = overlap.run(staged())
+        assert pending and waited > 0.1 and small.tolist() == [5.0, 5.0], (pending, waited)
+    else:
+        comm.send(torch.full((2,), 5.0), dst=peer)
+        time.sleep(0.4)
+        comm.recv(torch.zeros(1 << 20), src=peer)
+    comm.barrier()
+
+
 def check_broadcast() -> None:
     """broadcast seen before takes its ready call: the root's values, from the root the call
     names (not the one cached), and nothing changed since gets through."""
@@ -479,6 +574,7 @@ def main() -> None:
     try:
         check()
         check_p2p()
+        check_sendrecv()
         check_broadcast()
         check_done_at_post()
         check_tensor_collectives()

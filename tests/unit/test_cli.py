@@ -106,15 +106,17 @@ def test_bench_ops_rejects_unknown_op() -> None:
     assert out.returncode == 2 and "choose from" in out.stderr and not out.stdout
 
 
-def test_bench_ops_on_one_rank_refuses_or_leaves_out_sendrecv() -> None:
+def test_bench_ops_on_one_rank_refuses_or_leaves_out_the_exchanges() -> None:
     # a rank cannot send to itself: gloo failed with "Pair is not connected", MPI exited 1
     out = run("bench", "ops", "--world-size", "1", "--op", "sendrecv", "--sizes", "4")
     assert out.returncode == 2 and "--op sendrecv needs a peer" in out.stderr, out.stderr
     out = run("bench", "ops", "--world-size", "1", "--sizes", "4", "--iters", "2", "--json")
     assert out.returncode == 0, out.stderr
-    assert "sendrecv left out" in out.stderr
+    assert "sendrecv and isend-irecv left out" in out.stderr, out.stderr
     ops = {r["op"] for r in json.loads(out.stdout)}
-    assert "sendrecv" not in ops and "all_reduce" in ops, ops
+    assert not {"sendrecv", "isend-irecv"} & ops and "all_reduce" in ops, ops
+    out = run("bench", "ops", "--world-size", "1", "--op", "isend-irecv", "--sizes", "4")
+    assert out.returncode == 2 and "--op isend-irecv needs a peer" in out.stderr, out.stderr
 
 
 def test_readme_quick_start_runs_alone_and_on_two_ranks(tmp_path: Path) -> None:
