@@ -27,6 +27,8 @@ def main(where: str) -> None:
     )
     t = torch.ones(1 << 16)
     comm.all_reduce(t)  # seen before: the op below takes its ready call, under the timeout
+    u = torch.zeros(1 << 16)
+    comm.sendrecv(t, 1 - r, u, 1 - r)  # kept: the exchange below is posted straight to MPI
     comm.barrier()
     if r == 1:
         time.sleep(0.2)
@@ -37,6 +39,8 @@ def main(where: str) -> None:
             overlap.run(_await_all_reduce(t))
         elif where == "blocking":
             comm.all_reduce(t)
+        elif where == "sendrecv":
+            comm.sendrecv(t, 1, u, 1)
         elif where == "compressed":
             from overlap.compression import compressed_allreduce, padded_numel
 

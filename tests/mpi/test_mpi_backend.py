@@ -253,11 +253,12 @@ def test_peer_exiting_mid_operation_is_never_a_silent_hang(tmp_path: Path) -> No
     assert took < 60
 
 
-@pytest.mark.parametrize("where", ["collective", "blocking", "compressed", "bucket"])
+@pytest.mark.parametrize("where", ["collective", "blocking", "compressed", "bucket", "sendrecv"])
 def test_peer_death_gives_comm_error_within_the_job_timeout(where: str) -> None:
     """With Hydra's auto-cleanup off the survivor stays up: it must raise CommError within
     the configured timeout + 5 s, then exit by itself (no MPI_Finalize hang). The
-    collective is an all_reduce seen before (its ready call: awaited, and blocking)."""
+    collective is an all_reduce seen before (its ready call: awaited, and blocking); the
+    sendrecv an exchange seen before (its two stages under the job timeout)."""
     from tests.mpi.conftest import MPIEXEC
 
     assert MPIEXEC is not None
