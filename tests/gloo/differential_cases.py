@@ -171,6 +171,7 @@ def run(seed: int, nops: int) -> list[str]:
                 "scatter",
                 "ring",
                 "batch",
+                "sendrecv",
                 "objects",
                 "coalesced",
                 "coalesced_mixed",
@@ -315,15 +316,22 @@ def run(seed: int, nops: int) -> list[str]:
                 await finish(h, mode)
                 if not same(out, sl[me]):
                     bad.append(f"{desc}: got {out} want {sl[me]}")
-            elif opname in ("ring", "batch"):
+            elif opname in ("ring", "batch", "sendrecv"):
                 if gw < 2:
                     return
                 tag = rng.choice([0, 0, 3, 77])
-                anysrc = opname == "ring" and rng.random() < 0.3 and gw == 2
+                anysrc = opname != "batch" and rng.random() < 0.3 and gw == 2
                 nxt, prv = ranks[(me + 1) % gw], ranks[(me - 1) % gw]
                 s = pool.get(shape, dt, inputs[me])
-                rv = pool.get(shape, dt)
-                if opname == "ring":
+                # sendrecv in place (the send a copy) a quarter of the time
+                rv = s if opname == "sendrecv" and rng.random() < 0.25 else pool.get(shape, dt)
+                if opname == "sendrecv":
+                    src = None if anysrc else prv
+                    h = comm.sendrecv(s, nxt, rv, src, group=gobj, tag=tag, async_op=a)
+                    await finish(h, mode)
+                    if a and h.source != prv:
+                        bad.append(f"{desc}: source {h.source} want {prv}")
+                elif opname == "ring":
                     if a:
                         hs = [
                             comm.irecv(rv, None if anysrc else prv, group=gobj, tag=tag),
