@@ -128,6 +128,14 @@ def _np(t: torch.Tensor) -> Any:
     return t.numpy()
 
 
+def _test_quietly(req: Any) -> bool:
+    """One ``Test`` of ``req``: True once it is over, either way (an error is over too)."""
+    try:
+        return bool(req.Test())
+    except Exception:
+        return True
+
+
 def _chain(*fns: Callable[[], object] | None) -> Post | None:
     todo = [f for f in fns if f is not None]
     if not todo:
@@ -1410,9 +1418,9 @@ class MpiBackend:
                 rreq.Wait(st)
                 sreq.Wait()
             except Exception as exc:
-                raise self._pair_failed(m[10], rreq, exc) from exc
+                raise self._pair_failed(m[10], rreq, sreq, send, exc) from exc
             except BaseException:  # Ctrl-C after a Wait returned: MPI may still use them
-                _progress._graveyard.extend(q for q in (rreq, sreq) if q)
+                _progress._graveyard.append((rreq, sreq, send, recv))
                 raise
             got = st.Get_count(self._byte)
             if 0 <= got < m[9]:
@@ -1455,13 +1463,20 @@ class MpiBackend:
             return self._post_pair(g, rstart, sstart, s, r, tag, async_op)
         return _exchange.composed(self, s, dst, r, src, group, tag, async_op)
 
-    def _pair_failed(self, g: MpiGroup, rreq: Any, exc: Exception) -> CommError:
-        """The CommError of an exchange MPI refused; its receive, if posted and still
-        pending, is cancelled first: left posted, it would take a later message."""
+    def _pair_failed(
+        self, g: MpiGroup, rreq: Any, sreq: Any, send: Any, exc: Exception
+    ) -> CommError:
+        """The CommError of an exchange MPI refused or failed (a message longer than the
+        receive: MPI's truncation). Its receive, if posted and still pending, is cancelled
+        first (left posted, it would take a later message); its send, if still in flight,
+        is kept with its tensor where MPI may still read it (the graveyard of expired ops:
+        never freed under MPI)."""
         if rreq:
             with contextlib.suppress(Exception):
                 rreq.Cancel()
                 rreq.Wait()
+        if sreq and not _test_quietly(sreq):
+            _progress._graveyard.append((sreq, send))
         return self._error("sendrecv", g, exc)
 
     def _post_pair(
@@ -1482,7 +1497,7 @@ class MpiBackend:
             rreq = rstart()
             sreq = sstart()
         except Exception as exc:
-            raise self._pair_failed(g, rreq, exc) from exc
+            raise self._pair_failed(g, rreq, None, send, exc) from exc
         op = MpiPair(
             "sendrecv", recv, recv.nbytes, g.name, (send, recv), len(g.ranks), self.MPI, rreq,
             None, self.global_rank, self.timeout,

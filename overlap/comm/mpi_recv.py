@@ -127,6 +127,17 @@ class MpiPair(MpiRecv):
         while self._state is PENDING:
             MpiOp._wait_forever(self)
 
+    def _fail(self, exc: BaseException) -> None:
+        sreq = self.sreq
+        if self.req is not sreq and sreq:  # the receive failed, the send may be in flight
+            try:
+                over = sreq.Test()
+            except Exception:
+                over = True
+            if not over:  # MPI may still read its tensor: kept for good
+                _graveyard.append((sreq, self._keep))
+        MpiOp._fail(self, exc)
+
     def expire(self) -> None:
         if self.req is not self.sreq:
             _graveyard.append(self.sreq)  # MPI may still read the send's buffer too

@@ -309,6 +309,33 @@ def check_sendrecv() -> None:
         assert bool((into == 7.0).all())
         comm.barrier()
 
+    # A receive that fails (MPI's truncation: 4 floats into 2) while the 4 MiB send is
+    # still in flight: the handle fails, and its send's request and tensor are kept where
+    # MPI may still read them (before, the tensor went with the handle), so rank 1 gets
+    # the right bytes after rank 0 dropped it.
+    from overlap.comm import progress
+
+    if r == 0:
+        buried = len(progress._graveyard)
+        h = comm.sendrecv(torch.full((1 << 20,), 9.0), peer, small, peer, async_op=True)
+        try:
+            h.wait()
+            failed = "no error"
+        except Exception as exc:
+            failed = f"{type(exc).__name__}: {exc}"
+        assert failed.startswith("CommError") and "truncated" in failed, failed
+        kept = progress._graveyard[buried:]
+        assert len(kept) == 1 and kept[0][1][0].numel() == 1 << 20, kept
+        del h
+        comm.barrier()
+    else:
+        comm.send(torch.ones(4), dst=peer)
+        time.sleep(0.3)
+        into = torch.zeros(1 << 20)
+        comm.recv(into, src=peer)
+        assert bool((into == 9.0).all())
+        comm.barrier()
+
     # The same, awaited: the loop's engine completes both stages.
     async def staged() -> tuple[bool, float]:
         h = comm.sendrecv(large, peer, small, peer, async_op=True)
