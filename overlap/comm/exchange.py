@@ -39,16 +39,19 @@ class _Pair(_Collected):
     """The Handle of a composed sendrecv: done when its receive and its send are; its result
     is the received tensor and its ``source`` the receive's. Not traced (its two ops are)."""
 
-    __slots__ = ()
+    __slots__ = ("recv",)
+    recv: Any  # the caller's receive tensor: the result
 
     def _results(self) -> Any:
-        return self.handles[0]._result
+        return self.recv
 
 
 def composed(backend: Any, send: Any, dst: int, recv: Any, src: Any, group: Any, tag: int,
              async_op: bool) -> Any:  # fmt: skip
     """The sendrecv as the backend's own ``irecv`` and ``isend`` (already checked by the
-    caller: nothing here refuses an argument after the receive is posted)."""
+    caller: nothing here refuses an argument after the receive is posted). ``recv`` is the
+    caller's own tensor, which the call returns (a backend's receive of a tensor that
+    requires grad works on a detached view of it)."""
     hr: Handle = backend.irecv(recv, src, group, tag)
     hs: Handle = backend.isend(send, dst, group, tag)
     if not async_op:
@@ -57,6 +60,7 @@ def composed(backend: Any, send: Any, dst: int, recv: Any, src: Any, group: Any,
         return recv
     pair = _Pair([hr, hs], hr.nbytes, hr.group, hr.backend, hr.world)
     pair.op = "sendrecv"
+    pair.recv = recv
     pair._source = lambda: hr.source
     return pair
 

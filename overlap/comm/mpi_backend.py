@@ -1461,7 +1461,7 @@ class MpiBackend:
                 s.nbytes, r.nbytes, g, rstart, sstart, self.MPI.Status(),
             )  # fmt: skip
             return self._post_pair(g, rstart, sstart, s, r, tag, async_op)
-        return _exchange.composed(self, s, dst, r, src, group, tag, async_op)
+        return _exchange.composed(self, s, dst, recv, src, group, tag, async_op)
 
     def _pair_failed(
         self, g: MpiGroup, rreq: Any, sreq: Any, send: Any, exc: Exception

@@ -1109,7 +1109,7 @@ class TorchBackend:
                 r.data_ptr(), s.nbytes, r.nbytes, info, pd, ps, gsrc,
             )  # fmt: skip
             return self._post_pair(info, pd, ps, gsrc, s, r, tag, async_op)
-        return _exchange.composed(self, s, dst, r, src, group, tag, async_op)
+        return _exchange.composed(self, s, dst, recv, src, group, tag, async_op)
 
     def _post_pair(
         self,

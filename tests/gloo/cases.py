@@ -643,6 +643,9 @@ def case_sendrecv(mode: str) -> None:
     t = torch.full((3,), float(r))
     exchange(t, t)  # in place: a copy of t is sent
     _allclose(t, torch.full((3,), float(prv)))
+    leaf = torch.zeros(3, requires_grad=True)  # received through a detached view: still
+    exchange(torch.full((3,), float(r), requires_grad=True), leaf)  # the caller's tensor
+    _allclose(leaf.detach(), torch.full((3,), float(prv)))
     anyone = torch.zeros(2)
     exchange(torch.full((2,), float(r)), anyone, None, 7)
     _allclose(anyone, torch.full((2,), float(prv)))
