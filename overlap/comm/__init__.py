@@ -1018,7 +1018,8 @@ def send(
             2,
         )
         return
-    state.active().send(tensor, dst, group, tag)
+    b = state._backend  # state.active() without its call (it raises when not initialised)
+    (b if b is not None else state.active()).send(tensor, dst, group, tag)
 
 
 def recv(
@@ -1045,7 +1046,8 @@ def recv(
             2,
         )
         return r0
-    r: int = state.active().recv(tensor, src, group, tag)
+    b = state._backend  # state.active() without its call (it raises when not initialised)
+    r: int = (b if b is not None else state.active()).recv(tensor, src, group, tag)
     return r
 
 

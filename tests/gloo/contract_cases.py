@@ -493,11 +493,12 @@ def collect_all_hands_off_together() -> list[float]:
     return out
 
 
-def p2p_last_call() -> str:
+def p2p_last_call(blocking: bool = False) -> str:
     """isend/irecv seen before post again with no check repeated but those that can change
     (gloo: TorchBackend._last_p2p; MPI: the last ready call, tests/mpi/ready_calls.py): the
     same values, senders and errors as the full path, and nothing changed since gets
-    through. Two ranks, gloo or MPI; returns "ok"."""
+    through. ``blocking``: the exchanges are blocking ``send`` and ``recv``, which post the
+    same kept calls with no Handle. Two ranks, gloo or MPI; returns "ok"."""
     from overlap.comm import state
     from tests.gloo.catching import catcher
 
@@ -511,6 +512,13 @@ def p2p_last_call() -> str:
     def swap(value: float, tag: int = 0, src: int | None = peer, group: object = None) -> int:
         s.fill_(value + r)
         first = r == 0  # a pair whose orders differ, as a pipeline's stages send
+        if blocking:
+            got = comm.recv(o, src=src, tag=tag, group=group) if first else None
+            comm.send(s, dst=peer, tag=tag, group=group)
+            if got is None:
+                got = comm.recv(o, src=src, tag=tag, group=group)
+            assert got == peer, got
+            return len(o)
         h = comm.irecv(o, src=src, tag=tag, group=group) if first else None
         comm.isend(s, dst=peer, tag=tag, group=group).wait(30)
         if h is None:
@@ -552,7 +560,11 @@ def p2p_last_call() -> str:
     catch("destroyed", lambda: comm.isend(s, dst=peer, group=g3))
     catch("to_self", lambda: comm.isend(s, dst=r))
     catch("from_self", lambda: comm.irecv(o, src=r))
-    for name in ("destroyed", "to_self", "from_self"):
+    catch("send_destroyed", lambda: comm.send(s, dst=peer, group=g3))
+    catch("send_to_self", lambda: comm.send(s, dst=r))
+    catch("recv_from_self", lambda: comm.recv(o, src=r))
+    for name in ("destroyed", "to_self", "from_self", "send_destroyed", "send_to_self",
+                 "recv_from_self"):  # fmt: skip
         assert raised[name].startswith("ValueError"), raised
     # another tensor object, of the last call's dtype and contiguous but not on the CPU:
     # the full path's check names it (the memo's object stands for what one object cannot
@@ -562,6 +574,8 @@ def p2p_last_call() -> str:
     for name, x, call in (
         ("last_recv_t_", o, lambda: comm.irecv(o, src=peer)),
         ("last_send_t_", s, lambda: comm.isend(s, dst=peer)),
+        ("recv_t_", o, lambda: comm.recv(o, src=peer)),
+        ("send_t_", s, lambda: comm.send(s, dst=peer)),
     ):
         x.resize_(2, 2)
         x.t_()  # the same object, address and bytes, not contiguous: refused, nothing posted

@@ -96,5 +96,8 @@ def test_collect_all_hands_off_its_p2p_ops_together(pools: Callable[[int], RankP
     assert recv_done > 0.4
 
 
-def test_p2p_calls_seen_before_check_what_can_change(pools: Callable[[int], RankPool]) -> None:
-    assert pools(2).run(cc.p2p_last_call, timeout=90) == ["ok", "ok"]
+@pytest.mark.parametrize("blocking", [False, True], ids=["isend_irecv", "send_recv"])
+def test_p2p_calls_seen_before_check_what_can_change(
+    pools: Callable[[int], RankPool], blocking: bool
+) -> None:
+    assert pools(2).run(cc.p2p_last_call, blocking, timeout=90) == ["ok", "ok"]

@@ -232,6 +232,7 @@ def check_p2p() -> None:
     # objects changed in place, or called with another tag, source or group, do not take it
     # (the case gloo's last calls run too).
     assert cc.p2p_last_call() == "ok"
+    assert cc.p2p_last_call(blocking=True) == "ok"  # send and recv: the same kept calls
 
 
 def check_sendrecv() -> None:
