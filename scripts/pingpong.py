@@ -26,44 +26,36 @@ import overlap
 from overlap import comm
 
 
+def _round(first: bool, send: Callable[[], Any], recv: Callable[[], Any]) -> Callable[[], None]:
+    """One round: send then receive on the rank that goes ``first``, the other way round on
+    its peer."""
+
+    def one() -> None:
+        if first:
+            send()
+            recv()
+        else:
+            recv()
+            send()
+
+    return one
+
+
 def rounds(nbytes: int, mpi: bool) -> dict[str, float]:
     """The medians (us) of ``ref`` and ``ours`` and their ratio, on this rank."""
     r, p = comm.get_rank(), 1 - comm.get_rank()
     t = torch.ones(max(nbytes // 4, 1))
-    ref: Callable[[], Any]
     if mpi:
         from mpi4py import MPI
 
         c = MPI.COMM_WORLD
         buf = [t.view(torch.uint8).numpy(), MPI.BYTE]
-
-        def ref() -> None:
-            if r == 0:
-                c.Send(buf, p)
-                c.Recv(buf, p)
-            else:
-                c.Recv(buf, p)
-                c.Send(buf, p)
-
+        ref = _round(r == 0, lambda: c.Send(buf, p), lambda: c.Recv(buf, p))
     else:
         import torch.distributed as dist
 
-        def ref() -> None:
-            if r == 0:
-                dist.send(t, p)
-                dist.recv(t, p)
-            else:
-                dist.recv(t, p)
-                dist.send(t, p)
-
-    def ours() -> None:
-        if r == 0:
-            comm.send(t, p)
-            comm.recv(t, p)
-        else:
-            comm.recv(t, p)
-            comm.send(t, p)
-
+        ref = _round(r == 0, lambda: dist.send(t, p), lambda: dist.recv(t, p))
+    ours = _round(r == 0, lambda: comm.send(t, p), lambda: comm.recv(t, p))
     ways = {"ref": ref, "ours": ours}
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(3000 if mpi else 1000):
