@@ -43,7 +43,7 @@ from overlap.comm.groups import NonMemberGroup
 from overlap.comm.handle import Handle
 from overlap.comm.knobs import switch
 from overlap.comm.members import members_error
-from overlap.comm.mpi_recv import MpiPair, MpiRecv, short_message
+from overlap.comm.mpi_recv import MpiPair, MpiRecv, keep_if_in_flight, size_error
 from overlap.comm.mpi_types import INT_MAX, mpi_op, reduce_dtype
 from overlap.comm.p2p import P2POp
 from overlap.comm.progress import MpiOp
@@ -126,14 +126,6 @@ def _np(t: torch.Tensor) -> Any:
     if alias is not None:
         t = t.view(alias)
     return t.numpy()
-
-
-def _test_quietly(req: Any) -> bool:
-    """One ``Test`` of ``req``: True once it is over, either way (an error is over too)."""
-    try:
-        return bool(req.Test())
-    except Exception:
-        return True
 
 
 def _chain(*fns: Callable[[], object] | None) -> Post | None:
@@ -1387,10 +1379,10 @@ class MpiBackend:
                 m[3]().Wait(st)
             except Exception as exc:
                 raise self._error("recv", g, exc) from exc
+            err = size_error("recv", self.global_rank, g.name, tag, st, self._byte, tensor, g.ranks)
+            if err is not None:
+                raise err
             frm: int = g.ranks[st.Get_source()]
-            got = st.Get_count(self._byte)
-            if 0 <= got < tensor.nbytes:
-                raise short_message("recv", self.global_rank, g.name, tag, got, tensor, frm)
             return frm
         h = self.irecv(tensor, src, group, tag)
         h.wait()
@@ -1452,10 +1444,12 @@ class MpiBackend:
             except BaseException:  # Ctrl-C after a Wait returned: MPI may still use them
                 _progress._graveyard.append((rreq, sreq, send, recv))
                 raise
-            got = st.Get_count(self._byte)
-            if 0 <= got < m[9]:
-                frm = m[10].ranks[st.Get_source()]
-                raise short_message("sendrecv", self.global_rank, m[10].name, tag, got, recv, frm)
+            g = m[10]
+            err = size_error(
+                "sendrecv", self.global_rank, g.name, tag, st, self._byte, recv, g.ranks
+            )
+            if err is not None:
+                raise err
             return recv
         return self._sendrecv(send, dst, recv, src, group, tag, async_op)
 
@@ -1505,8 +1499,7 @@ class MpiBackend:
             with contextlib.suppress(Exception):
                 rreq.Cancel()
                 rreq.Wait()
-        if sreq and not _test_quietly(sreq):
-            _progress._graveyard.append((sreq, send))
+        keep_if_in_flight(sreq, send)
         return self._error("sendrecv", g, exc)
 
     def _post_pair(

@@ -19,7 +19,7 @@ from overlap.comm.p2p import describe
 from overlap.comm.progress import MpiOp, _graveyard
 from overlap.errors import CommError, MessageMismatchError
 
-__all__ = ["MpiPair", "MpiRecv", "short_message"]
+__all__ = ["MpiPair", "MpiRecv", "keep_if_in_flight", "size_error"]
 
 
 class MpiRecv(MpiOp):
@@ -52,21 +52,29 @@ class MpiRecv(MpiOp):
                 )
             )
             return
-        frm = self.ranks[src]
-        self._source = frm
-        got = status.Get_count(self.MPI.BYTE)
-        if 0 <= got < self.nbytes:  # (MPI_UNDEFINED, negative, past 2**31 - 1 bytes: unchecked)
-            self._fail(
-                short_message(self.op, self.rank, self.group, self.tag, got, self._result, frm)
-            )
+        self._source = self.ranks[src]
+        err = size_error(
+            self.op, self.rank, self.group, self.tag, status, self.MPI.BYTE, self._result,
+            self.ranks,
+        )  # fmt: skip
+        if err is not None:
+            self._fail(err)
             return
         MpiOp._complete(self, status)
 
 
-def short_message(
-    op: str, me: int, group: str, tag: int, got: int, t: Any, frm: int
-) -> MessageMismatchError:
-    """The error of a receive into ``t`` that got ``got`` bytes, fewer than ``t`` holds."""
+def size_error(
+    op: str, me: int, group: str, tag: int, status: Any, byte: Any, t: Any, ranks: Any
+) -> MessageMismatchError | None:
+    """None when the receive into ``t`` that ``status`` describes got all of ``t``'s bytes;
+    else the error naming the sender (``ranks``: group rank -> global rank) and both sizes.
+    A count MPI cannot give (MPI_UNDEFINED, negative, past 2**31 - 1 bytes) is not checked.
+    The one place of this rule for every MPI receive: an ``irecv``'s completion, and the
+    blocking ``recv`` and ``sendrecv`` that wait without a Handle."""
+    got = status.Get_count(byte)
+    if not 0 <= got < t.nbytes:
+        return None
+    frm = ranks[status.Get_source()]
     return MessageMismatchError(
         f"{op} on rank {me} (group {group}, tag {tag}) received {got} bytes from rank {frm} "
         f"into a {t.nbytes}-byte tensor ({describe(t)}): the sender's tensor is smaller. "
@@ -74,6 +82,20 @@ def short_message(
         "the rest as it was",
         ranks=[frm, me],
     )
+
+
+def keep_if_in_flight(req: Any, keep: Any) -> None:
+    """Keep ``req`` and the tensors ``keep`` for good (the graveyard of expired ops, never
+    freed under MPI) unless one ``Test`` finds it over, either way: MPI may still read a
+    send's buffer after the op it belonged to has failed."""
+    if not req:
+        return
+    try:
+        over = req.Test()
+    except Exception:
+        over = True
+    if not over:
+        _graveyard.append((req, keep))
 
 
 class MpiPair(MpiRecv):
@@ -128,14 +150,8 @@ class MpiPair(MpiRecv):
             MpiOp._wait_forever(self)
 
     def _fail(self, exc: BaseException) -> None:
-        sreq = self.sreq
-        if self.req is not sreq and sreq:  # the receive failed, the send may be in flight
-            try:
-                over = sreq.Test()
-            except Exception:
-                over = True
-            if not over:  # MPI may still read its tensor: kept for good
-                _graveyard.append((sreq, self._keep))
+        if self.req is not self.sreq:  # the receive failed: the send may be in flight
+            keep_if_in_flight(self.sreq, self._keep)
         MpiOp._fail(self, exc)
 
     def expire(self) -> None:
