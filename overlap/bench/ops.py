@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -115,10 +116,21 @@ def _all_to_all(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
     return ours, lambda: dist.all_to_all_single(out, inp)
 
 
-def _exchange_reference(send: torch.Tensor, recv: torch.Tensor, r: int, w: int) -> Any:
-    """The backend's own pair: mpi4py's ``Irecv`` + ``Isend`` + ``Waitall``, or torch's
-    ``irecv`` + ``isend`` + a wait on each."""
+def _exchange(n: int, r: int, w: int, handles: bool = False) -> tuple[Issue, Callable[[], Any]]:
+    """A ring exchange: ``comm.sendrecv``, one call and one Handle (the ``sendrecv`` row
+    from the fifty-first session on), or with ``handles`` ``irecv`` + ``isend``, two Handles
+    awaited with one ``collect_all`` (``isend-irecv``, the ``sendrecv`` row before). The
+    reference is the backend's own pair: mpi4py's ``Irecv`` + ``Isend`` + ``Waitall``, or
+    torch's ``irecv`` + ``isend`` + a wait on each."""
+    send, recv = torch.ones(n), torch.empty(n)
     nxt, prv = (r + 1) % w, (r - 1) % w
+
+    def ours(a: bool) -> Any:
+        if not handles:
+            return comm.sendrecv(send, nxt, recv, prv, async_op=a)
+        hs = [comm.irecv(recv, src=prv), comm.isend(send, dst=nxt)]
+        return hs if a else [h.wait() for h in hs]
+
     if _on_mpi():
         MPI = _mpi()
         c = MPI.COMM_WORLD
@@ -130,39 +142,14 @@ def _exchange_reference(send: torch.Tensor, recv: torch.Tensor, r: int, w: int) 
         def theirs_mpi() -> None:
             MPI.Request.Waitall([c.Irecv(rbuf, prv), c.Isend(sbuf, nxt)])
 
-        return theirs_mpi
+        return ours, theirs_mpi
 
     def theirs() -> None:
         ws: list[Any] = [dist.irecv(recv, src=prv), dist.isend(send, dst=nxt)]
         for x in ws:
             x.wait()
 
-    return theirs
-
-
-def _sendrecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
-    """``comm.sendrecv``: one call, one Handle (fifty-first session on; before, this row
-    was the pair of ``isend-irecv``)."""
-    send, recv = torch.ones(n), torch.empty(n)
-    nxt, prv = (r + 1) % w, (r - 1) % w
-
-    def ours(a: bool) -> Any:
-        return comm.sendrecv(send, nxt, recv, prv, async_op=a)
-
-    return ours, _exchange_reference(send, recv, r, w)
-
-
-def _isend_irecv(n: int, r: int, w: int) -> tuple[Issue, Callable[[], Any]]:
-    """The same exchange as ``irecv`` + ``isend``: two Handles, awaited with one
-    ``collect_all``."""
-    send, recv = torch.ones(n), torch.empty(n)
-    nxt, prv = (r + 1) % w, (r - 1) % w
-
-    def ours(a: bool) -> Any:
-        hs = [comm.irecv(recv, src=prv), comm.isend(send, dst=nxt)]
-        return hs if a else [h.wait() for h in hs]
-
-    return ours, _exchange_reference(send, recv, r, w)
+    return ours, theirs
 
 
 OPS: dict[str, Builder] = {
@@ -171,8 +158,8 @@ OPS: dict[str, Builder] = {
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
     "all_to_all": _all_to_all,
-    "sendrecv": _sendrecv,
-    "isend-irecv": _isend_irecv,
+    "sendrecv": _exchange,
+    "isend-irecv": partial(_exchange, handles=True),
 }
 
 
