@@ -323,12 +323,13 @@ class _Progress:
             BarColumn(),
             TextColumn("{task.completed}/{task.total}"),
             TimeRemainingColumn(),
+            auto_refresh=False,  # no refresh thread taking the GIL from the timed steps
         )
         self.task = self.p.add_task("training", total=total)
         self.p.start()
 
     def advance(self, what: str) -> None:
-        self.p.update(self.task, advance=1, description=what)
+        self.p.update(self.task, advance=1, description=what, refresh=True)
 
     def close(self) -> None:
         self.p.stop()

@@ -15,7 +15,7 @@ TRAIN = [
     "own_compute_ms", "own_compute_max_ms", "diloco_step_ms", "diloco_step_max_ms",
     "diloco_wait_max_ms", "diloco_pass_thread", "diloco_background",
 ]  # fmt: skip
-OPS = ["torch_us", "blocking_us", "await_us", "await/torch", "await/blocking"]
+OPS = ["torch_us", "blocking_us", "await_us", "await/torch", "blocking/torch", "await/blocking"]
 
 
 def _cell(v: Any) -> str:

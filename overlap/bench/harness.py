@@ -17,7 +17,12 @@ __all__ = ["Progress", "Table", "human_bytes", "median", "parse_size"]
 
 
 class Progress:
-    """A transient progress bar on stderr (rank 0 of a benchmark); silent when disabled."""
+    """A transient progress bar on stderr (rank 0 of a benchmark); silent when disabled.
+
+    It redraws only when it advances, never from a thread of its own: rich's default
+    refresh thread wakes ten times a second and takes the GIL to rebuild the bar, on rank
+    0, the rank whose timings are reported, in the middle of the ops it times.
+    """
 
     def __init__(self, total: int, enabled: bool = True) -> None:
         self._p: Any = None
@@ -34,13 +39,14 @@ class Progress:
             TimeElapsedColumn(),
             console=Console(stderr=True),
             transient=True,
+            auto_refresh=False,
         )
         self._task = self._p.add_task("benchmark", total=total)
         self._p.start()
 
     def advance(self, what: str) -> None:
         if self._p is not None:
-            self._p.update(self._task, advance=1, description=what)
+            self._p.update(self._task, advance=1, description=what, refresh=True)
 
     def close(self) -> None:
         if self._p is not None:

@@ -27,11 +27,13 @@ from overlap.comm import debug as _debug
 from overlap.comm import exchange as _exchange
 from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
+from overlap.comm import inflight as _inflight
 from overlap.comm import inflight_writes as _inflight_writes
 from overlap.comm import interruptible as _interruptible
 from overlap.comm import ordered as _ordered
 from overlap.comm import p2p_debug as _p2p_debug
 from overlap.comm import quiesce as _quiesce
+from overlap.comm import waiters as _waiters
 from overlap.comm.aliasing import apart, apart_list
 from overlap.comm.groups import (
     GroupInfo,
@@ -355,6 +357,10 @@ class TorchBackend:
             try:
                 work = issue()
                 if work is not None:
+                    if future and self._cpu and not _inflight.busy():
+                        # polled first, as an awaited op is (waiters.spin_until): a small
+                        # op then completes with no sleep and wake-up on gloo's condition
+                        _waiters.spin_until(work.is_completed, _waiters.SPIN_S)
                     _interruptible.wait(work, future and self._cpu)  # Ctrl-C lands in it
             except (ValueError, TypeError):
                 raise

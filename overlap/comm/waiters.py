@@ -22,7 +22,7 @@ the awaiting loops through their wakers (overlap/comm/waker.py).
 Works that have a future and nothing to do after them complete from the future's callback
 instead (no thread at all; see :class:`TorchOp`). An op awaited on an idle loop is first
 polled on the loop's own thread for up to 300 us (``OVERLAP_GLOO_SPIN_US``), so a small one
-completes with no wake-up (:func:`_spin_until`). The pool grows on demand with no cap and
+completes with no wake-up (:func:`spin_until`). The pool grows on demand with no cap and
 keeps a few idle threads, so the thread count is stable in a steady training loop.
 """
 
@@ -45,7 +45,14 @@ from overlap.comm import state as _state
 from overlap.comm.handle import PENDING, Handle
 from overlap.errors import CommError
 
-__all__ = ["TorchOp", "WaiterPool", "fail_in_flight", "start_together", "translate_error"]
+__all__ = [
+    "TorchOp",
+    "WaiterPool",
+    "fail_in_flight",
+    "spin_until",
+    "start_together",
+    "translate_error",
+]
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +289,7 @@ class TorchOp:
 
     def on_await(self, handle: Handle, loop: Any) -> None:
         # An idle loop (nothing else of this process observed asynchronously) first waits
-        # for the op on its own thread, for up to SPIN_S (see _spin_until). An op awaited
+        # for the op on its own thread, for up to SPIN_S (see spin_until). An op awaited
         # while another is still being observed (the later handles of a gather whose first
         # op is in flight) goes straight to its engine; the ops of one collect_all share
         # one window (overlap.comm.spin).
@@ -293,12 +300,12 @@ class TorchOp:
             # The Work is polled before any callback exists: gloo's thread then completes
             # the op without taking the GIL, and start() below finds the future done and
             # runs the callback right here.
-            _spin_until(self.work.is_completed, seconds)
+            spin_until(self.work.is_completed, seconds)
         self.start(handle)
         if seconds and not self.future and handle._state is PENDING:
             # p2p and reduce_scatter have no future and is_completed() stays False until
             # wait(): a pool thread waits, and the loop polls the handle meanwhile.
-            _spin_until(lambda: handle._state is not PENDING, seconds)
+            spin_until(lambda: handle._state is not PENDING, seconds)
 
 
 def start_together(handles: list[Handle]) -> None:
@@ -329,10 +336,10 @@ def start_together(handles: list[Handle]) -> None:
         return
     for h in ops:
         h._engine.start(h)
-    _spin_until(lambda: all(h._state is not PENDING for h in ops), seconds)
+    spin_until(lambda: all(h._state is not PENDING for h in ops), seconds)
 
 
-def _spin_until(done: Callable[[], bool], seconds: float) -> None:
+def spin_until(done: Callable[[], bool], seconds: float) -> None:
     """Poll ``done()`` for up to ``seconds`` (``SPIN_S``: ``OVERLAP_GLOO_SPIN_US``, default
     300 us; less where a collect_all's ops share one window, overlap.comm.spin), yielding the
     CPU between polls.
@@ -347,6 +354,13 @@ def _spin_until(done: Callable[[], bool], seconds: float) -> None:
     (1.6x at no spin, 2.1x at 100 us, 3.2x at 300 us; with it 1.23x and 1.12x). Bounded,
     so the loop is never held longer than a short callback, as MPI's spin
     (overlap.comm.progress); an interrupt here loses nothing, as nothing is claimed.
+
+    A blocking gloo collective polls the same way before it sleeps in ``Work.wait()``
+    (``TorchBackend._launch``), unless another op of the process is being observed
+    asynchronously (its threads need the cores): gloo's condition variable then never has
+    to wake it for a small op. Measured, ``overlap bench ops`` at 4 bytes, 2 ranks, two runs
+    with and without: blocking all_reduce 0.85-0.88x torch's (1.00-1.03x without),
+    broadcast 0.84-0.95x (1.04-1.14x without).
     """
     clock, pause = time.perf_counter, _YIELD
     deadline = clock() + seconds
