@@ -60,7 +60,15 @@ from overlap.errors import CommTimeoutError, OverlapError
 if TYPE_CHECKING:
     from overlap.comm.handle import Handle
 
-__all__ = ["claim", "claim1", "internal_thread", "live", "settle", "settle1"]
+__all__ = [
+    "claim",
+    "claim1",
+    "internal_thread",
+    "live",
+    "on_internal_thread",
+    "settle",
+    "settle1",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,11 @@ class _Thread(threading.local):
 
 _thread = _Thread()
 _warned: set[tuple[str, str]] = set()
+
+
+def on_internal_thread() -> bool:
+    """Whether the calling thread is one of overlap's own (:func:`internal_thread`)."""
+    return _thread.internal
 
 
 def internal_thread() -> None:

@@ -27,7 +27,6 @@ from overlap.comm import debug as _debug
 from overlap.comm import exchange as _exchange
 from overlap.comm import gloo_fallback as _fallback
 from overlap.comm import hooks as _hooks
-from overlap.comm import inflight as _inflight
 from overlap.comm import inflight_writes as _inflight_writes
 from overlap.comm import interruptible as _interruptible
 from overlap.comm import ordered as _ordered
@@ -357,10 +356,8 @@ class TorchBackend:
             try:
                 work = issue()
                 if work is not None:
-                    if future and self._cpu and not _inflight.busy():
-                        # polled first, as an awaited op is (waiters.spin_until): a small
-                        # op then completes with no sleep and wake-up on gloo's condition
-                        _waiters.spin_until(work.is_completed, _waiters.SPIN_S)
+                    if future and self._cpu:  # polled first, as an awaited op is
+                        _waiters.poll_first(work)
                     _interruptible.wait(work, future and self._cpu)  # Ctrl-C lands in it
             except (ValueError, TypeError):
                 raise

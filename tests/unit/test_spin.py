@@ -45,3 +45,49 @@ def test_another_thread_does_not_share_this_threads_window() -> None:
     finally:
         spin.end_shared(outer)
     assert seen == [0.05]
+
+
+class _Done:
+    """Stands in for a gloo Work's ``is_completed()``: done after ``after`` polls."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.polls = after, 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.polls > self.after
+
+
+def test_a_blocking_wait_polls_first_on_a_users_thread_only_when_nothing_is_in_flight() -> None:
+    from overlap.comm import claims, inflight, waiters
+
+    work = _Done(after=3)
+    waiters.poll_first(work)  # a user's thread, nothing in flight: polled until done
+    assert work.polls == 4
+
+    work = _Done(after=10**9)  # never done: the poll ends at the window (300 us)
+    t0 = time.perf_counter()
+    waiters.poll_first(work)
+    assert work.polls >= 1 and time.perf_counter() - t0 < 0.25
+
+    busy = object()
+    inflight.track(busy)  # another op observed asynchronously: its threads need the cores
+    try:
+        work = _Done(after=0)
+        waiters.poll_first(work)
+        assert work.polls == 0
+    finally:
+        inflight.untrack(busy)
+
+    seen: list[int] = []
+
+    def overlaps_own_thread() -> None:  # a bucket worker, a steps driver
+        claims.internal_thread()
+        w = _Done(after=0)
+        waiters.poll_first(w)
+        seen.append(w.polls)
+
+    t = threading.Thread(target=overlaps_own_thread)
+    t.start()
+    t.join()
+    assert seen == [0]
