@@ -172,7 +172,7 @@ def _line_up() -> Callable[[], Any]:
 
     The exit of a barrier leaves the ranks skewed, and the op after it pays for the skew.
     Measured (fifty-second session, 2 ranks, two rounds each): on gloo, after overlap's
-    barrier (which polls before it sleeps, waiters.spin_until) torch's 4-byte all_reduce
+    barrier (which polls before it sleeps, waiters.poll_first) torch's 4-byte all_reduce
     read 219-221 us and after torch's ``dist.barrier`` 181-184 us, with overlap's own ops
     the same either way; so gloo lines up with torch's barrier, which also keeps overlap's
     blocking path, the thing measured, out of the line-up. On MPI the other way round:
