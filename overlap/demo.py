@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from overlap.bench.harness import Progress
+
 __all__ = ["TinyTransformer", "demo_rank", "run_demo"]
 
 log = logging.getLogger(__name__)
@@ -196,7 +198,9 @@ def demo_rank(steps: int, model_size: str, out_dir: str, link: str) -> dict[str,
         _one_step(runs["overlap-auto"], tokens, torch.roll(tokens, -1, dims=1), tracer, False)
         trial += 1
     runs["overlap-auto"]["times"].clear()
-    progress = _Progress(steps * len(VARIANTS)) if rank == 0 else None
+    progress = Progress(
+        steps * len(VARIANTS), rank == 0, label="training", transient=False, stderr=False
+    )
     for step in range(steps + 1):
         tokens = batches[step % len(batches)]
         target = torch.roll(tokens, -1, dims=1)
@@ -209,10 +213,9 @@ def demo_rank(steps: int, model_size: str, out_dir: str, link: str) -> dict[str,
                 v["comm"].clear()
                 v["hidden"].clear()
                 v["exposed"].clear()
-            elif progress is not None and name != "ddp-traced":
+            elif name != "ddp-traced":
                 progress.advance(f"{name} step {step}/{steps}")
-    if progress is not None:
-        progress.close()
+    progress.close()
     trace_path = os.path.join(out_dir, "overlap-trace.json")
     written = tracer.export_chrome(trace_path)  # every rank calls; rank 0 writes
     med = _median
@@ -310,29 +313,6 @@ def _load(path: str) -> list[Any]:
 def _median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if s else 0.0
-
-
-class _Progress:
-    """A rich progress bar on rank 0 (plain log lines when stdout is not a terminal)."""
-
-    def __init__(self, total: int) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.p = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeRemainingColumn(),
-            auto_refresh=False,  # no refresh thread taking the GIL from the timed steps
-        )
-        self.task = self.p.add_task("training", total=total)
-        self.p.start()
-
-    def advance(self, what: str) -> None:
-        self.p.update(self.task, advance=1, description=what, refresh=True)
-
-    def close(self) -> None:
-        self.p.stop()
 
 
 def _free_port() -> int:

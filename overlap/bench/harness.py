@@ -17,14 +17,25 @@ __all__ = ["Progress", "Table", "human_bytes", "median", "parse_size"]
 
 
 class Progress:
-    """A transient progress bar on stderr (rank 0 of a benchmark); silent when disabled.
+    """A progress bar on rank 0 of a benchmark or the demo; silent when disabled.
+
+    A benchmark's bar (the default) is transient, on stderr, so that only the table stays
+    on stdout; the demo's (``transient=False, stderr=False``) stays where its report is.
 
     It redraws only when it advances, never from a thread of its own: rich's default
     refresh thread wakes ten times a second and takes the GIL to rebuild the bar, on rank
-    0, the rank whose timings are reported, in the middle of the ops it times.
+    0, the rank whose timings are reported, in the middle of the ops it times (measured in
+    a terminal: a busy thread stalled by up to 19.7 ms in 3 s with it, 0.3 ms without).
     """
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        enabled: bool = True,
+        label: str = "benchmark",
+        transient: bool = True,
+        stderr: bool = True,
+    ) -> None:
         self._p: Any = None
         if not enabled:
             return
@@ -37,11 +48,11 @@ class Progress:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
+            console=Console(stderr=stderr),
+            transient=transient,
             auto_refresh=False,
         )
-        self._task = self._p.add_task("benchmark", total=total)
+        self._task = self._p.add_task(label, total=total)
         self._p.start()
 
     def advance(self, what: str) -> None:

@@ -350,7 +350,8 @@ def busbw_allreduce(nbytes: int, seconds: float, world: int) -> float:
 def bench_algorithms_rank(
     sizes: list[int], iters: int, warmup: int, algorithm: str, loop: str = "uvloop"
 ) -> list[dict[str, Any]]:
-    """Native all_reduce vs ``algorithm`` (blocking and awaited), interleaved per iteration."""
+    """Native all_reduce vs ``algorithm`` (blocking and awaited), interleaved per iteration
+    in an order that rotates by one every iteration, each after :func:`_line_up`."""
     import overlap
 
     w = comm.get_world_size()
@@ -363,8 +364,10 @@ def bench_algorithms_rank(
             bar.advance(f"{algorithm} {human_bytes(nbytes)}")
             t = torch.ones(max(nbytes // 4, 1))
             times: dict[str, list[float]] = {"native": [], "blocking": [], "await": []}
+            methods = list(times)
             for i in range(warmup + _iters_for(nbytes, iters)):
-                for method in times:
+                k = i % len(methods)  # rotated, as in bench_ops_rank
+                for method in methods[k:] + methods[:k]:
                     line_up()
                     t0 = time.perf_counter()
                     if method == "native":
