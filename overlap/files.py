@@ -15,6 +15,35 @@ from collections.abc import Callable
 from typing import IO
 
 
+def cannot_write(path: str, what: str) -> OSError | None:
+    """Why :func:`write_whole` would fail before writing a byte (``path`` a directory, its
+    folder missing or not writable), as the error it would raise; None when nothing says
+    so. For a collective write: the writing rank checks before the others send it their
+    part, so that every rank can raise, not the writer alone."""
+    if not path:
+        return FileNotFoundError(
+            f"cannot write {what} to an empty path; pass a file path such as trace.json"
+        )
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        return IsADirectoryError(
+            f"cannot write {what} to {path}: it is a directory; pass a file path such as "
+            f"{os.path.join(path, 'trace.json')}"
+        )
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        return FileNotFoundError(
+            f"cannot write {what} to {path}: no such directory {folder}; choose a writable "
+            "directory"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return PermissionError(
+            f"cannot write {what} to {path}: permission denied in {folder}; choose a "
+            "writable directory"
+        )
+    return None
+
+
 def write_whole(path: str, write: Callable[[IO[bytes]], object], what: str) -> None:
     """Call ``write`` on a temporary file in ``path``'s folder, then rename it to ``path``
     with the mode a plain ``open`` would give it. ``what`` names the file in the error when

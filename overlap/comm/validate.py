@@ -24,7 +24,8 @@ def check_tensor(t: Any, name: str, device_type: str, backend: str) -> torch.Ten
     if not t.is_contiguous():
         raise ValueError(
             f"{name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()}); pass "
-            f"{name}.contiguous() and copy the result back if you need it in place"
+            f"{name}.contiguous() (a copy; where the op writes into {name}, copy the result "
+            "back if you need it in place)"
         )
     if t.is_conj() or t.is_neg():
         # A lazy view: its memory holds the values conjugated back (or negated), and ops
@@ -38,8 +39,8 @@ def check_tensor(t: Any, name: str, device_type: str, backend: str) -> torch.Ten
         )
         raise ValueError(
             f"{name} is {what}: its memory does not hold its values, and an op moves "
-            f"memory; pass {name}.{fix}() (a copy) and copy the result back if you need it "
-            "in place"
+            f"memory; pass {name}.{fix}() (a copy; where the op writes into {name}, copy the "
+            "result back if you need it in place)"
         )
     if t.device.type != device_type:
         hint = ".cpu()" if device_type == "cpu" else ".cuda()"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from overlap.errors import CommError, OverlapError
-from overlap.files import write_whole
+from overlap.files import cannot_write, write_whole
 
 __all__ = ["TraceFormatError", "events_of", "export", "load_spans"]
 
@@ -96,8 +96,11 @@ def events_of(tracer: Any, rank: int, offset_ns: int) -> list[dict[str, Any]]:
     return ev
 
 
-def _gather_bytes(payload: bytes) -> list[bytes] | None:
-    """Every rank's payload on rank 0 (None elsewhere). Collective."""
+def _gather_bytes(payload: bytes, refuse: bool = False) -> list[bytes] | None:
+    """Every rank's payload on rank 0 (None elsewhere). Collective.
+
+    ``refuse`` (rank 0's word: it cannot write the result) travels with the sizes, and then
+    no rank sends its payload: every rank raises :class:`_Refused`."""
     from overlap import comm
 
     w, r = comm.get_world_size(), comm.get_rank()
@@ -106,8 +109,10 @@ def _gather_bytes(payload: bytes) -> list[bytes] | None:
         if payload
         else torch.zeros(0, dtype=torch.uint8)
     )
-    sizes = comm.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
-    n = max(int(s.item()) for s in sizes)
+    sizes = comm.all_gather(torch.tensor([data.numel(), int(refuse)], dtype=torch.int64))
+    if int(sizes[0][1].item()):
+        raise _Refused
+    n = max(int(s[0].item()) for s in sizes)
     padded = torch.zeros(max(n, 1), dtype=torch.uint8)
     padded[: data.numel()] = data
     slots = [torch.empty_like(padded) for _ in range(w)] if r == 0 else None
@@ -115,7 +120,7 @@ def _gather_bytes(payload: bytes) -> list[bytes] | None:
     if r != 0:
         return None
     assert slots is not None
-    return [bytes(slots[i][: int(sizes[i].item())].numpy()) for i in range(w)]
+    return [bytes(slots[i][: int(sizes[i][0].item())].numpy()) for i in range(w)]
 
 
 def export(tracer: Any, path: str) -> str | None:
@@ -125,10 +130,17 @@ def export(tracer: Any, path: str) -> str | None:
     multi = comm.is_initialized() and comm.get_world_size() > 1
     rank = comm.get_rank() if comm.is_initialized() else 0
     if multi:
+        # rank 0 writes: a path it cannot write to is found before the exchange and raised on
+        # every rank, not on rank 0 alone (the others returned as if the trace was written)
+        refusal = cannot_write(path, "the trace") if rank == 0 else None
         try:
             offsets = clock_offsets()
             mine = events_of(tracer, rank, offsets[rank])
-            parts = _gather_bytes(json.dumps(mine).encode())
+            parts = _gather_bytes(json.dumps(mine).encode(), refusal is not None)
+        except _Refused:
+            if refusal is not None:
+                raise refusal from None
+            raise _elsewhere("cannot write to the path it was given; nothing was written") from None
         except CommError as exc:
             # The usual cause is export_chrome called under `if rank == 0:`; the backend's
             # own words ("Timed out waiting 1800000ms for send operation") did not say so.
@@ -139,31 +151,61 @@ def export(tracer: Any, path: str) -> str | None:
                 "0:`), or that died, fails the others. Call it on every rank"
             ) from exc
         if parts is None:
+            if _outcome(None):
+                raise _elsewhere("failed to write it; the file was left as it was")
             return None
         events = [e for p in parts for e in json.loads(p.decode())]
-    else:
-        offsets = [0]
-        events = events_of(tracer, rank, 0)
-    doc = {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "producer": "overlap",
-            "world_size": len(offsets),
-            "clock_offsets_ns": offsets,
-        },
-    }
-    _write_atomic(path, json.dumps(doc))
+        try:
+            _write_atomic(path, _document(events, offsets))
+        except BaseException:
+            _outcome(True)  # the others raise too (the file left as it was: files.py)
+            raise
+        _outcome(False)
+        return path
+    _write_atomic(path, _document(events_of(tracer, rank, 0), [0]))
     return path
 
 
+class _Refused(Exception):
+    """Rank 0 said, in the size exchange, that it cannot write the trace."""
+
+
+def _elsewhere(what: str) -> OSError:
+    return OSError(
+        f"Tracer.export_chrome: rank 0, which writes the merged trace, {what} (rank 0's "
+        "error says why). Pass a path that rank 0 can write to"
+    )
+
+
+def _outcome(failed: bool | None) -> bool:
+    """Rank 0's write failed (True) or not, from rank 0 to every rank (``failed`` None
+    elsewhere). Collective: the ranks that sent their spans learn whether they were written."""
+    from overlap import comm
+
+    flag = torch.tensor([int(bool(failed))], dtype=torch.int64)
+    comm.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _document(events: list[Any], offsets: list[int]) -> str:
+    return json.dumps(
+        {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "producer": "overlap",
+                "world_size": len(offsets),
+                "clock_offsets_ns": offsets,
+            },
+        }
+    )
+
+
 def _write_atomic(path: str, text: str) -> None:
+    refusal = cannot_write(path, "the trace")
+    if refusal is not None:
+        raise refusal
     target = os.path.abspath(path)
-    if os.path.isdir(target):
-        raise IsADirectoryError(
-            f"cannot write the trace to {path}: it is a directory; pass a file path "
-            f"such as {os.path.join(path, 'trace.json')}"
-        )
     data = text.encode()
     if target.endswith(".gz"):
         # as torch.profiler's export_chrome_trace: a .gz path gets gzip, which Perfetto

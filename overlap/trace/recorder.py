@@ -250,7 +250,10 @@ class Tracer:
     def export_chrome(self, path: str) -> str | None:
         """Write a Chrome/Perfetto trace. In a job, every rank calls it; rank 0 writes one
         merged file with the ranks' clocks aligned. A path ending in ``.gz`` is gzipped (as
-        torch.profiler's ``export_chrome_trace``). Returns the path on the writing rank."""
+        torch.profiler's ``export_chrome_trace``). Returns the path on the writing rank.
+
+        A path rank 0 cannot write to raises on every rank (OSError; rank 0's names the
+        problem), found before the spans are sent; nothing is written then."""
         from overlap.trace.chrome import export
 
         self.resolve_device()

@@ -56,6 +56,26 @@ def test_export_on_one_rank_only_says_the_export_is_collective(
     assert not path.exists()
 
 
+def test_a_path_rank_0_cannot_write_fails_the_export_on_every_rank(
+    pools: Callable[[int], RankPool], tmp_path: Path
+) -> None:
+    r0, r1 = pools(2).run(
+        trace_cases.export_to_a_path_rank_0_cannot_write, str(tmp_path), timeout=60
+    )
+    assert r0[0].startswith("FileNotFoundError: cannot write the trace to an empty path"), r0
+    assert r0[1].startswith("IsADirectoryError: cannot write the trace to"), r0
+    assert r0[2].startswith("FileNotFoundError: cannot write the trace to"), r0
+    assert "no such directory" in r0[2], r0
+    for got in r1[:3]:  # the other rank raises too, and says where to look
+        assert got.startswith("OSError: Tracer.export_chrome: rank 0, which writes"), r1
+        assert "cannot write to the path it was given; nothing was written" in got, r1
+    good = str(tmp_path / "good.json")
+    assert r0[3] == f"then: {good}" and r1[3] == "then: None", (r0, r1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.json"]
+    spans, world = load_spans(good)
+    assert world == 2 and {s[5]["rank"] for s in spans} == {0, 1}
+
+
 def test_remove_detaches_the_tracer_the_scheduler_attached(
     pools: Callable[[int], RankPool],
 ) -> None:

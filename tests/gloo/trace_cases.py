@@ -51,6 +51,28 @@ def export_on_rank_0_only(path: str, wait_s: float) -> str:
         tracer.detach()
 
 
+def export_to_a_path_rank_0_cannot_write(folder: str) -> list[str]:
+    """Rank 0 writes the merged trace; a path it cannot write to raised there alone before
+    (the other ranks returned as if the trace was written). Now every rank raises, nothing
+    is written, and the next export, to a good path, works on every rank."""
+    import os
+
+    tracer = overlap.Tracer().attach()
+    out: list[str] = []
+    try:
+        comm.all_reduce(torch.ones(2))
+        bad = ["", folder, os.path.join(folder, "no", "such", "t.json")]
+        for path in bad if comm.get_rank() == 0 else [os.path.join(folder, "t.json")] * 3:
+            try:
+                out.append(f"no error: {tracer.export_chrome(path)}")
+            except OSError as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+        out.append(f"then: {tracer.export_chrome(os.path.join(folder, 'good.json'))}")
+    finally:
+        tracer.detach()
+    return out
+
+
 def tracer_released_by_remove() -> dict[str, Any]:
     """A scheduler's tracer is attached while it holds it and detached by its remove(), so a
     second scheduler's tracer records the comm layer's ops (before: the first stayed
