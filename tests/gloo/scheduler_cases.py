@@ -59,10 +59,15 @@ def _close(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> None:
             assert torch.allclose(x.double(), y.double(), atol=1e-6), (i, (x - y).abs().max())
 
 
-def equals_ddp(mode: str, as_view: bool = False, steps: int = 3, solo_bytes: int = 0) -> int:
+def equals_ddp(
+    mode: str, as_view: bool = False, steps: int = 3, solo_bytes: int = 0, compiled: bool = False
+) -> int:
     """``solo_bytes``: lower the size from which a gradient is reduced on its own, in place
     (scheduler.SOLO_BYTES, 1 MiB), so this small model's weights take that path: rank 1
-    lacks ``branch``'s gradient (its slot's zeros go instead), d64 is float64 (its slot)."""
+    lacks ``branch``'s gradient (its slot's zeros go instead), d64 is float64 (its slot).
+    ``compiled``: the scheduler is built over ``torch.compile(model)`` (aot_eager: the
+    compiled forward and backward graphs without a C++ build), as a user of torch.compile
+    writes it, and that module is trained."""
     import overlap.scheduler.scheduler as scheduler_module
 
     r = comm.get_rank()
@@ -72,9 +77,10 @@ def equals_ddp(mode: str, as_view: bool = False, steps: int = 3, solo_bytes: int
     ddp = DDP(theirs, find_unused_parameters=True)
     saved = scheduler_module.SOLO_BYTES
     scheduler_module.SOLO_BYTES = solo_bytes or saved
+    model: nn.Module = torch.compile(ours, backend="aot_eager") if compiled else ours
     try:
         sched = BucketScheduler(
-            ours, bucket_cap_mb=0.001, first_bucket_mb=0.0005, gradient_as_bucket_view=as_view
+            model, bucket_cap_mb=0.001, first_bucket_mb=0.0005, gradient_as_bucket_view=as_view
         )
     finally:
         scheduler_module.SOLO_BYTES = saved
@@ -85,7 +91,7 @@ def equals_ddp(mode: str, as_view: bool = False, steps: int = 3, solo_bytes: int
         x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
         opt_a.zero_grad()
         opt_b.zero_grad()
-        loss_a = nn.functional.mse_loss(ours(x, r == 0), y)
+        loss_a = nn.functional.mse_loss(model(x, r == 0), y)
         if mode == "blocking":
             loss_a.backward()
             sched.synchronize()

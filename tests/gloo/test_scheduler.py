@@ -26,6 +26,13 @@ def test_large_gradients_reduced_in_place_equal_ddp(
     assert pools(2).run(sc.equals_ddp, mode, False, 3, 512, timeout=120) == [3, 3]
 
 
+@pytest.mark.parametrize("mode", ["blocking", "uvloop"])
+def test_a_compiled_model_equals_ddp(pools: Callable[[int], RankPool], mode: str) -> None:
+    # torch.compile(model) given to the scheduler and trained: its backward graph
+    # accumulates the .grads that the scheduler's hooks bucket, as the eager model's do
+    assert pools(2).run(sc.equals_ddp, mode, False, 3, 0, True, timeout=180) == [3, 3]
+
+
 def test_gradient_as_bucket_view_equals_ddp(pools: Callable[[int], RankPool]) -> None:
     assert pools(2).run(sc.equals_ddp, "blocking", True, timeout=120) == [3, 3]
 
