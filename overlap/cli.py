@@ -586,7 +586,7 @@ def cmd_bench_compress(args: argparse.Namespace) -> int:
 def cmd_bench_train(args: argparse.Namespace) -> int:
     import json
 
-    from overlap.bench.harness import Table, human_bytes
+    from overlap.bench.harness import Table, human_bytes, interval_cell
     from overlap.bench.train import (
         ALL_VARIANTS,
         CUDA_VARIANTS,
@@ -694,7 +694,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             "step ms",
             "slowest ms",
             "vs DDP",
+            "90%",
             "x compute",
+            "90% ",
             *(["x own compute"] if own else []),
             "bytes/rank/step",
             "comm ms",
@@ -721,7 +723,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 "step ms": ms(r["step_ms"]),
                 "slowest ms": ms(r.get("max_step_ms")),
                 "vs DDP": vs_ddp(r),
+                "90%": interval_cell(r.get("vs_ddp_90")),
                 "x compute": f"{r['step_ms'] / floor:.2f}" if floor else "",
+                "90% ": interval_cell(r.get("x_compute_90")),
                 # a cell only where the column is there (Table shows its columns alone)
                 "x own compute": f"{r['step_ms'] / r['own_compute_ms']:.3f}"
                 if "own_compute_ms" in r

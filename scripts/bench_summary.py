@@ -13,12 +13,18 @@ from typing import Any
 TRAIN = [
     "step_ms", "max_step_ms", "worker_cpu_ms", "exposed_ms", "train_cpu_ms", "rank_cpu_ms",
     "own_compute_ms", "own_compute_max_ms", "diloco_step_ms", "diloco_step_max_ms",
-    "diloco_wait_max_ms", "diloco_pass_thread", "diloco_background",
+    "diloco_wait_max_ms", "diloco_pass_thread", "diloco_background", "vs_ddp_90",
+    "x_compute_90",
 ]  # fmt: skip
-OPS = ["torch_us", "blocking_us", "await_us", "await/torch", "blocking/torch", "await/blocking"]
+OPS = [
+    "torch_us", "blocking_us", "await_us", "await/torch", "await/torch 90%", "blocking/torch",
+    "blocking/torch 90%", "await/blocking",
+]  # fmt: skip
 
 
 def _cell(v: Any) -> str:
+    if isinstance(v, list) and len(v) == 2:  # a ratio's 90% interval
+        return f"{v[0]:.2f}-{v[1]:.2f}" if v[0] == v[0] else ""
     return f"{v:.2f}" if isinstance(v, float) else "" if v is None else str(v)
 
 

@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Progress", "Table", "human_bytes", "median", "parse_size"]
+__all__ = [
+    "Progress",
+    "Table",
+    "human_bytes",
+    "interval_cell",
+    "median",
+    "parse_size",
+    "ratio_interval",
+]
 
 
 class Progress:
@@ -66,6 +74,55 @@ class Progress:
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
+
+
+def ratio_interval(
+    a: Sequence[float],
+    b: Sequence[float],
+    level: float = 0.9,
+    resamples: int = 2000,
+    paired: bool | None = None,
+) -> tuple[float, float]:
+    """A ``level`` bootstrap interval of ``median(a) / median(b)``: how far the ratio a run
+    reports could move on this machine's noise alone.
+
+    ``paired`` (default: when ``a`` and ``b`` are as long as each other): sample i of each
+    comes from the same round of an interleaving, so one resample keeps both (a burst of
+    noise that slowed a round slowed both); else each is resampled on its own. The
+    percentile interval of ``resamples`` resamples, seeded, so the same timings give the
+    same interval.
+
+    Why: a ratio of medians from one noisy run is not a verdict (two identical calls read
+    up to 1.05x apart at 16 MiB here, docs/benchmarks.md); the interval says whether a
+    goal's threshold is inside what the run can tell apart. (nan, nan) with fewer than 2
+    samples.
+    """
+    import torch
+
+    n, m = len(a), len(b)
+    if n < 2 or m < 2:
+        return float("nan"), float("nan")
+    g = torch.Generator().manual_seed(0)
+    ta = torch.tensor(list(a), dtype=torch.float64)
+    tb = torch.tensor(list(b), dtype=torch.float64)
+    ia = torch.randint(n, (resamples, n), generator=g)
+    pair = (n == m) if paired is None else paired and n == m
+    ib = ia if pair else torch.randint(m, (resamples, m), generator=g)
+    # statistics.median's (torch's median is the lower one for even n)
+    sa, sb = ta[ia].sort(dim=1).values, tb[ib].sort(dim=1).values
+    ma = (sa[:, (n - 1) // 2] + sa[:, n // 2]) / 2
+    mb = (sb[:, (m - 1) // 2] + sb[:, m // 2]) / 2
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(ma / mb, q).tolist()
+    return float(lo), float(hi)
+
+
+def interval_cell(pair: Sequence[float] | None) -> str:
+    """A ratio's interval as a table cell, ``0.97-1.06``; blank where a row has none (a
+    row of an older run's JSON, a ratio of fewer than 2 samples)."""
+    if not pair or any(x != x for x in pair):
+        return ""
+    return f"{pair[0]:.2f}-{pair[1]:.2f}"
 
 
 def human_bytes(n: float) -> str:

@@ -12,7 +12,9 @@ follows the same one):
 * ``await``: ``h = op(async_op=True); await h`` inside the running loop.
 
 Rank 0's per-iteration medians are reported, with the ratios await/blocking, await/torch
-and blocking/torch measured side by side in the same run.
+and blocking/torch measured side by side in the same run, and beside await/torch and
+blocking/torch their 90% bootstrap intervals (:func:`overlap.bench.harness.ratio_interval`,
+paired by iteration), taken after every op is timed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ import torch
 import torch.distributed as dist
 
 from overlap import comm
-from overlap.bench.harness import Progress, Table, human_bytes, median
+from overlap.bench.harness import (
+    Progress,
+    Table,
+    human_bytes,
+    interval_cell,
+    median,
+    ratio_interval,
+)
 
 __all__ = ["OPS", "bench_ops_rank", "ops_table"]
 
@@ -202,6 +211,7 @@ def bench_ops_rank(
 
     async def main() -> list[dict[str, Any]]:
         rows = []
+        kept: list[dict[str, list[float]]] = []  # each row's timings, for its intervals
         bar = Progress(len(ops) * len(sizes), enabled=r == 0)
         for name in ops:
             for nbytes in sizes:
@@ -247,7 +257,13 @@ def bench_ops_rank(
                         "wait/blocking": med["wait"] / med["blocking"],
                     }
                 )
+                kept.append(times)
         bar.close()
+        if r == 0:  # after every timed op, and on the reporting rank only
+            for row, times in zip(rows, kept, strict=True):
+                for ratio in ("await/torch", "blocking/torch"):
+                    top, bottom = ratio.split("/")
+                    row[f"{ratio} 90%"] = list(ratio_interval(times[top], times[bottom]))
         return rows
 
     return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
@@ -321,7 +337,9 @@ def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") 
         "await us",
         "await/blocking",
         f"await/{reference}",
+        "90%",
         f"blocking/{reference}",
+        "90% ",
         "wait/blocking",
     ]
     table = Table(cols, title=title)
@@ -335,7 +353,9 @@ def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") 
             row["await_us"],
             round(row["await/blocking"], 3),
             round(row["await/torch"], 3),
+            interval_cell(row.get("await/torch 90%")),
             round(row["blocking/torch"], 3),
+            interval_cell(row.get("blocking/torch 90%")),
             round(row["wait/blocking"], 3),
         ]
         table.add(**dict(zip(cols, values, strict=True)))

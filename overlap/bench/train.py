@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from overlap.bench.harness import Progress, median
+from overlap.bench.harness import Progress, median, ratio_interval
 
 __all__ = ["VARIANTS", "bench_train_rank"]
 
@@ -434,6 +434,14 @@ def bench_train_rank(
     for v in vs:
         if v["diloco"] is not None:  # its syncs, once per sync_every steps
             sent[v["name"]] = v["diloco"].steady_bytes_per_step()
+    # 90% bootstrap intervals of the ratios the table shows (harness.ratio_interval),
+    # paired by step where both variants ran interleaved, step by step
+    named = {v["name"]: v for v in vs}
+
+    def interval(top: str, bottom: str, key: str = "step") -> list[float]:
+        both = not solo(named[top]) and not solo(named[bottom]) and key == "step"
+        return list(ratio_interval(rec[top]["step"], rec[bottom][key], paired=both))
+
     for v in vs:
         n = v["name"]
         r = rec[n]
@@ -459,6 +467,11 @@ def bench_train_rank(
             # for a core (a DiLoCo sync's reduction, a scheduler's worker)
             "rank_cpu_ms": median(r["proc"]) * 1e3,
         }
+        ddp = "ddp-adamw" if "adam" in n and "ddp-adamw" in named else "ddp"
+        if ddp in named and n != ddp:
+            row["vs_ddp_90"] = interval(ddp, n)  # DDP's step over this one's: a speed-up
+        if "compute" in named and n != "compute":
+            row["x_compute_90"] = interval(n, "compute")
         if v["sched"] is not None:
             cpu = worker[n][-steps - 1 :]  # the measured steps, from the warm-up's last
             row["worker_cpu_ms"] = (cpu[-1] - cpu[0]) / max(len(cpu) - 1, 1) * 1e3
@@ -480,6 +493,7 @@ def bench_train_rank(
             # its own model and optimizer stepped without DiLoCo (the solo phase): the
             # compute-only reference with no difference of tensors (median, slowest)
             row["own_compute_ms"] = median(r["own"]) * 1e3
+            row["x_own_compute_90"] = list(ratio_interval(r["step"], r["own"], paired=False))
             row["own_compute_max_ms"] = max(r["own"]) * 1e3
             # what DiLoCo.step() took of a step (median, slowest), and of that the wait for
             # reductions at landings: the rest of a step's excess over compute-only is

@@ -38,14 +38,21 @@ def test_train_rows_are_tabled_by_variant_with_the_fields_they_have() -> None:
 
 def test_ops_rows_and_the_command_line(tmp_path: Path) -> None:
     rows = [
-        {"op": "sendrecv", "bytes": 4, "torch_us": 73.5, "await_us": 151.0, "await/torch": 2.06}
+        {
+            "op": "sendrecv",
+            "bytes": 4,
+            "torch_us": 73.5,
+            "await_us": 151.0,
+            "await/torch": 2.06,
+            "await/torch 90%": [1.971, 2.114],
+        }
     ]
     f = tmp_path / "ops.json"
     f.write_text(json.dumps(rows))
     out = subprocess.run(
         [sys.executable, str(SCRIPT), str(f)], capture_output=True, text=True, check=True
     ).stdout.splitlines()
-    assert out[0] == "| op | bytes | torch_us | await_us | await/torch |"
-    assert out[2] == "| sendrecv | 4 | 73.50 | 151.00 | 2.06 |"
+    assert out[0] == "| op | bytes | torch_us | await_us | await/torch | await/torch 90% |"
+    assert out[2] == "| sendrecv | 4 | 73.50 | 151.00 | 2.06 | 1.97-2.11 |"
     bad = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
     assert bad.returncode == 2 and "Usage" in bad.stderr
