@@ -1413,43 +1413,48 @@ class MpiBackend:
         0.2-0.4 us a call): two threads that exchange the very same tensors at once race
         on those tensors anyway."""
         m = self._last_sr
+        if m is None:
+            return self._sendrecv(send, dst, recv, src, group, tag, async_op)
+        # one unpacking, not fourteen subscripts: every check is read on the path that
+        # counts (the same exchange again), which this saves 0.1-0.2 us of
+        ws, wr, mdst, msrc, mgroup, mtag, sp, rp, sn, rn, g, rstart, sstart, st = m
         if (
-            m is not None
-            and m[0]() is send
-            and m[1]() is recv
-            and dst is m[2]
-            and src is m[3]
-            and group is m[4]
-            and tag is m[5]
-            and send.data_ptr() == m[6]
-            and recv.data_ptr() == m[7]
-            and send.nbytes == m[8]
-            and recv.nbytes == m[9]
+            ws() is send
+            and wr() is recv
+            and dst is mdst
+            and src is msrc
+            and group is mgroup
+            and tag is mtag
+            and send.data_ptr() == sp
+            and recv.data_ptr() == rp
+            and send.nbytes == sn
+            and recv.nbytes == rn
             and send.is_contiguous()
             and recv.is_contiguous()
             and _hooks.observer is None
             and not _debug._enabled
         ):
             if async_op or self.timeout is not None:
-                return self._post_pair(m[10], m[11], m[12], send, recv, tag, async_op)
-            st = m[13]
+                return self._post_pair(g, rstart, sstart, send, recv, tag, async_op)
             rreq = sreq = None
             try:
-                rreq = m[11]()
-                sreq = m[12]()
+                rreq = rstart()
+                sreq = sstart()
                 rreq.Wait(st)
                 sreq.Wait()
             except Exception as exc:
-                raise self._pair_failed(m[10], rreq, sreq, send, exc) from exc
+                raise self._pair_failed(g, rreq, sreq, send, exc) from exc
             except BaseException:  # Ctrl-C after a Wait returned: MPI may still use them
                 _progress._graveyard.append((rreq, sreq, send, recv))
                 raise
-            g = m[10]
-            err = size_error(
-                "sendrecv", self.global_rank, g.name, tag, st, self._byte, recv, g.ranks
-            )
-            if err is not None:
-                raise err
+            # size_error's rule, its common case inline (a call less): a count MPI cannot
+            # give (negative: MPI_UNDEFINED) or the whole tensor is no mismatch
+            if 0 <= st.Get_count(self._byte) < rn:
+                err = size_error(
+                    "sendrecv", self.global_rank, g.name, tag, st, self._byte, recv, g.ranks
+                )
+                if err is not None:
+                    raise err
             return recv
         return self._sendrecv(send, dst, recv, src, group, tag, async_op)
 
