@@ -17,8 +17,8 @@ block never mixes two tensors, and a small tensor's values are not quantized on 
 a larger neighbour's (as OneBit has a scale per tensor). Measured on a 2-rank MLP whose
 300-float bias shared a block with a 10x larger weight, the bias's averaged gradient was
 7-11% off the exact mean (relative norm) with blocks across tensors and 0.5-1.6% aligned
-(docs/compression.md). Without shapes (DiLoCo's fragments, a direct call) the buffer is
-cut into blocks as it is.
+(docs/compression.md). DiLoCo passes its fragments' parameter shapes alike. Without shapes
+(a direct call) the buffer is cut into blocks as it is.
 
 Each quantization's error (what was meant minus what was sent) is kept per bucket key and
 added to the next call with the same key: nothing is lost, only delayed. A rank sends
@@ -66,7 +66,9 @@ LAYOUT = "per-tensor"
 @dataclass(frozen=True)
 class BlockCodes:
     """A block-quantized average, not yet decoded: what ``Int8.reduce(..., encoded=True)``
-    resolves to. Element i of the average is ``codes[i] (int8) * scales[i // block]``.
+    resolves to. Element i of the average is ``codes[j] (int8) * scales[j // block]``, with
+    j = i without ``segments``; with them, element a + t of the tensor that starts at a is
+    at j = ``at(a)`` + t.
 
     ``codes`` and ``scales`` are the compressor's kept buffers for the call's key: valid
     until the next call with that key (DiLoCo's next sync of the fragment comes after its
@@ -77,11 +79,25 @@ class BlockCodes:
     block: int
     flat: torch.Tensor  # the buffer the call averaged; decode() fills it
     owner: _BlockQuantized
+    # the call's tensors, each from a block boundary (_BlockQuantized._segments); None: one
+    # run of blocks, element i at codes[i]
+    segments: Segments | None = None
 
     def decode(self) -> torch.Tensor:
         """The average decoded into ``flat`` (what a call without ``encoded`` returns)."""
-        self.owner._decode_into(self.codes.view(torch.uint8), self.scales, self.flat)
+        self.owner._decode_into(self.codes.view(torch.uint8), self.scales, self.flat, self.segments)
         return self.flat
+
+    def at(self, a: int) -> int:
+        """Where in ``codes`` the tensor that starts at element ``a`` of ``flat`` starts:
+        ``a`` itself without segments. A tensor of no elements may be given the next one's
+        place (nothing is read there)."""
+        if self.segments is None:
+            return a
+        for src, _, dst in self.segments:
+            if src >= a:
+                return dst if src == a else self.codes.numel()
+        return self.codes.numel()
 
 
 class _BlockQuantized(SkipsNonFinite, Compressor):
@@ -129,17 +145,23 @@ class _BlockQuantized(SkipsNonFinite, Compressor):
         had = self._layouts.get(key)
         if had is not None and had[0] == sig:
             return had[1]
-        sizes = [int(torch.Size(x).numel()) for x in shapes]
-        segs: Segments | None = None
-        if sum(sizes) == n:
-            b, src, dst, out = self.block, 0, 0, []
-            for k in sizes:
-                if k:
-                    out.append((src, k, dst))
-                    src, dst = src + k, dst + -(-k // b) * b
-            segs = tuple(out) if out and dst > n else None  # no padding: as it is
+        segs = self._layout(n, shapes)
         self._layouts[key] = (sig, segs)
         return segs
+
+    def _layout(self, n: int, shapes: Sequence[torch.Size] | None) -> Segments | None:
+        """:meth:`_segments`, made anew."""
+        if not shapes or len(shapes) < 2:
+            return None
+        sizes = [int(torch.Size(x).numel()) for x in shapes]
+        if sum(sizes) != n:
+            return None
+        b, src, dst, out = self.block, 0, 0, []
+        for k in sizes:
+            if k:
+                out.append((src, k, dst))
+                src, dst = src + k, dst + -(-k // b) * b
+        return tuple(out) if out and dst > n else None  # no padding: as it is
 
     def _span(self, n: int, segs: Segments | None) -> int:
         """Elements of the laid-out buffer before its padding to W equal chunks."""
@@ -205,9 +227,13 @@ class _BlockQuantized(SkipsNonFinite, Compressor):
         unit = self.block * w
         return -(-n // unit) * unit
 
-    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
+    def wire_bytes(
+        self, flat: torch.Tensor, group: Any = None, shapes: Sequence[torch.Size] | None = None
+    ) -> int:
+        """Bytes a rank sends for ``flat``; given its tensor ``shapes``, as laid out per
+        tensor (the padding of each tensor to whole blocks travels too)."""
         w = comm.get_world_size(group)
-        p = self.padded(flat.numel(), w)
+        p = self.padded(self._span(flat.numel(), self._layout(flat.numel(), shapes)), w)
         return 2 * (w - 1) * (p + 4 * (p // self.block)) // w
 
     # The three stages, on torch ops; Int8 runs them as numba kernels on CPU.
@@ -278,8 +304,7 @@ class _BlockQuantized(SkipsNonFinite, Compressor):
         n = flat.numel()
         if n == 0:
             return flat
-        # BlockCodes promise element i at codes[i]: an encoded result keeps the plain layout
-        segs = None if encoded and self.encodes_result else self._segments(key, n, shapes)
+        segs = self._segments(key, n, shapes)
         p = self.padded(self._span(n, segs), w)
         if self._before:
             self._from_before(key, segs)
@@ -323,7 +348,7 @@ class _BlockQuantized(SkipsNonFinite, Compressor):
         if self.error_feedback:
             self.state[key] = {"worker": new_worker, "server": new_server}
         if encoded and self.encodes_result:  # int8 codes only: FP8's are not BlockCodes'
-            return BlockCodes(acodes.view(torch.int8), ascales, self.block, flat, self)
+            return BlockCodes(acodes.view(torch.int8), ascales, self.block, flat, self, segs)
         self._decode_into(acodes, ascales, flat, segs)
         return flat
 

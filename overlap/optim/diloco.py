@@ -56,7 +56,7 @@ from overlap.comm import state as comm_state
 from overlap.comm.steps import run, run_async
 from overlap.compression.base import Compressor, NoCompression
 from overlap.compression.codec_numba import kernel_module
-from overlap.compression.quantize import BlockCodes
+from overlap.compression.quantize import BlockCodes, _BlockQuantized
 from overlap.errors import NonFiniteError
 from overlap.initial_sync import broadcast_state, module_state
 from overlap.optim.late import LateLandings
@@ -407,7 +407,7 @@ class DiLoCo:
             wide = any(self.params[j].dtype == torch.float64 for j in frag)
             dtype = torch.float64 if wide else torch.float32
             flat = self._pseudo[i] = torch.zeros(n, dtype=dtype, device=dev)
-            self.compression.prepare(i, flat, self.group)
+            self.compression.prepare(i, flat, self.group, self._shapes(i))
         if self._kernels is not None and self._fusable_outer():
             for p in self.params:
                 if self.outer.state.get(p, {}).get("momentum_buffer") is None:
@@ -741,6 +741,7 @@ class DiLoCo:
             i,
             flat,
             group=self.group,
+            shapes=self._shapes(i),
             async_op=True,
             encoded=self._kernels is not None,
             ready=ready,
@@ -748,7 +749,7 @@ class DiLoCo:
         )
         self._inflight[i] = (self._t + self.delay, h)
         self.syncs += 1
-        self.bytes_sent += self.compression.wire_bytes(flat, self.group)
+        self.bytes_sent += self._wire_bytes(i, flat)
         if self._trace is not None:
             nbytes = flat.numel() * flat.element_size()
             self._trace.issued(i, t0, nbytes, self._t, self._t + self.delay, h)
@@ -1008,9 +1009,9 @@ class DiLoCo:
                 hyper = (has, m, bool(grp["nesterov"]), float(grp["lr"]), alpha)
                 gv, pv = g.view(-1).numpy(), p.detach().view(-1).numpy()
                 bv = (buf if m else g).view(-1).numpy()  # untouched when momentum is 0
-                if q is not None:
+                if q is not None:  # this parameter's codes start at q.at(a)
                     k.sgd_land_int8(
-                        q.codes.numpy(), q.scales.numpy(), q.block, a, gv, pv, bv, *hyper
+                        q.codes.numpy(), q.scales.numpy(), q.block, q.at(a), gv, pv, bv, *hyper
                     )
                 else:
                     k.sgd_land(avg[a : a + n].numpy(), gv, pv, bv, *hyper)
@@ -1112,12 +1113,27 @@ class DiLoCo:
         """Bytes this rank sends per inner step once every fragment syncs in turn: each
         fragment's reduction once per ``sync_every`` steps."""
         total = sum(
-            self.compression.wire_bytes(
-                torch.empty(sum(self.params[j].numel() for j in f), device="meta"), self.group
-            )
-            for f in self.frags
+            self._wire_bytes(i, torch.empty(sum(self.params[j].numel() for j in f), device="meta"))
+            for i, f in enumerate(self.frags)
         )
         return total / self.sync_every
+
+    def _shapes(self, i: int) -> list[torch.Size] | None:
+        """Fragment ``i``'s parameter shapes, for a block quantizer (Int8, FP8): each
+        parameter then starts a block of its own, as in a BucketScheduler's buckets, and a
+        small one (a bias, a norm's weight) is not quantized on a larger neighbour's scales
+        (docs/compression.md, "Blocks per tensor"). None for any other compressor: a
+        PowerSGD would take the shapes for matrices to factor, which it does not do to a
+        fragment today."""
+        if not isinstance(self.compression, _BlockQuantized):
+            return None
+        return [self.params[j].shape for j in self.frags[i]]
+
+    def _wire_bytes(self, i: int, flat: torch.Tensor) -> int:
+        """Bytes this rank sends for fragment ``i``'s reduction (as laid out)."""
+        if isinstance(self.compression, _BlockQuantized):
+            return self.compression.wire_bytes(flat, self.group, self._shapes(i))
+        return self.compression.wire_bytes(flat, self.group)
 
     def statistics(self) -> dict[str, Any]:
         """Inner steps, syncs issued, bytes this rank sent for them, seconds the training
