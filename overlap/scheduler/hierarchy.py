@@ -70,6 +70,7 @@ from overlap.compression.codec import codec_for, gather_sources, write_outputs
 from overlap.compression.layout import Layout, layout
 from overlap.compression.nonfinite import nan_result
 from overlap.compression.onebit import OneBit
+from overlap.compression.quantize import _BlockQuantized
 from overlap.errors import NonFiniteError
 from overlap.runtime import pid_alive
 from overlap.topology import ProcessTopology
@@ -347,8 +348,9 @@ class Hierarchical(Compressor):
         shapes, so each tensor piece has its own scales as in a flat reduction, and ``kw``'s
         OneBit-only keywords (``publish``, ``inputs``, ``mean_with``: the caller adds them
         only when the active compressor is a OneBit); it is called itself (an Auto would
-        pass the call on to it unchanged). Any other gets no shapes: 1-D pieces are not the
-        bucket's tensors (a PowerSGD would take them for vectors)."""
+        pass the call on to it unchanged). A block quantizer (Int8, FP8) gets the segments
+        too, so each piece starts a block of its own. Any other gets no shapes: 1-D pieces
+        are not the bucket's tensors (a PowerSGD would take them for vectors)."""
         cur = self.inner.current()
         before = getattr(cur, "skipped_steps", None)
         target: Compressor = self.inner
@@ -356,6 +358,10 @@ class Hierarchical(Compressor):
             target = cur
             if len(segments) > 1:
                 kw = {**kw, "shapes": [torch.Size([k]) for k in segments]}
+        elif isinstance(cur, _BlockQuantized) and not kw:
+            target = cur  # its blocks start at each piece (docs/compression.md)
+            if len(segments) > 1:
+                kw = {"shapes": [torch.Size([k]) for k in segments]}
         elif {"publish", "inputs", "mean_with"} & kw.keys():
             # dropping inputs or mean_with would reduce a chunk that was never written
             raise RuntimeError(f"OneBit-only keywords for {cur!r}: {sorted(kw)}")

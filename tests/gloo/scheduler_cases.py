@@ -1927,17 +1927,22 @@ def unawaited_backward() -> list[Any]:
     return out
 
 
-def int8_per_tensor_error(block: int) -> list[list[float]]:
+def int8_per_tensor_error(block: int, hosts: int = 0) -> list[list[float]]:
     """Each parameter's averaged gradient under Int8 in a BucketScheduler, against the
     exact mean (relative norm), over three steps: a 300-float bias shares one bucket with a
-    weight whose gradients are about 10x larger. The gradients are the same on every rank."""
+    weight whose gradients are about 10x larger. The gradients are the same on every rank.
+    ``hosts``: under the node hierarchy, the job as that many hosts (Int8 across them)."""
     from overlap.compression import Int8
+    from overlap.scheduler.hierarchy import Hierarchical
 
     r = comm.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(7, 300), nn.Tanh(), nn.Linear(300, 3))
     twin = copy.deepcopy(model)
-    sched = BucketScheduler(model, compression=Int8(block=block))
+    comp: Compressor = Int8(block=block)
+    if hosts:
+        comp = Hierarchical(comp, hosts=hosts, local=comm.get_world_size() // hosts)
+    sched = BucketScheduler(model, compression=comp, hierarchy="flat")
     assert len(sched.buckets) == 1
     out = []
     for step in range(3):
@@ -1955,10 +1960,12 @@ def int8_per_tensor_error(block: int) -> list[list[float]]:
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         assert all(torch.equal(flat, g) for g in comm.all_gather(flat))
         out.append(errs)
+    if hosts:
+        sched.remove()
+        return out
     # A state saved before the per-tensor layout (no "layout" in it) loads; at the bucket's
     # next step its errors, which stand at other places, are dropped with a warning. A
     # state of today's layout is kept as it is.
-    comp = sched.compression
     saved = comp.state_dict()
     assert saved["layout"] == "per-tensor" and list(saved["state"]) == [0]
     warned: list[str] = []

@@ -47,6 +47,17 @@ def test_int8_quantizes_each_tensor_of_a_bucket_on_its_own_scales(
         assert step[1] < 0.015, errs[0]  # the bias
 
 
+def test_int8_across_hosts_quantizes_each_piece_of_a_chunk_on_its_own_scales(
+    pools: Callable[[int], RankPool],
+) -> None:
+    # 2 hosts x 2: each host's chunk of the bucket goes across hosts as Int8, its tensor
+    # pieces each on blocks of their own (before, in one run of blocks: the bias 8% off)
+    errs = pools(4).run(sc.int8_per_tensor_error, 1024, 2, timeout=120)
+    assert all(e == errs[0] for e in errs)
+    for step in errs[0]:
+        assert max(step) < 0.03, errs[0]
+
+
 def test_gradient_as_bucket_view_equals_ddp(pools: Callable[[int], RankPool]) -> None:
     assert pools(2).run(sc.equals_ddp, "blocking", True, timeout=120) == [3, 3]
 
