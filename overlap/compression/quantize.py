@@ -382,13 +382,13 @@ class _BlockQuantized(SkipsNonFinite, Compressor):
         laid out from block boundaries (no ``layout`` in it): where this key is laid out so
         now, the saved errors stand at other places (and may even be of the same length),
         so they are dropped, with a warning, and rebuilt by the next steps; a key cut as it
-        is (DiLoCo's fragments) keeps them."""
+        is (one tensor, or tensors of whole blocks) keeps them."""
         self._before.discard(key)
         if segs is not None and self.state.pop(key, None) is not None:
             log.warning(
-                "%s: the error feedback of bucket %r was saved by an earlier overlap, whose "
-                "blocks ran across the bucket's tensors; it does not fit the per-tensor "
-                "layout and was dropped (the next steps rebuild it)",
+                "%s: the error feedback of key %r (a bucket, a DiLoCo fragment) was saved by "
+                "an earlier overlap, whose blocks ran across its tensors; it does not fit the "
+                "per-tensor layout and was dropped (the next steps rebuild it)",
                 self.name,
                 key,
             )
