@@ -203,12 +203,15 @@ def test_mpi_refuses_a_launchers_rank_that_contradicts_mpiexecs() -> None:
     """RANK and WORLD_SIZE left in the environment of an mpiexec job, naming another job:
     every rank refuses (one of the two is wrong, and code that reads RANK would shard its
     data by the other)."""
+    # one write per line: where PYTHONUNBUFFERED is set (this machine sets it) print() writes
+    # 'ERR', ' ', the message and the newline apart, and the two ranks' pieces interleaved
+    # ("ERRERR init_distributed(...)", 1 job in 30 here)
     code = (
-        "import overlap\n"
+        "import sys, overlap\n"
         "try:\n"
-        "    overlap.init_distributed('mpi'); print('no error')\n"
+        "    overlap.init_distributed('mpi'); sys.stdout.write('no error\\n')\n"
         "except ValueError as e:\n"
-        "    print('ERR', e)\n"
+        "    sys.stdout.write(f'ERR {e}\\n')\n"
     )
     out = mpiexec(2, "-c", code, timeout=120, env_extra={"RANK": "5", "WORLD_SIZE": "9"})
     lines = [x for x in out.stdout.splitlines() if x.strip()]
