@@ -192,6 +192,13 @@ def _line_up() -> Callable[[], Any]:
     return dist.barrier
 
 
+def _rotated(methods: list[str], i: int) -> list[str]:
+    """``methods`` in iteration ``i``'s order: rotated by one every iteration, so that no
+    method always follows the same one (and the line-up before it)."""
+    k = i % len(methods)
+    return methods[k:] + methods[:k]
+
+
 def _iters_for(nbytes: int, base: int) -> int:
     if nbytes >= 16 << 20:  # a 16 MiB gloo op takes 4-12 ms here: 100 at --iters 1000
         return max(base // 10, 5)
@@ -222,10 +229,8 @@ def bench_ops_rank(
                     k: [] for k in ("torch", "blocking", "wait", "await")
                 }
                 count = _iters_for(nbytes, iters)
-                methods = list(times)
                 for i in range(warmup + count):
-                    k = i % len(methods)
-                    for method in methods[k:] + methods[:k]:
+                    for method in _rotated(list(times), i):
                         line_up()
                         t0 = time.perf_counter()
                         if method == "torch":
@@ -384,10 +389,8 @@ def bench_algorithms_rank(
             bar.advance(f"{algorithm} {human_bytes(nbytes)}")
             t = torch.ones(max(nbytes // 4, 1))
             times: dict[str, list[float]] = {"native": [], "blocking": [], "await": []}
-            methods = list(times)
             for i in range(warmup + _iters_for(nbytes, iters)):
-                k = i % len(methods)  # rotated, as in bench_ops_rank
-                for method in methods[k:] + methods[:k]:
+                for method in _rotated(list(times), i):
                     line_up()
                     t0 = time.perf_counter()
                     if method == "native":

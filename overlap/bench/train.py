@@ -438,9 +438,9 @@ def bench_train_rank(
     # paired by step where both variants ran interleaved, step by step
     named = {v["name"]: v for v in vs}
 
-    def interval(top: str, bottom: str, key: str = "step") -> list[float]:
-        both = not solo(named[top]) and not solo(named[bottom]) and key == "step"
-        return list(ratio_interval(rec[top]["step"], rec[bottom][key], paired=both))
+    def interval(top: str, bottom: str) -> list[float]:
+        both = not solo(named[top]) and not solo(named[bottom])
+        return list(ratio_interval(rec[top]["step"], rec[bottom]["step"], paired=both))
 
     for v in vs:
         n = v["name"]
