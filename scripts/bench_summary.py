@@ -18,7 +18,7 @@ TRAIN = [
 ]  # fmt: skip
 OPS = [
     "torch_us", "blocking_us", "await_us", "await/torch", "await/torch 90%", "blocking/torch",
-    "blocking/torch 90%", "await/blocking",
+    "blocking/torch 90%", "await/blocking", "a/a", "a/a 90%",
 ]  # fmt: skip
 
 

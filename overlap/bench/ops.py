@@ -19,6 +19,7 @@ paired by iteration), taken after every op is timed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from functools import partial
@@ -193,10 +194,33 @@ def _line_up() -> Callable[[], Any]:
 
 
 def _rotated(methods: list[str], i: int) -> list[str]:
-    """``methods`` in iteration ``i``'s order: rotated by one every iteration, so that no
-    method always follows the same one (and the line-up before it)."""
-    k = i % len(methods)
-    return methods[k:] + methods[:k]
+    """``methods`` in iteration ``i``'s order: every k consecutive iterations are the k
+    rotations of one order (each method in each place once), and every k! iterations hold
+    each of the k! orders once, so each method follows each other one (and the line-up
+    before it) equally often.
+
+    Why not rotations alone (the fifty-third session's order): a rotation keeps the cyclic
+    order, so inside an iteration each method always followed the same one (blocking after
+    the reference, the reference after the await), and whatever one method leaves behind
+    (a waiter thread going back to sleep, a cache it warmed) always fell on the same
+    neighbour."""
+    k = len(methods)
+    if k < 3:
+        return methods[i % k :] + methods[: i % k]  # two: alternating is every order
+    j = i % math.factorial(k)
+    base = [methods[0], *_nth_order(methods[1:], j // k)]
+    r = j % k
+    return base[r:] + base[:r]
+
+
+def _nth_order(items: list[str], n: int) -> list[str]:
+    """The ``n``-th of the orders of ``items`` (0 <= n < len(items)!), by the factorial
+    number system: each order once as n runs."""
+    rest, out = list(items), []
+    for left in range(len(items), 0, -1):
+        q, n = divmod(n, math.factorial(left - 1))
+        out.append(rest.pop(q))
+    return out
 
 
 def _iters_for(nbytes: int, base: int) -> int:
@@ -225,15 +249,17 @@ def bench_ops_rank(
                 bar.advance(f"{name} {human_bytes(nbytes)}")
                 n = max(nbytes // 4, 1)
                 issue, torch_call = OPS[name](n, r, w)
+                # "again": the reference called a second time, under a name of its own;
+                # "again"/"torch" is the run's A/A ratio, what two identical calls read
                 times: dict[str, list[float]] = {
-                    k: [] for k in ("torch", "blocking", "wait", "await")
+                    k: [] for k in ("torch", "blocking", "wait", "await", "again")
                 }
                 count = _iters_for(nbytes, iters)
                 for i in range(warmup + count):
                     for method in _rotated(list(times), i):
                         line_up()
                         t0 = time.perf_counter()
-                        if method == "torch":
+                        if method == "torch" or method == "again":
                             torch_call()
                         elif method == "blocking":
                             issue(False)
@@ -260,14 +286,18 @@ def bench_ops_rank(
                         "await/torch": med["await"] / med["torch"],
                         "blocking/torch": med["blocking"] / med["torch"],
                         "wait/blocking": med["wait"] / med["blocking"],
+                        "a/a": med["again"] / med["torch"],
                     }
                 )
                 kept.append(times)
         bar.close()
         if r == 0:  # after every timed op, and on the reporting rank only
             for row, times in zip(rows, kept, strict=True):
-                for ratio in ("await/torch", "blocking/torch"):
-                    top, bottom = ratio.split("/")
+                for ratio, top, bottom in (
+                    ("await/torch", "await", "torch"),
+                    ("blocking/torch", "blocking", "torch"),
+                    ("a/a", "again", "torch"),
+                ):
                     row[f"{ratio} 90%"] = list(ratio_interval(times[top], times[bottom]))
         return rows
 
@@ -346,6 +376,8 @@ def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") 
         f"blocking/{reference}",
         "90% ",
         "wait/blocking",
+        "A/A",
+        "90%  ",
     ]
     table = Table(cols, title=title)
     for row in rows:
@@ -362,6 +394,8 @@ def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") 
             round(row["blocking/torch"], 3),
             interval_cell(row.get("blocking/torch 90%")),
             round(row["wait/blocking"], 3),
+            round(row["a/a"], 3) if "a/a" in row else "",
+            interval_cell(row.get("a/a 90%")),
         ]
         table.add(**dict(zip(cols, values, strict=True)))
     return table

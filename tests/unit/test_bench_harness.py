@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -45,3 +46,24 @@ def test_a_constant_ratio_has_no_width_and_too_few_samples_have_no_interval() ->
     assert all(math.isnan(x) for x in ratio_interval([1.0], [1.0, 2.0]))
     assert interval_cell(ratio_interval([1.0], [1.0, 2.0])) == ""
     assert interval_cell([0.971, 1.064]) == "0.97-1.06" and interval_cell(None) == ""
+
+
+def test_the_ops_bench_balances_which_method_runs_after_which() -> None:
+    """Every k iterations put each method in each place once; every k! iterations hold each
+    order once, so each method directly follows each other one equally often (a rotation
+    alone kept the cyclic order: blocking always ran right after the reference)."""
+    from collections import Counter
+
+    from overlap.bench.ops import _rotated
+
+    for methods in (["torch", "blocking", "wait", "await"], ["native", "blocking", "await"]):
+        k = len(methods)
+        orders = [tuple(_rotated(methods, i)) for i in range(math.factorial(k))]
+        assert sorted(orders) == sorted(itertools.permutations(methods))
+        for start in range(0, len(orders), k):
+            for place in range(k):
+                assert {o[place] for o in orders[start : start + k]} == set(methods)
+        after = Counter((o[j], o[j + 1]) for o in orders for j in range(k - 1))
+        assert len(after) == k * (k - 1) and len(set(after.values())) == 1
+        assert _rotated(methods, math.factorial(k)) == methods  # then it starts again
+    assert [_rotated(["a", "b"], i) for i in range(3)] == [["a", "b"], ["b", "a"], ["a", "b"]]

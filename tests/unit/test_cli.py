@@ -99,6 +99,10 @@ def test_bench_ops_json() -> None:
     ]
     for r in rows:
         assert r["await_us"] > 0 and r["blocking_us"] > 0 and r["torch_us"] > 0
+        # the A/A ratio: the reference's second call over its first, with its interval
+        assert r["again_us"] > 0 and r["a/a"] == r["again_us"] / r["torch_us"], r
+        lo, hi = r["a/a 90%"]
+        assert 0 < lo <= hi, r
 
 
 def test_bench_ops_rejects_unknown_op() -> None:
