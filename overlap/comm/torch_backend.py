@@ -357,7 +357,7 @@ class TorchBackend:
                 work = issue()
                 if work is not None:
                     if future and self._cpu:  # polled first, as an awaited op is
-                        _waiters.poll_first(work)
+                        _waiters.poll_first(work, nbytes)
                     _interruptible.wait(work, future and self._cpu)  # Ctrl-C lands in it
             except (ValueError, TypeError):
                 raise

@@ -22,7 +22,8 @@ the awaiting loops through their wakers (overlap/comm/waker.py).
 Works that have a future and nothing to do after them complete from the future's callback
 instead (no thread at all; see :class:`TorchOp`). An op awaited on an idle loop is first
 polled on the loop's own thread for up to 300 us (``OVERLAP_GLOO_SPIN_US``), so a small one
-completes with no wake-up (:func:`spin_until`). The pool grows on demand with no cap and
+completes with no wake-up (:func:`spin_until`); one of more bytes than the window could see
+move (:data:`SPIN_BYTES`) is not polled. The pool grows on demand with no cap and
 keeps a few idle threads, so the thread count is stable in a steady training loop.
 """
 
@@ -62,6 +63,9 @@ PostFn = Callable[[], object]
 _Item = tuple["TorchOp", Handle]
 _YIELD = getattr(os, "sched_yield", lambda: time.sleep(0))  # releases the GIL either way
 SPIN_S = _knobs.number("OVERLAP_GLOO_SPIN_US", 300, low=0, high=1e5, unit="microseconds") * 1e-6
+# An op of more bytes than this cannot complete within the spin window (8 GB/s, twice what
+# gloo's loopback moves here, 2.4 MB in the default 300 us): it is not polled (spin_until).
+SPIN_BYTES = SPIN_S * 8e9
 
 
 def translate_error(exc: BaseException, handle: Handle, rank: int) -> BaseException:
@@ -276,7 +280,7 @@ class TorchOp:
                 if self._taken.acquire(blocking=False):
                     try:
                         if self.sliced:
-                            poll_first(self.work)
+                            poll_first(self.work, handle.nbytes)
                         observe(self.work, handle, self.post, self.rank, self.stream, self.sliced)
                     except BaseException:
                         if handle._state is PENDING:  # interrupted while the op runs on:
@@ -298,7 +302,12 @@ class TorchOp:
         # op is in flight) goes straight to its engine; the ops of one collect_all share
         # one window (overlap.comm.spin).
         seconds = 0.0
-        if SPIN_S > 0 and self.stream is None and not _inflight.busy():
+        if (
+            SPIN_S > 0
+            and self.stream is None
+            and handle.nbytes <= SPIN_BYTES
+            and not _inflight.busy()
+        ):
             seconds = _spin.window(SPIN_S)
         if seconds and self.future:
             # The Work is polled before any callback exists: gloo's thread then completes
@@ -333,7 +342,7 @@ def start_together(handles: list[Handle]) -> None:
         return
     for h in ops:
         e = h._engine
-        if type(e) is not TorchOp or e.future or e.stream is not None:
+        if type(e) is not TorchOp or e.future or e.stream is not None or h.nbytes > SPIN_BYTES:
             return
     seconds = _spin.window(SPIN_S)
     if not seconds:
@@ -374,7 +383,7 @@ def spin_until(done: Callable[[], bool], seconds: float) -> None:
         return
 
 
-def poll_first(work: Any) -> None:
+def poll_first(work: Any, nbytes: int = 0) -> None:
     """Before a blocking wait on a gloo collective's Work (one with a future, whose
     ``is_completed()`` turns True on its own): poll it as :func:`spin_until` does, so that a
     small op completes with no sleep on gloo's condition variable and no wake-up. Not on
@@ -382,7 +391,7 @@ def poll_first(work: Any) -> None:
     thread computes, and polling would take its core), nor while another op of the process
     is observed asynchronously (its threads need the cores). Used by a blocking collective
     (``TorchBackend._launch``) and by ``h.wait()`` (:meth:`TorchOp.wait`)."""
-    if not _inflight.busy() and not _claims.on_internal_thread():
+    if nbytes <= SPIN_BYTES and not _inflight.busy() and not _claims.on_internal_thread():
         spin_until(work.is_completed, SPIN_S)
 
 

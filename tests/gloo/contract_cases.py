@@ -364,12 +364,43 @@ def awaited_ops_spin_on_an_idle_loop() -> list[bool]:
             await other
         else:
             await comm.isend(torch.ones(1), dst=0)
+        # 5. an op of more bytes than any window could see complete (waiters.SPIN_BYTES)
+        # is not spun on, however long the window: it goes straight to its engine
+        big = torch.ones(int(waiters.SPIN_BYTES) // 4 + 1)
+        h, dt = await issue_late(30.0, lambda: comm.all_reduce(big, async_op=True))
+        seen.append(not h.done() and dt < 0.25)
+        assert bool((await h).eq(2.0).all())
 
     try:
         overlap.run(main())
     finally:
         waiters.SPIN_S = saved
     return seen if r == 0 else []
+
+
+def blocking_ops_poll_only_what_a_window_can_see_complete() -> list[float]:
+    """A blocking gloo collective polls its Work before it sleeps (waiters.poll_first), for
+    up to ``waiters.SPIN_S``, but not when it moves more bytes than the window could see
+    complete (``waiters.SPIN_BYTES``): there the poll only took the CPU that gloo's threads
+    needed. Rank 1 joins 0.3 s late with a 0.2 s window; returns rank 0's thread CPU
+    seconds for a small all_reduce (polled: about the window) and a large one (not)."""
+    r = comm.get_rank()
+    saved = waiters.SPIN_S
+    cpu: list[float] = []
+    waiters.SPIN_S = 0.2
+    try:
+        for n in (2, int(waiters.SPIN_BYTES) // 4 + 1):
+            t = torch.ones(n)
+            comm.barrier()
+            if r == 1:
+                time.sleep(0.3)
+            c0 = time.thread_time()
+            comm.all_reduce(t)
+            cpu.append(time.thread_time() - c0)
+            assert bool(t.eq(2.0).all())
+    finally:
+        waiters.SPIN_S = saved
+    return cpu if r == 0 else []
 
 
 def collect_all_spins_share_one_window() -> float:

@@ -77,7 +77,15 @@ def test_dropped_handle_still_completes_and_is_freed(pools: Callable[[int], Rank
 
 
 def test_awaited_ops_spin_on_an_idle_loop(pools: Callable[[int], RankPool]) -> None:
-    assert pools(2).run(cc.awaited_ops_spin_on_an_idle_loop, timeout=60)[0] == [True] * 4
+    assert pools(2).run(cc.awaited_ops_spin_on_an_idle_loop, timeout=60)[0] == [True] * 5
+
+
+def test_blocking_ops_poll_only_what_a_window_can_see_complete(
+    pools: Callable[[int], RankPool],
+) -> None:
+    small, large = pools(2).run(cc.blocking_ops_poll_only_what_a_window_can_see_complete)[0]
+    assert small > 0.02, small  # the poll ran (it yields, so it is not all CPU)
+    assert large < small / 2 and large < 0.05, (small, large)
 
 
 def test_collect_all_spins_share_one_window(pools: Callable[[int], RankPool]) -> None:
