@@ -410,7 +410,7 @@ def bench_algorithms_rank(
     sizes: list[int], iters: int, warmup: int, algorithm: str, loop: str = "uvloop"
 ) -> list[dict[str, Any]]:
     """Native all_reduce vs ``algorithm`` (blocking and awaited), interleaved per iteration
-    in an order that rotates by one every iteration, each after :func:`_line_up`."""
+    in :func:`_rotated`'s balanced order, each after :func:`_line_up`."""
     import overlap
 
     w = comm.get_world_size()
