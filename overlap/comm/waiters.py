@@ -336,14 +336,22 @@ def start_together(handles: list[Handle]) -> None:
     gloo sendrecv 1.79-1.98x torch's ``irecv`` + ``isend`` + waits -> 1.45-1.64x at 4
     bytes, 1.28-1.38x -> 1.13-1.20x at 1 MiB (docs/architecture.md, "An awaited pair's
     hand-offs together"). A mixed batch (an op with a future among them) keeps the
-    one-by-one path, whose first op spins with no thread at all."""
+    one-by-one path, whose first op spins with no thread at all. A batch with an op too
+    large to complete within a window (:data:`SPIN_BYTES`) is handed off together, with no
+    spin."""
     ops = [h for h in handles if h._state is PENDING]
     if len(ops) < 2 or SPIN_S <= 0 or _inflight.busy():
         return
     for h in ops:
         e = h._engine
-        if type(e) is not TorchOp or e.future or e.stream is not None or h.nbytes > SPIN_BYTES:
+        if type(e) is not TorchOp or e.future or e.stream is not None:
             return
+    if any(h.nbytes > SPIN_BYTES for h in ops):
+        # one of them cannot complete within a window (SPIN_BYTES): handed off together
+        # all the same, with no spin
+        for h in ops:
+            h._engine.start(h)
+        return
     seconds = _spin.window(SPIN_S)
     if not seconds:
         return

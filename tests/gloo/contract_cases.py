@@ -486,35 +486,37 @@ def run_takes_handles() -> list[list[float]]:
     return [got.tolist(), out.tolist()]
 
 
-def collect_all_hands_off_together() -> list[float]:
+def collect_all_hands_off_together(big_send: bool = False) -> list[float]:
     """An awaited ``collect_all`` of gloo ops with no future (a receive and a send) hands
     every op to a waiter thread before the loop spins on any (waiters.start_together):
     rank 1 posts its receive at once and sends 0.5 s later, rank 0 awaits its receive and
     its send together with a 0.3 s window. The send completes at once; before, the loop
     spun on the receive for the whole window before the send was handed off, and the send
-    completed 0.3 s late. Returns rank 0's (send done, receive done) in seconds after the
-    posts."""
+    completed 0.3 s late. ``big_send``: the send is larger than any window could see
+    complete (waiters.SPIN_BYTES), and the pair is still handed off together (with no
+    spin). Returns rank 0's (send done, receive done) in seconds after the posts."""
     r = comm.get_rank()
     saved = waiters.SPIN_S
     out: list[float] = []
+    n = int(waiters.SPIN_BYTES) // 4 + 1 if big_send else 2
 
     async def main() -> None:
         comm.barrier()
         if r == 0:
             t0 = time.perf_counter_ns()
-            got, send = torch.zeros(2), torch.full((2,), 5.0)
+            got, send = torch.zeros(2), torch.full((n,), 5.0)
             hs = [comm.irecv(got, src=1), comm.isend(send, dst=1)]
             await asyncio.wait_for(comm.collect_all(hs), 30)
             out.append((hs[1].end_ns - t0) / 1e9)
             out.append((hs[0].end_ns - t0) / 1e9)
             assert got.tolist() == [7.0, 7.0]
         else:
-            got = torch.zeros(2)
+            got = torch.zeros(n)
             h = comm.irecv(got, src=0)
             time.sleep(0.5)
             comm.isend(torch.full((2,), 7.0), dst=0).wait(30)
             h.wait(30)
-            assert got.tolist() == [5.0, 5.0]
+            assert bool(got.eq(5.0).all())
 
     waiters.SPIN_S = 0.3
     try:

@@ -98,8 +98,12 @@ def test_run_awaits_a_handle_or_a_collect_all(pools: Callable[[int], RankPool]) 
     assert out == [[[3.0] * 3, [3.0] * 3], [[3.0] * 3, [3.0] * 3]], out
 
 
-def test_collect_all_hands_off_its_p2p_ops_together(pools: Callable[[int], RankPool]) -> None:
-    send_done, recv_done = pools(2).run(cc.collect_all_hands_off_together, timeout=60)[0]
+@pytest.mark.parametrize("big_send", [False, True], ids=["small", "send_past_the_window"])
+def test_collect_all_hands_off_its_p2p_ops_together(
+    pools: Callable[[int], RankPool], big_send: bool
+) -> None:
+    got = pools(2).run(cc.collect_all_hands_off_together, big_send, timeout=60)
+    send_done, recv_done = got[0]
     assert send_done < 0.15, f"the send completed {send_done:.3f} s after its post"
     assert recv_done > 0.4
 
