@@ -209,8 +209,10 @@ class Auto(Compressor):
     ) -> list[torch.Tensor] | None:
         return self._active.direct_targets(key, params)
 
-    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
-        return self._active.wire_bytes(flat, group)
+    def wire_bytes(
+        self, flat: torch.Tensor, group: Any = None, shapes: Sequence[torch.Size] | None = None
+    ) -> int:
+        return self._active.wire_bytes(flat, group, shapes)
 
     def begin_step(self) -> None:
         self._active.begin_step()

@@ -249,8 +249,12 @@ class Compressor(ABC):
         so no training step pays them). Changes no result; the default does nothing."""
         return None
 
-    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
-        """Bytes this rank sends to reduce ``flat`` (what the Handle reports as ``nbytes``)."""
+    def wire_bytes(
+        self, flat: torch.Tensor, group: Any = None, shapes: Sequence[torch.Size] | None = None
+    ) -> int:
+        """Bytes this rank sends to reduce ``flat`` (what the Handle reports as ``nbytes``);
+        ``shapes``: its tensors, as :meth:`reduce_steps` gets them, for a compressor whose
+        bytes depend on how they are laid out (a block quantizer); the others ignore them."""
         return flat.numel() * flat.element_size()
 
     def state_dict(self) -> dict[str, Any]:

@@ -497,7 +497,9 @@ class OneBit(SkipsNonFinite, Compressor):
         if flat.numel():
             self._state_for(self._entry(key, flat), flat, group, shapes)[0].take_spare()
 
-    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
+    def wire_bytes(
+        self, flat: torch.Tensor, group: Any = None, shapes: Sequence[torch.Size] | None = None
+    ) -> int:
         return compressed_bytes(flat.numel(), comm.get_world_size(group))
 
     def _check_world(self, w: int) -> None:

@@ -749,7 +749,7 @@ class DiLoCo:
         )
         self._inflight[i] = (self._t + self.delay, h)
         self.syncs += 1
-        self.bytes_sent += self._wire_bytes(i, flat)
+        self.bytes_sent += self.compression.wire_bytes(flat, self.group, self._shapes(i))
         if self._trace is not None:
             nbytes = flat.numel() * flat.element_size()
             self._trace.issued(i, t0, nbytes, self._t, self._t + self.delay, h)
@@ -1113,7 +1113,11 @@ class DiLoCo:
         """Bytes this rank sends per inner step once every fragment syncs in turn: each
         fragment's reduction once per ``sync_every`` steps."""
         total = sum(
-            self._wire_bytes(i, torch.empty(sum(self.params[j].numel() for j in f), device="meta"))
+            self.compression.wire_bytes(
+                torch.empty(sum(self.params[j].numel() for j in f), device="meta"),
+                self.group,
+                self._shapes(i),
+            )
             for i, f in enumerate(self.frags)
         )
         return total / self.sync_every
@@ -1128,12 +1132,6 @@ class DiLoCo:
         if not isinstance(self.compression, _BlockQuantized):
             return None
         return [self.params[j].shape for j in self.frags[i]]
-
-    def _wire_bytes(self, i: int, flat: torch.Tensor) -> int:
-        """Bytes this rank sends for fragment ``i``'s reduction (as laid out)."""
-        if isinstance(self.compression, _BlockQuantized):
-            return self.compression.wire_bytes(flat, self.group, self._shapes(i))
-        return self.compression.wire_bytes(flat, self.group)
 
     def statistics(self) -> dict[str, Any]:
         """Inner steps, syncs issued, bytes this rank sent for them, seconds the training

@@ -697,7 +697,9 @@ class _MomentumReduction(Compressor):
         """Blocking form, for the standalone ``step()``."""
         run(self.steps_formed(key, flat, shapes, outputs, group))
 
-    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
+    def wire_bytes(
+        self, flat: torch.Tensor, group: Any = None, shapes: Sequence[torch.Size] | None = None
+    ) -> int:
         w = comm.get_world_size(group)
         if self._frozen:
             return compressed_bytes(flat.numel(), w)

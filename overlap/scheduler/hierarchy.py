@@ -677,8 +677,11 @@ class Hierarchical(Compressor):
     def end_step(self) -> None:
         self.inner.end_step()
 
-    def wire_bytes(self, flat: torch.Tensor, group: Any = None) -> int:
-        """What crosses the slow link per rank: the inner compressor's bytes for one chunk."""
+    def wire_bytes(
+        self, flat: torch.Tensor, group: Any = None, shapes: Sequence[torch.Size] | None = None
+    ) -> int:
+        """What crosses the slow link per rank: the inner compressor's bytes for one chunk
+        (as a run of elements: ``shapes`` are not carried to the chunk)."""
         chunk = flat.new_empty(-(-flat.numel() // self.local))
         return self.inner.wire_bytes(chunk, self.cross_group)
 
