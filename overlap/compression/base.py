@@ -176,7 +176,7 @@ class Compressor(ABC):
             self.name,
             job,
             group,
-            nbytes=self.wire_bytes(flat, group),
+            nbytes=self.wire_bytes(flat, group, shapes),
             backend=comm.get_backend(),
             device=flat.device,
             background=background,

@@ -12,6 +12,7 @@ from overlap import comm
 from overlap.compression import (
     BF16,
     FP16,
+    Int8,
     NoCompression,
     OneBit,
     PowerSGD,
@@ -343,3 +344,16 @@ def powersgd_float64() -> list[Any]:
         dtype = str(out.dtype)
         worst = max(worst, float((out - torch.stack(xs).mean(0)).abs().max()))
     return [dtype, worst]
+
+
+def block_quantized_handle_bytes() -> list[int]:
+    """An async ``Int8.reduce`` given its tensors' shapes reports, as the Handle's
+    ``nbytes``, the bytes of the buffer as laid out per tensor (each tensor padded to whole
+    blocks): [the handle's nbytes, wire_bytes with the shapes, wire_bytes without]. Before,
+    the Handle counted the buffer as one run of blocks, without the padding that travels."""
+    c = Int8(block=64)
+    shapes = [torch.Size([7, 30]), torch.Size([30]), torch.Size([3])]
+    flat = torch.ones(sum(s.numel() for s in shapes))
+    h = c.reduce("b", flat, shapes=shapes, async_op=True)
+    h.wait(60)
+    return [h.nbytes, c.wire_bytes(flat, None, shapes), c.wire_bytes(flat)]

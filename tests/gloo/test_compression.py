@@ -101,3 +101,10 @@ def test_powersgd_keeps_a_float64_bucket_in_float64(pools: Callable[[int], RankP
     """Full rank, so the result is the average: float64-exact (float32 was 1e-7 off)."""
     out = pools(2).run(cc.powersgd_float64, timeout=60)
     assert all(o[0] == "torch.float64" and o[1] < 1e-13 for o in out), out
+
+
+def test_an_async_block_quantized_reduce_counts_the_bytes_as_laid_out(
+    pools: Callable[[int], RankPool],
+) -> None:
+    for nbytes, laid_out, as_one_run in pools(2).run(cc.block_quantized_handle_bytes, timeout=60):
+        assert nbytes == laid_out > as_one_run, (nbytes, laid_out, as_one_run)
