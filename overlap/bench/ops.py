@@ -394,7 +394,7 @@ def ops_table(rows: list[dict[str, Any]], title: str, reference: str = "torch") 
             round(row["blocking/torch"], 3),
             interval_cell(row.get("blocking/torch 90%")),
             round(row["wait/blocking"], 3),
-            round(row["a/a"], 3) if "a/a" in row else "",
+            round(row["a/a"], 3),
             interval_cell(row.get("a/a 90%")),
         ]
         table.add(**dict(zip(cols, values, strict=True)))

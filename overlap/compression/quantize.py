@@ -156,11 +156,11 @@ class _BlockQuantized(SkipsNonFinite, Compressor):
         sizes = [int(torch.Size(x).numel()) for x in shapes]
         if sum(sizes) != n:
             return None
-        b, src, dst, out = self.block, 0, 0, []
+        src, dst, out = 0, 0, []
         for k in sizes:
             if k:
                 out.append((src, k, dst))
-                src, dst = src + k, dst + -(-k // b) * b
+                src, dst = src + k, dst + self._whole_blocks(k)
         return tuple(out) if out and dst > n else None  # no padding: as it is
 
     def _span(self, n: int, segs: Segments | None) -> int:
@@ -168,7 +168,11 @@ class _BlockQuantized(SkipsNonFinite, Compressor):
         if segs is None:
             return n
         _, k, dst = segs[-1]
-        return dst + -(-k // self.block) * self.block
+        return dst + self._whole_blocks(k)
+
+    def _whole_blocks(self, k: int) -> int:
+        """Elements of the whole blocks that ``k`` elements start (a tensor's room)."""
+        return -(-k // self.block) * self.block
 
     def _kept(self, p: int, w: int, device: torch.device) -> list[tuple[str, int, torch.dtype]]:
         """(name, elements, dtype) of every buffer a call keeps, for ``p`` padded elements on
@@ -458,7 +462,7 @@ class Int8(_BlockQuantized):
         # (zero codes; the worker error carried as it is): the same kernel, on slices
         x = src.numpy()
         for a, k, d in (*segs, (0, 0, self._span(src.numel(), segs))):
-            e = min(d + -(-k // b) * b, p) if k else p
+            e = min(d + self._whole_blocks(k), p) if k else p
             if e > d:
                 self._k.encode(
                     x[a : a + k], k, e_in[d:e], has, b, e_out[d:e], c[d:e], sc[d // b : e // b]
