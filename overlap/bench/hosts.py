@@ -12,9 +12,12 @@
 
 Only the addresses made here are used: nothing leaves the namespaces. Clean-up is
 guaranteed: the namespaces (and so the veths and the bridge) are deleted on the way out,
-with whatever still runs in them, also on an exception or SIGTERM; a run killed by SIGKILL
-leaves namespaces named after its pid, and the next ``namespace_hosts`` deletes every
-``ovh<pid>-*`` whose pid is no longer alive before it makes its own.
+with whatever still runs in them, also on an exception or SIGTERM. For a run killed by
+SIGKILL a guardian process, started before anything is made, removes the namespaces, their
+/etc/netns files and the cluster's temporary folder within moments of its death
+(overlap.bench.guard). Should the guardian be killed too, the next ``namespace_hosts`` (or
+``shaped_link``) deletes every ``ovh<pid>-*`` namespace and temporary folder whose pid is
+no longer alive before it makes its own.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from overlap.bench.guard import Guardian, remove_namespace
 from overlap.bench.link import (
     _hosts_file,
-    _remove,
     _run,
     _terminate_as_exit,
     check_rate,
@@ -95,6 +98,7 @@ class Cluster(list[Host]):
 
     launcher: str = ""  # hydra's ssh launcher stand-in: runs the proxy on the named host
     tmp: str = ""  # a directory of the cluster's, removed with its hosts
+    guardian: int = 0  # pid of the process that removes them if this one is killed (or 0)
 
     def torchrun_args(self, host: Host, procs_per_host: int, run_id: str) -> list[str]:
         """torchrun's multi-node arguments for ``host`` (c10d rendezvous on host 0). Host
@@ -190,15 +194,23 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && exec sh -c \"\$0\"
 
 
 def sweep_stale() -> list[str]:
-    """Delete the ``ovh<pid>-*`` namespaces of processes that are gone; return their names."""
+    """Delete the ``ovh<pid>-*`` namespaces, and the ``ovh<pid>-*`` temporary folders, of
+    processes that are gone; return their names (the folders by path)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     gone = []
     for line in out.stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = _NAME.match(name)
         if m and not pid_alive(int(m.group(1))):
-            _remove(name)
+            remove_namespace(name)
             gone.append(name)
+    tmp = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tmp):
+            m = _NAME.match(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and not pid_alive(int(m.group(1))):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                gone.append(entry.path)
     return gone
 
 
@@ -215,18 +227,23 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
     hub = f"{tag}-hub"
     made: list[str] = []
     tmp: str | None = None
+    guard = Guardian()
     try:
         tmp = tempfile.mkdtemp(prefix=f"{tag}-")
+        guard.folder(tmp)
         with _terminate_as_exit():
-            _run("ip", "netns", "add", hub)
+            guard.namespace(hub)
             made.append(hub)
+            _run("ip", "netns", "add", hub)
             _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
             _run("ip", "-n", hub, "link", "set", "br0", "up")
             hosts = Cluster()
+            hosts.guardian = guard.pid
             for i in range(n):
                 ns = f"{tag}-{i}"
-                _run("ip", "netns", "add", ns)
+                guard.namespace(ns)
                 made.append(ns)
+                _run("ip", "netns", "add", ns)
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 # made in the host's namespace, the peer end moved to the hub
                 _run("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}")
@@ -253,8 +270,9 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
             yield hosts
     finally:
         for ns in reversed(made):
-            _remove(ns)
+            remove_namespace(ns)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        guard.release()
         with _live_lock:
             _live.discard(tag)

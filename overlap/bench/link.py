@@ -1,6 +1,6 @@
 """A bandwidth-shaped loopback link: a network namespace whose ``lo`` goes through tbf.
 
-``shaped_link("1gbit")`` creates namespace ``overlap-<pid>``, brings its loopback up and
+``shaped_link("1gbit")`` creates namespace ``ovh<pid>-link``, brings its loopback up and
 shapes it (``tc qdisc add dev lo root tbf rate RATE burst 512kb latency 100ms``); commands run
 inside it with the returned prefix (``ip netns exec NAME``). Only loopback addresses are used.
 Needs root (CAP_NET_ADMIN); without it, :class:`LinkError` says so.
@@ -18,6 +18,8 @@ import subprocess
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+from overlap.bench.guard import NETNS_ETC, Guardian, remove_namespace
 
 __all__ = ["LinkError", "check_rate", "require_root", "shaped_link"]
 
@@ -46,10 +48,6 @@ def _run(*cmd: str) -> None:
     out = subprocess.run(list(cmd), capture_output=True, text=True)
     if out.returncode != 0:
         raise LinkError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
-
-
-# ``ip netns exec NAME`` bind-mounts the files of /etc/netns/NAME over their namesakes in /etc
-NETNS_ETC = "/etc/netns"
 
 
 def _hosts_file(name: str, hosts: Sequence[tuple[str, str]] = ()) -> None:
@@ -83,23 +81,11 @@ def _hosts_file(name: str, hosts: Sequence[tuple[str, str]] = ()) -> None:
         )
 
 
-def _remove(name: str) -> None:
-    """Kill what still runs inside namespace ``name``, then delete it and its /etc files."""
-    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
-    for pid in pids.stdout.split():
-        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-            os.kill(int(pid), signal.SIGKILL)
-    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-    shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
-    with contextlib.suppress(OSError):  # made by _hosts_file; kept while anyone uses it
-        os.rmdir(NETNS_ETC)
-
-
 @contextlib.contextmanager
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM (``kill``, a CI timeout) raises SystemExit in the main thread while inside,
-    so the namespace is still removed; SIGKILL cannot be caught (the next run's namespace
-    has another name, and ``ip netns list`` shows the stale one)."""
+    so the namespace is still removed; SIGKILL cannot be caught, and a guardian process
+    removes what was made then (overlap.bench.guard)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -129,34 +115,30 @@ def shaped_link(rate: str) -> Iterator[list[str]]:
     """Yield a command prefix that runs a command inside a namespace shaped to ``rate``.
 
     The namespace is removed on the way out, with anything still running in it, also when
-    the caller is stopped by an exception or SIGTERM."""
+    the caller is stopped by an exception or SIGTERM, and by a guardian process when the
+    caller is killed by SIGKILL (overlap.bench.guard). Its name, ``ovh<pid>-link``, is one
+    that :func:`overlap.bench.hosts.sweep_stale` removes once ``pid`` is gone, should the
+    guardian have been killed as well."""
     check_rate(rate)
     require_root("--link", "a network namespace and shapes its loopback with tc")
-    name = f"overlap-{os.getpid()}"
-    _run("ip", "netns", "add", name)
+    from overlap.bench.hosts import sweep_stale  # hosts builds on this module
+
+    sweep_stale()
+    name = f"ovh{os.getpid()}-link"
+    guard = Guardian()
     try:
-        _hosts_file(name)
-        _run("ip", "-n", name, "link", "set", "lo", "up")
-        _run(
-            "ip",
-            "netns",
-            "exec",
-            name,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            "lo",
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "512kb",
-            "latency",
-            "100ms",
-        )
-        with _terminate_as_exit():
-            yield ["ip", "netns", "exec", name]
+        guard.namespace(name)
+        _run("ip", "netns", "add", name)
+        try:
+            _hosts_file(name)
+            _run("ip", "-n", name, "link", "set", "lo", "up")
+            _run(
+                *["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root"],
+                *["tbf", "rate", rate, "burst", "512kb", "latency", "100ms"],
+            )
+            with _terminate_as_exit():
+                yield ["ip", "netns", "exec", name]
+        finally:
+            remove_namespace(name)
     finally:
-        _remove(name)
+        guard.release()

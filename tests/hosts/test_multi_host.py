@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,21 +50,40 @@ def _netns() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
-def _child_holding_hosts() -> tuple[subprocess.Popen[str], str]:
-    """A process that makes 2 namespace hosts and sleeps; it and its hosts' name tag."""
+def _child_holding_hosts() -> tuple[subprocess.Popen[str], str, dict[str, object]]:
+    """A process that makes 2 namespace hosts and sleeps; it, its hosts' name tag, and
+    the cluster's temporary folder (``tmp``) and guardian pid (``guardian``)."""
     code = (
-        "import faulthandler, signal, time\n"
+        "import faulthandler, json, signal, time\n"
         "faulthandler.register(signal.SIGUSR1)\n"  # its stack, if it does not end in time
         "from overlap.bench.hosts import namespace_hosts\n"
         "with namespace_hosts(2) as hs:\n"
-        "    print(hs[0].netns.split('-')[0], flush=True)\n"
+        "    tag = hs[0].netns.split('-')[0]\n"
+        "    print(json.dumps({'tag': tag, 'tmp': hs.tmp, 'guardian': hs.guardian}), flush=True)\n"
         "    time.sleep(60)\n"
     )
     child = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert child.stdout is not None
-    return child, child.stdout.readline().strip()
+    said = json.loads(child.stdout.readline())
+    return child, str(said["tag"]), said
+
+
+def _until(check: Callable[[], bool], within: float = 20.0) -> bool:
+    """Poll ``check`` until it holds or ``within`` seconds have passed; its last answer."""
+    end = time.monotonic() + within
+    while not check():
+        if time.monotonic() > end:
+            return check()
+        time.sleep(0.1)
+    return True
+
+
+def _left_by(tag: str) -> list[str]:
+    """The namespaces and /etc/netns files named ``tag-*`` still there."""
+    listed = [x.split()[0] for x in _netns().splitlines()] + _etc_netns()
+    return [x for x in listed if x.startswith(f"{tag}-")]
 
 
 def _etc_netns() -> list[str]:
@@ -167,21 +187,78 @@ def test_srun_alone_runs_the_same_script() -> None:
     assert _ours() == []
 
 
+def test_hosts_of_a_process_killed_by_sigkill_are_removed_by_its_guardian() -> None:
+    """SIGKILL runs no clean-up in the process; its guardian removes the namespaces, their
+    /etc/netns files and the cluster's folder within moments, with no later run needed.
+    Before, all of them stayed until the next namespace_hosts, and the folder for good."""
+    from overlap.runtime import pid_alive
+
+    child, tag, said = _child_holding_hosts()
+    guardian = int(str(said["guardian"]))
+    try:
+        assert guardian and pid_alive(guardian)
+        assert f"{tag}-hub" in _netns() and os.path.isdir(str(said["tmp"]))
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        assert _until(lambda: not pid_alive(guardian)), "the guardian did not finish in 20 s"
+        assert _left_by(tag) == []
+        assert not os.path.exists(str(said["tmp"]))
+    finally:
+        if child.poll() is None:
+            child.kill()
+        if pid_alive(guardian):
+            os.kill(guardian, signal.SIGKILL)
+
+
 def test_hosts_of_a_killed_process_are_swept_by_the_next() -> None:
+    """The guardian killed as well (``kill -9`` of both): the next namespace_hosts deletes
+    what the dead process left, its temporary folder too."""
     from overlap.bench.hosts import namespace_hosts, sweep_stale
 
-    child, tag = _child_holding_hosts()
+    child, tag, said = _child_holding_hosts()
     listed = _netns()
     assert f"{tag}-hub" in listed and f"{tag}-1" in listed
+    os.kill(int(str(said["guardian"])), signal.SIGKILL)
     child.send_signal(signal.SIGKILL)  # no clean-up can run
     child.wait(timeout=30)
     time.sleep(0.2)
-    assert [x for x in _etc_netns() if x.startswith(f"{tag}-")]
+    assert _left_by(tag) and os.path.isdir(str(said["tmp"]))
     with namespace_hosts(1):  # sweeps what dead processes left, then makes its own
-        assert tag not in _netns()
-        assert not [x for x in _etc_netns() if x.startswith(f"{tag}-")]
+        assert _left_by(tag) == []
+        assert not os.path.exists(str(said["tmp"]))
     assert sweep_stale() == []
     assert _ours() == []
+
+
+def test_a_shaped_link_of_a_process_killed_by_sigkill_is_removed() -> None:
+    """``overlap demo`` or ``bench --link`` killed by SIGKILL: before, its namespace and
+    /etc/netns files stayed for good (nothing swept them)."""
+    code = (
+        "import time\n"
+        "from overlap.bench.link import shaped_link\n"
+        "with shaped_link('1gbit') as prefix:\n"
+        "    print(prefix[-1], flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert child.stdout is not None
+    name = child.stdout.readline().strip()
+    try:
+        assert name.startswith("ovh") and name.endswith("-link"), name
+        assert name in _netns() and name in _etc_netns()
+        os.killpg(child.pid, signal.SIGKILL)  # the whole process group, as a CI timeout
+        child.wait(timeout=30)
+        assert _until(lambda: name not in _netns() and name not in _etc_netns())
+    finally:
+        if child.poll() is None:
+            child.kill()
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
 
 
 def test_a_cluster_made_inside_another_has_names_of_its_own() -> None:
@@ -200,7 +277,9 @@ def test_a_cluster_made_inside_another_has_names_of_its_own() -> None:
 
 
 def test_sigterm_removes_the_hosts() -> None:
-    child, tag = _child_holding_hosts()
+    from overlap.runtime import pid_alive
+
+    child, tag, said = _child_holding_hosts()
     child.terminate()
     try:
         child.wait(timeout=60)
@@ -215,6 +294,8 @@ def test_sigterm_removes_the_hosts() -> None:
         raise AssertionError(stuck) from None
     assert tag not in _netns()
     assert not [x for x in _etc_netns() if x.startswith(f"{tag}-")]
+    assert not os.path.exists(str(said["tmp"]))
+    assert _until(lambda: not pid_alive(int(str(said["guardian"])))), "the guardian stayed"
 
 
 def test_hosts_resolve_each_other_and_the_mapped_loopback() -> None:
