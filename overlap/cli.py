@@ -33,8 +33,10 @@ def _run_json(
     (None, exit code) after saying what went wrong."""
     import subprocess
 
+    from overlap.bench.guard import with_parent
     from overlap.bench.link import LinkError, shaped_link
 
+    cmd = with_parent(cmd)  # it ends with this process, also after a kill -9
     try:
         if link:
             with shaped_link(link) as prefix:
@@ -239,14 +241,14 @@ def _rerun_in_link(args: argparse.Namespace) -> int | None:
         return None  # --link shapes the links between the namespace hosts instead
     import subprocess
 
+    from overlap.bench.guard import with_parent
     from overlap.bench.link import LinkError, shaped_link
 
     argv = list(args._argv)  # what main() parsed (sys.argv, or main(argv)'s list)
+    inner = with_parent([sys.executable, "-m", "overlap.cli", *argv, "--_in-link"])
     try:
         with shaped_link(args.link) as prefix:
-            return subprocess.run(
-                [*prefix, sys.executable, "-m", "overlap.cli", *argv, "--_in-link"]
-            ).returncode
+            return subprocess.run([*prefix, *inner]).returncode
     except LinkError as exc:
         _err(f"error: {exc}")
         return 2

@@ -179,7 +179,10 @@ def demo_rank(steps: int, model_size: str, out_dir: str, link: str) -> dict[str,
     """One rank of the demo (module level so the launcher can pickle it)."""
     import overlap
     from overlap import comm
+    from overlap.bench.guard import exit_with_parent
     from overlap.compression import compressed_bytes
+
+    exit_with_parent()  # the launcher is the demo's own process: end with it, even by SIGKILL
 
     torch.set_num_threads(1)
     overlap.init_distributed()

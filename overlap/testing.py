@@ -13,7 +13,9 @@ stack to stderr (faulthandler, on SIGUSR1), so a hang shows where it was.
 
 ``fn`` and its arguments are pickled, so ``fn`` must be importable (defined at module level).
 A rank may start processes of its own (a DataLoader's workers). A pool left open is
-stopped when it is collected or when the caller exits.
+stopped when it is collected or when the caller exits; and if the caller is killed (SIGKILL
+included: a CI runner's timeout, the OOM killer), every rank ends within moments, whatever
+it was doing (each watches a pipe whose other end only the caller holds).
 
 Ranks are forked from multiprocessing's fork server (``start_method="forkserver"``, the
 default where the platform has one), which imports torch and overlap once for the whole
@@ -86,6 +88,29 @@ def _context(method: str) -> Any:
     return ctx
 
 
+# A rank's exit code when the process that started its pool is gone (no one reads it)
+OWNER_GONE = 75
+
+
+def _exit_with_owner(lifeline: Connection) -> None:
+    """Block until the pool's owner closes ``lifeline``'s other end, which the kernel does
+    when the owner dies, however it dies; then end this rank at once.
+
+    Why: a rank's parent is the fork server, not the pool's owner, and the fork server
+    lives on while any rank does (each rank holds its liveness pipe), so nothing else told
+    a rank that its owner was gone. Measured (fifty-sixth session): after ``kill -9`` of
+    ``overlap bench ops``, its two ranks ran on at 60-70% of a core each, past 30 s, to
+    the end of their loop; a test run killed at its timeout left its ranks the same way,
+    or waiting in a collective for good. The owner closes its end only once the ranks
+    have exited or been killed (:meth:`RankPool._kill`), so a polite ``close()`` is not
+    cut short."""
+    try:
+        lifeline.recv_bytes()  # nothing is ever sent: this returns only at the end
+    except (EOFError, OSError):
+        pass
+    os._exit(OWNER_GONE)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -94,6 +119,7 @@ def _worker(
     backend: str,
     env: dict[str, str],
     timeout: float,
+    lifeline: Connection,
 ) -> None:
     # the caller's environment at start() and the pool's own: a forked rank would otherwise
     # have the fork server's, as it was when the server started
@@ -109,8 +135,13 @@ def _worker(
     )
     import faulthandler
     import signal
+    import threading
 
     import torch
+
+    threading.Thread(
+        target=_exit_with_owner, args=(lifeline,), name="overlap-rank-lifeline", daemon=True
+    ).start()
 
     # a hung rank's stacks, every thread's, on stderr: the pool asks for them before it
     # stops the ranks that did not answer in time (RankPool._collect)
@@ -197,6 +228,7 @@ class RankPool:
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._lifeline: Connection | None = None  # its end closes when this process dies
         self._finalizer: mp_util.Finalize | None = None
 
     # -------------------------------------------------------------------------- lifecycle
@@ -210,11 +242,16 @@ class RankPool:
         # joins its non-daemonic children (exitpriority >= 0 runs first there): a pool left
         # open never holds up the caller's exit; it kills what this list holds by then
         self._finalizer = mp_util.Finalize(self, _kill_procs, args=(self._procs,), exitpriority=10)
+        # each rank ends itself when this process is gone (_exit_with_owner)
+        life_r, self._lifeline = ctx.Pipe(duplex=False)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, child, self.backend, env, self.timeout),
+                args=(
+                    *(rank, self.world_size, port, child, self.backend, env, self.timeout),
+                    life_r,
+                ),
                 name=f"overlap-rank-{rank}",
                 # not daemonic, so a rank may start processes of its own (a DataLoader's
                 # workers: "daemonic processes are not allowed to have children"); the
@@ -225,6 +262,7 @@ class RankPool:
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
+        life_r.close()
         self._collect("start-up", self.timeout)
         return self
 
@@ -249,6 +287,9 @@ class RankPool:
             self._finalizer = None
         for c in self._conns:
             c.close()
+        if self._lifeline is not None:
+            self._lifeline.close()  # after the ranks: none is left to read its end
+            self._lifeline = None
         self._procs, self._conns = [], []
 
     def __enter__(self) -> RankPool:

@@ -34,9 +34,11 @@ import shutil
 import signal
 import subprocess
 import sys
-from typing import IO
+import threading
+import time
+from typing import IO, NoReturn
 
-__all__ = ["Guardian", "remove_namespace"]
+__all__ = ["Guardian", "exit_with_parent", "remove_namespace", "with_parent"]
 
 log = logging.getLogger("overlap.bench.guard")
 
@@ -123,6 +125,53 @@ class Guardian:
             proc.wait()
 
 
+# A process's exit code when it ends because its parent is gone (no one reads it)
+PARENT_GONE = 75
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` as a command that gets SIGTERM when this process dies, SIGKILL included.
+
+    Why: a benchmark the CLI runs as a subprocess (``python -m overlap.bench.train``,
+    torchrun, mpiexec) ran on after ``kill -9`` of ``overlap bench``, with its ranks, to
+    the end of its run. Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) is set by
+    a small wrapper that then ``exec``s ``cmd`` (the setting survives the exec), rather
+    than in a ``preexec_fn`` (unsafe with threads). It fires when the thread that started
+    the command ends, so start it from a thread that lives as long as the command: the
+    main thread. Elsewhere than Linux, ``cmd`` unchanged."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), "--exec", str(os.getpid()), *cmd]
+
+
+def _exec_with_parent(parent: int, cmd: list[str]) -> NoReturn:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        sys.stderr.write(f"overlap: prctl failed (errno {ctypes.get_errno()}); running on\n")
+    if os.getppid() != parent:  # it died before the signal was set
+        os._exit(PARENT_GONE)
+    os.execvp(cmd[0], cmd)
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process (exit code :data:`PARENT_GONE`) soon after its parent is gone: a
+    daemon thread notices the reparenting (``os.getppid()`` changes). For worker processes
+    whose parent is a launcher running in Python (the demo's ranks under torch's elastic
+    launcher, which is the ``overlap demo`` process itself): killed by SIGKILL, it left
+    them training on to the end of their run."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(PARENT_GONE)
+
+    threading.Thread(target=watch, name="overlap-parent-watch", daemon=True).start()
+
+
 def _serve(lines: IO[str]) -> None:
     """The guardian's side: read what the process makes until the pipe ends; remove it all
     unless the process said ``done`` first. Folders go first (they need no tool), then the
@@ -144,6 +193,8 @@ def _serve(lines: IO[str]) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "--exec":  # with_parent's wrapper
+        _exec_with_parent(int(sys.argv[2]), sys.argv[3:])
     # Ctrl-C or a SIGTERM aimed at this session must not stop the clean-up half way
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

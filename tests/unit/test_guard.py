@@ -130,3 +130,59 @@ def test_without_a_guardian_the_calls_do_nothing(monkeypatch: pytest.MonkeyPatch
     g.namespace("ovh1-0")
     g.folder("/nonexistent")
     g.release()
+
+
+# The owner starts a sleeper that ends with it: through with_parent's wrapper ("exec"), or
+# by calling exit_with_parent itself ("watch"); it prints the sleeper's pid and waits.
+OWNER = """
+import importlib.util, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("guard", sys.argv[1])
+guard = importlib.util.module_from_spec(spec); spec.loader.exec_module(guard)
+if sys.argv[2] == "exec":
+    cmd = guard.with_parent([sys.executable, "-c", "import time; time.sleep(60)"])
+else:
+    cmd = [sys.executable, "-c", (
+        "import importlib.util, sys, time\\n"
+        "spec = importlib.util.spec_from_file_location('guard', sys.argv[1])\\n"
+        "guard = importlib.util.module_from_spec(spec); spec.loader.exec_module(guard)\\n"
+        "guard.exit_with_parent(0.05)\\n"
+        "print('watching', flush=True)\\n"
+        "time.sleep(60)\\n"), sys.argv[1]]
+child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+if sys.argv[2] == "watch":
+    child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+@pytest.mark.parametrize("how", ["exec", "watch"])
+def test_a_command_ends_with_the_process_that_started_it(how: str) -> None:
+    """``kill -9`` of a benchmark's launcher: what it started ends within seconds (before,
+    ``python -m overlap.bench.train`` and its ranks, or the demo's ranks, ran on)."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, GUARD, how], stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    line = owner.stdout.readline().strip()
+    assert line.isdigit(), line
+    sleeper = int(line)
+    try:
+        time.sleep(0.3)  # the wrapper has exec'd into the sleeper
+        assert pid_alive(sleeper)
+        owner.kill()
+        owner.wait(timeout=30)
+        assert _gone(sleeper), "the command outlived the process that started it"
+    finally:
+        for pid in (owner.pid, sleeper):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_with_parent_runs_the_command_as_it_is() -> None:
+    cmd = guard_module.with_parent([sys.executable, "-c", "import sys; print(sys.argv[1:])", "a b"])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "['a b']", done
