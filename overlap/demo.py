@@ -335,10 +335,14 @@ def run_demo(
     """Launch ``world_size`` local ranks with torch's elastic launcher; return their results."""
     from torch.distributed.launcher.api import elastic_launch
 
+    from overlap.bench.guard import Guardian
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the launcher's per-rank error files go to a directory of ours, removed afterwards:
     # left to itself it makes a /tmp/torchelastic_* directory per run and never removes it
+    guard = Guardian()  # removes it should this process be killed by SIGKILL
     with tempfile.TemporaryDirectory(prefix="overlap-demo-") as log_dir:
+        guard.folder(log_dir)
         config = _launch_config(
             log_dir,
             min_nodes=1,
@@ -351,9 +355,12 @@ def run_demo(
             monitor_interval=0.2,
             start_method="spawn",
         )
-        results: dict[int, dict[str, Any]] = elastic_launch(config, demo_rank)(
-            steps, model_size, os.path.abspath(out_dir), link
-        )
+        try:
+            results: dict[int, dict[str, Any]] = elastic_launch(config, demo_rank)(
+                steps, model_size, os.path.abspath(out_dir), link
+            )
+        finally:
+            guard.release()
     return results
 
 
