@@ -1263,7 +1263,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not args.verbose:
         logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    code: Any = args.func(args)
+    try:
+        code: Any = args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches the whole process group (ranks, launchers, benchmark subprocesses),
+        # which end on their own; the user asked for it, so a line, not a traceback
+        _err("overlap: interrupted")
+        return 130
     return int(code)
 
 

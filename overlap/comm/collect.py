@@ -31,7 +31,7 @@ from collections.abc import Generator, Iterable
 from typing import Any
 
 from overlap.comm import spin as _spin
-from overlap.comm.handle import _LOCK, FAILED, OWN_ENGINE, PENDING, Handle
+from overlap.comm.handle import _LOCK, FAILED, OWN_ENGINE, PENDING, Handle, turn_due
 from overlap.comm.progress import spin_together
 from overlap.comm.waiters import start_together
 
@@ -72,6 +72,9 @@ class _Collected(Handle):
                 self._on_await(loop, spun is False)  # False: the window is spent
                 if self._state is PENDING:
                     yield from self._suspend(loop)
+                    return self.result()
+        if turn_due():
+            yield  # the loop's turn (overlap.comm.handle.turn_due)
         return self.result()
 
     def _settle(self) -> bool:

@@ -61,7 +61,7 @@ from typing import Any, ClassVar
 
 from overlap.comm import knobs as _knobs
 from overlap.comm import spin as _spin
-from overlap.comm.handle import FAILED, OWN_ENGINE, PENDING, Handle, _now
+from overlap.comm.handle import FAILED, OWN_ENGINE, PENDING, Handle, _now, turn_due
 from overlap.errors import CommError, CommTimeoutError
 
 __all__ = ["MpiOp", "ProgressEngine", "spin_together", "stop_reaper"]
@@ -205,6 +205,10 @@ class MpiOp(Handle):
                 loop = asyncio.get_running_loop()
                 ProgressEngine.for_loop(loop).add(self)
                 yield from self._suspend(loop)
+            elif turn_due():
+                yield  # the loop's turn (overlap.comm.handle.turn_due)
+        elif turn_due():
+            yield
         if self._exc is not None:
             raise self._exc
         return self._result

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from overlap import CommError, CommTimeoutError
 from overlap.comm.handle import Handle, HandleState
+from tests.conftest import LOOP_KINDS
 
 
 def finish_later(h: Handle, delay: float, exc: BaseException | None = None) -> threading.Thread:
@@ -261,3 +263,82 @@ def test_awaited_from_two_loops_in_two_threads() -> None:
     for t in threads:
         t.join(5)
     assert results == [7, 7]
+
+
+async def _awaits_at_once(h: Handle, seconds: float) -> tuple[int, int]:
+    """Await ``h`` (already complete) for ``seconds`` while another task counts its turns:
+    (the other task's turns, the awaits)."""
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other())
+    end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        assert await h == "done"
+        n += 1
+    task.cancel()
+    return turns, n
+
+
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
+def test_awaits_that_complete_at_once_still_let_the_loop_run(loop_kind: str) -> None:
+    """An await of a completed handle returns at once (as on a done asyncio future), and a
+    gloo or MPI op awaited on an idle loop often completes inside the await (the spin); a
+    coroutine made only of such awaits never let its loop run: no other task, no timeout,
+    no Ctrl-C until it ended. Now the loop runs once per 10 ms of them."""
+    from overlap.runtime import run
+
+    h = Handle.completed("all_reduce", "done")
+    turns, n = run(_awaits_at_once(h, 0.3), loop=loop_kind)  # type: ignore[arg-type]
+    assert n > 100 and 5 <= turns <= n // 10, (turns, n)
+
+
+@pytest.mark.parametrize("loop_kind", LOOP_KINDS)
+def test_a_timeout_around_awaits_that_complete_at_once_fires(loop_kind: str) -> None:
+    from overlap.runtime import run
+
+    async def main() -> float:
+        h = Handle.completed("all_reduce", "done")
+        start = time.perf_counter()
+
+        async def spin() -> None:
+            while time.perf_counter() - start < 5:
+                await h
+
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(spin(), 0.05)
+        return time.perf_counter() - start
+
+    took = run(main(), loop=loop_kind)  # type: ignore[arg-type]
+    assert took < 1.0, took
+
+
+def test_ctrl_c_ends_a_loop_of_awaits_that_complete_at_once(tmp_path: Path) -> None:
+    """One Ctrl-C (SIGINT) ends ``overlap.run`` at once; before, it took a second one."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(
+        "import os, signal, threading, time\n"
+        "import overlap\n"
+        "from overlap.comm.handle import Handle\n"
+        "async def main():\n"
+        "    h = Handle.completed('all_reduce', 1)\n"
+        "    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "    end = time.perf_counter() + 20\n"
+        "    while time.perf_counter() < end:\n"
+        "        await h\n"
+        "    print('not interrupted', flush=True)\n"
+        "overlap.run(main())\n"
+    )
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "not interrupted" not in done.stdout
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr, done
+    assert time.perf_counter() - start < 15, "the Ctrl-C was not taken at once"
