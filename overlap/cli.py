@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -1265,12 +1266,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     try:
         code: Any = args.func(args)
-    except KeyboardInterrupt:
+    except BaseException as exc:
         # Ctrl-C reaches the whole process group (ranks, launchers, benchmark subprocesses),
-        # which end on their own; the user asked for it, so a line, not a traceback
-        _err("overlap: interrupted")
-        return 130
+        # which end on their own; the user asked for it, so a line, not a traceback. torch's
+        # elastic launcher (the demo's) turns the signal into its own SignalException.
+        sig = _stopped_by(exc)
+        if sig is None:
+            raise
+        if not getattr(args, "_in_link", False):  # the outer process says it, once
+            _err("overlap: interrupted")
+        return 128 + sig
     return int(code)
+
+
+def _stopped_by(exc: BaseException) -> int | None:
+    """The signal number when ``exc`` is how a signal stopped a command (Ctrl-C's
+    KeyboardInterrupt, or torch elastic's SignalException), else None."""
+    if isinstance(exc, KeyboardInterrupt):
+        return int(signal.SIGINT)
+    if type(exc).__name__ == "SignalException":
+        return int(getattr(exc, "sigval", signal.SIGINT))
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -322,3 +322,49 @@ def test_bench_ops_concurrent_runs_and_refuses_bad_counts() -> None:
     assert all(r["in_flight"] == 50 and r["ours_s"] > 0 and r["raw_s"] > 0 for r in rows)
     bad = run("bench", "ops", "--concurrent", "lots")
     assert bad.returncode == 2 and "--concurrent takes counts" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "ops", "--op", "all_reduce", "--sizes", "4", "--iters", "1000000"],
+        ["bench", "train", "--variant", "compute", "--steps", "1000", "--warmup", "1"],
+    ],
+    ids=["bench-ops", "bench-train"],
+)
+def test_ctrl_c_ends_a_command_with_a_line_and_leaves_nothing_running(args: list[str]) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) while the ranks run: exit 130 with
+    one line, not a Python traceback, and no process of the group left behind."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [*OVERLAP, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+
+    def group() -> list[str]:
+        out = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
+        return out.stdout.split()
+
+    try:
+        end = time.monotonic() + 120
+        while len(group()) < 4 and time.monotonic() < end:  # the ranks have started
+            time.sleep(0.2)
+        time.sleep(2.0)  # and run their loop
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (proc.returncode, err[-2000:])
+        assert "overlap: interrupted" in err and "Traceback" not in err, err[-2000:]
+        end = time.monotonic() + 15
+        while group() and time.monotonic() < end:
+            time.sleep(0.2)
+        assert group() == []
+    finally:
+        if proc.poll() is None or group():
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
