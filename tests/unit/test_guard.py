@@ -5,11 +5,13 @@ tests/hosts/test_multi_host.py, as root.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,12 +73,14 @@ def _ignoring(pid: int, *signals: int, within: float = 15.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_process_killed_with_its_group_has_its_folder_removed(tmp_path: Path) -> None:
-    folder = tmp_path / "made"
+@contextlib.contextmanager
+def _sleeping_child(folder: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A child that made ``folder``, told its guardian, and sleeps; (it, the guardian's
+    pid). On the way out: the folder is gone once the child is, and nothing is left."""
     child, guardian = _child(folder, "sleep")
     try:
         assert folder.is_dir() and pid_alive(guardian)
-        os.killpg(child.pid, signal.SIGKILL)  # a CI runner's hard timeout: the whole group
+        yield child, guardian
         child.wait(timeout=30)
         assert _gone(guardian), "the guardian did not finish within 15 s"
         assert not folder.exists()
@@ -85,6 +89,11 @@ def test_a_process_killed_with_its_group_has_its_folder_removed(tmp_path: Path) 
             child.kill()
         if pid_alive(guardian):
             os.kill(guardian, signal.SIGKILL)
+
+
+def test_a_process_killed_with_its_group_has_its_folder_removed(tmp_path: Path) -> None:
+    with _sleeping_child(tmp_path / "made") as (child, _):
+        os.killpg(child.pid, signal.SIGKILL)  # a CI runner's hard timeout: the whole group
 
 
 def test_a_released_guardian_exits_and_removes_nothing(tmp_path: Path) -> None:
@@ -100,22 +109,13 @@ def test_the_guardian_ignores_the_signals_of_a_terminal(tmp_path: Path) -> None:
     """Ctrl-C or a SIGTERM reaching the guardian must not stop it before its work: it
     removes the folder only once its process is gone."""
     folder = tmp_path / "made"
-    child, guardian = _child(folder, "sleep")
-    try:
+    with _sleeping_child(folder) as (child, guardian):
         _ignoring(guardian, signal.SIGINT, signal.SIGTERM)  # its handlers are set
         os.kill(guardian, signal.SIGINT)
         os.kill(guardian, signal.SIGTERM)
         time.sleep(0.3)
         assert pid_alive(guardian) and folder.is_dir()
         child.kill()
-        child.wait(timeout=30)
-        assert _gone(guardian)
-        assert not folder.exists()
-    finally:
-        if child.poll() is None:
-            child.kill()
-        if pid_alive(guardian):
-            os.kill(guardian, signal.SIGKILL)
 
 
 def test_without_a_guardian_the_calls_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
