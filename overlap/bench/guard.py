@@ -174,8 +174,9 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 
 def _serve(lines: IO[str]) -> None:
     """The guardian's side: read what the process makes until the pipe ends; remove it all
-    unless the process said ``done`` first. Folders go first (they need no tool), then the
-    namespaces, last made first."""
+    unless the process said ``done`` first. The namespaces go first, last made first (what
+    runs inside them is killed, so nothing writes into the folders any more), then the
+    folders; a namespace that cannot be removed (``ip`` gone) does not keep the folders."""
     names: list[str] = []
     folders: list[str] = []
     for line in lines:
@@ -186,10 +187,11 @@ def _serve(lines: IO[str]) -> None:
             names.append(what)
         elif kind == "dir" and what:
             folders.append(what)
+    for name in reversed(names):
+        with contextlib.suppress(OSError):
+            remove_namespace(name)
     for path in folders:
         shutil.rmtree(path, ignore_errors=True)
-    for name in reversed(names):
-        remove_namespace(name)
 
 
 if __name__ == "__main__":
