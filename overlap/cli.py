@@ -32,24 +32,23 @@ def _run_json(
 ) -> tuple[Any, int]:
     """Run a benchmark subprocess (in a shaped link if asked); (its RESULT json, 0) or
     (None, exit code) after saying what went wrong."""
-    import subprocess
-
-    from overlap.bench.guard import with_parent
+    from overlap.bench.guard import run_child, with_parent
     from overlap.bench.link import LinkError, shaped_link
 
     cmd = with_parent(cmd)  # it ends with this process, also after a kill -9
     try:
         if link:
             with shaped_link(link) as prefix:
-                out = subprocess.run(prefix + cmd, stdout=subprocess.PIPE, text=True, env=env)
+                out, code = run_child(prefix + cmd, env=env, capture=True)
         else:
-            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: live
+            out, code = run_child(cmd, env=env, capture=True)  # stderr: live
     except LinkError as exc:
         _err(f"error: {exc}")
         return None, 2
-    result = _result(out.stdout)
+    stdout = out or ""
+    result = _result(stdout)
     if result is None:
-        _err(f"{what} failed (exit {out.returncode}):\n{out.stdout[-2000:]}")
+        _err(f"{what} failed (exit {code}):\n{stdout[-2000:]}")
         return None, 1
     return result, 0
 
@@ -211,6 +210,7 @@ def _run_on_hosts(
     json, 0) or (None, exit code) after saying what went wrong."""
     import subprocess
 
+    from overlap.bench.guard import stop_children
     from overlap.bench.hosts import namespace_hosts
     from overlap.bench.link import LinkError
 
@@ -221,7 +221,11 @@ def _run_on_hosts(
         with namespace_hosts(args.hosts, link=args.link) as hosts:
             argv = ["-m", module, *module_args]
             procs = hosts.torchrun(argv, args.procs_per_host, stdout=subprocess.PIPE)
-            outs = [p.communicate()[0] for p in procs]
+            try:
+                outs = [p.communicate()[0] for p in procs]
+            except BaseException:
+                stop_children(procs)  # Ctrl-C: their own clean-up first, then the hosts go
+                raise
     except (LinkError, ValueError) as exc:
         _err(f"error: {exc}")
         return None, 2
@@ -240,16 +244,14 @@ def _rerun_in_link(args: argparse.Namespace) -> int | None:
         return None
     if getattr(args, "hosts", 0):
         return None  # --link shapes the links between the namespace hosts instead
-    import subprocess
-
-    from overlap.bench.guard import with_parent
+    from overlap.bench.guard import run_child, with_parent
     from overlap.bench.link import LinkError, shaped_link
 
     argv = list(args._argv)  # what main() parsed (sys.argv, or main(argv)'s list)
     inner = with_parent([sys.executable, "-m", "overlap.cli", *argv, "--_in-link"])
     try:
         with shaped_link(args.link) as prefix:
-            return subprocess.run([*prefix, *inner]).returncode
+            return run_child([*prefix, *inner])[1]
     except LinkError as exc:
         _err(f"error: {exc}")
         return 2

@@ -139,4 +139,6 @@ def main_link(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main_link()
+    from overlap.bench.guard import quiet_interrupt
+
+    quiet_interrupt(main_link)

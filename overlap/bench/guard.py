@@ -36,9 +36,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, NoReturn
 
-__all__ = ["Guardian", "exit_with_parent", "remove_namespace", "with_parent"]
+__all__ = [
+    "Guardian",
+    "exit_with_parent",
+    "quiet_interrupt",
+    "remove_namespace",
+    "run_child",
+    "stop_children",
+    "with_parent",
+]
 
 log = logging.getLogger("overlap.bench.guard")
 
@@ -143,6 +152,67 @@ def with_parent(cmd: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(cmd)
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), "--exec", str(os.getpid()), *cmd]
+
+
+# How long a child that got the same Ctrl-C may take to end on its own (run_child)
+CHILD_GRACE_S = 20.0
+
+
+def run_child(
+    cmd: list[str], env: dict[str, str] | None = None, capture: bool = False
+) -> tuple[str | None, int]:
+    """``subprocess.run(cmd)``: (its stdout if ``capture``, its exit code). On an interrupt
+    of this process (Ctrl-C, which reaches the child too: one process group) the child is
+    given :data:`CHILD_GRACE_S` to end on its own, then SIGTERM, then SIGKILL (at once on a
+    second Ctrl-C), and the interrupt goes on.
+
+    Why: ``subprocess.run`` kills its child 0.25 s after a KeyboardInterrupt, and the child
+    of ``overlap bench train``, killed in the middle of its own clean-up (its ranks, its
+    temporary files), left its multiprocessing folder in /tmp: one per Ctrl-C (measured,
+    fifty-sixth session)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else None, text=True, env=env)
+    try:
+        out, _ = proc.communicate()
+    except BaseException:
+        stop_children([proc])
+        raise
+    return out, proc.returncode
+
+
+def quiet_interrupt(main: Callable[[], object]) -> None:
+    """Run a benchmark child's ``main()``; on Ctrl-C exit 130 with no traceback. The CLI
+    that started it got the same Ctrl-C and says ``overlap: interrupted`` once; the child,
+    now given time to end on its own (:func:`run_child`), printed its traceback too."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def stop_children(procs: list[subprocess.Popen[str]]) -> None:
+    """After an interrupt of this process: give ``procs`` :data:`CHILD_GRACE_S` (together)
+    to end on their own, then SIGTERM and 5 s, then SIGKILL; SIGKILL at once on a second
+    Ctrl-C. Their output is read (and dropped) meanwhile, so that a full pipe does not
+    hold them up (:func:`run_child`)."""
+    deadline = time.monotonic() + CHILD_GRACE_S
+    try:
+        for term in (False, True):
+            for p in procs:
+                if term and p.poll() is None:
+                    with contextlib.suppress(OSError):
+                        p.terminate()
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.communicate(timeout=max(deadline - time.monotonic(), 0.01))
+            if all(p.poll() is not None for p in procs):
+                return
+            deadline = time.monotonic() + 5.0
+    except KeyboardInterrupt:
+        pass
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def _exec_with_parent(parent: int, cmd: list[str]) -> NoReturn:

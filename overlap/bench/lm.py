@@ -394,4 +394,6 @@ def main_lm(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main_lm()
+    from overlap.bench.guard import quiet_interrupt
+
+    quiet_interrupt(main_lm)

@@ -490,4 +490,6 @@ def main_mpi(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main_mpi()
+    from overlap.bench.guard import quiet_interrupt
+
+    quiet_interrupt(main_mpi)

@@ -589,4 +589,6 @@ def main_train(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main_train()
+    from overlap.bench.guard import quiet_interrupt
+
+    quiet_interrupt(main_train)

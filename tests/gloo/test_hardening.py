@@ -113,7 +113,13 @@ def test_ranks_end_when_the_pools_owner_is_killed(tmp_path: Path, method: str) -
         "    pool.run(time.sleep, 60)\n"
     )
     owner = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # multiprocessing's folder (the fork server's socket) is the killed owner's to
+        # remove: in tmp_path, it goes with the test's other files
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert owner.stdout is not None
     ranks = [int(x) for x in owner.stdout.readline().split()]
