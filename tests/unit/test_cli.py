@@ -334,9 +334,18 @@ def test_bench_ops_concurrent_runs_and_refuses_bad_counts() -> None:
 )
 def test_ctrl_c_ends_a_command_with_a_line_and_leaves_nothing_running(args: list[str]) -> None:
     """Ctrl-C (SIGINT to the terminal's process group) while the ranks run: exit 130 with
-    one line, not a Python traceback, and no process of the group left behind."""
+    one line, not a Python traceback, no process of the group left behind, and no
+    multiprocessing folder left in the temporary directory (a child killed in its own
+    clean-up left one)."""
+    import glob
     import signal
+    import tempfile
     import time
+
+    def folders() -> set[str]:
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "pymp-*")))
+
+    before = folders()
 
     proc = subprocess.Popen(
         [*OVERLAP, *args],
@@ -361,9 +370,10 @@ def test_ctrl_c_ends_a_command_with_a_line_and_leaves_nothing_running(args: list
         assert proc.returncode == 130, (proc.returncode, err[-2000:])
         assert "overlap: interrupted" in err and "Traceback" not in err, err[-2000:]
         end = time.monotonic() + 15
-        while group() and time.monotonic() < end:
+        while (group() or folders() - before) and time.monotonic() < end:
             time.sleep(0.2)
         assert group() == []
+        assert folders() - before == set()
     finally:
         if proc.poll() is None or group():
             os.killpg(proc.pid, signal.SIGKILL)
