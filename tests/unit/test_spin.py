@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from overlap.comm import spin
 
 
@@ -58,12 +60,19 @@ class _Done:
         return self.polls > self.after
 
 
-def test_a_blocking_wait_polls_first_on_a_users_thread_only_when_nothing_is_in_flight() -> None:
+def test_a_blocking_wait_polls_first_on_a_users_thread_only_when_nothing_is_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from overlap.comm import claims, inflight, waiters
 
+    # A user's thread, nothing in flight: polled until done. With the default 300 us window
+    # a loaded CI machine ran the window out after 2 polls (the thread yields between
+    # polls): a second's window keeps the check about the stop, not about the clock.
+    monkeypatch.setattr(waiters, "SPIN_S", 1.0)
     work = _Done(after=3)
-    waiters.poll_first(work)  # a user's thread, nothing in flight: polled until done
+    waiters.poll_first(work)
     assert work.polls == 4
+    monkeypatch.undo()
 
     work = _Done(after=10**9)  # never done: the poll ends at the window (300 us)
     t0 = time.perf_counter()
