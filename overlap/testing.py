@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from overlap.bench.guard import PARENT_GONE
 from overlap.bench.hosts import Cluster, Host, namespace_hosts
 from overlap.errors import RankError
 from overlap.runtime import LoopKind
@@ -88,10 +89,6 @@ def _context(method: str) -> Any:
     return ctx
 
 
-# A rank's exit code when the process that started its pool is gone (no one reads it)
-OWNER_GONE = 75
-
-
 def _exit_with_owner(lifeline: Connection) -> None:
     """Block until the pool's owner closes ``lifeline``'s other end, which the kernel does
     when the owner dies, however it dies; then end this rank at once.
@@ -108,7 +105,7 @@ def _exit_with_owner(lifeline: Connection) -> None:
         lifeline.recv_bytes()  # nothing is ever sent: this returns only at the end
     except (EOFError, OSError):
         pass
-    os._exit(OWNER_GONE)
+    os._exit(PARENT_GONE)  # the exit code of a process whose launcher is gone
 
 
 def _worker(

@@ -205,9 +205,9 @@ class MpiOp(Handle):
                 loop = asyncio.get_running_loop()
                 ProgressEngine.for_loop(loop).add(self)
                 yield from self._suspend(loop)
-            elif turn_due():
-                yield  # the loop's turn (overlap.comm.handle.turn_due)
-        elif turn_due():
+        # completed without suspending: the loop's turn (overlap.comm.handle.turn_due); after
+        # a suspension it is never due, as _suspend has just started the clock again
+        if turn_due():
             yield
         if self._exc is not None:
             raise self._exc
