@@ -11,6 +11,7 @@ import torch
 from overlap import comm
 from overlap.errors import CommError
 from tests.faults.inject import FaultAt, InjectedFault, abandon_await, issue_and_drop, on_rank
+from tests.polling import until
 
 
 def peer_fails_at_op(action: str, victim: int, at: int = 4, stop_s: float = 5.0) -> dict[str, Any]:
@@ -75,9 +76,7 @@ def dropped_handle_finishes() -> bool:
     t = torch.full((8,), float(r))
     if r == 0:
         ref = issue_and_drop(lambda: comm.all_reduce(t, algorithm="ring", async_op=True))
-        deadline = time.monotonic() + 20
-        while ref() is not None and time.monotonic() < deadline:  # it lives until done
-            time.sleep(0.01)
+        until(lambda: ref() is None, 20, every=0.01)  # it lives until done
     else:
         comm.all_reduce(t, algorithm="ring", async_op=True).wait(20)
     comm.barrier()

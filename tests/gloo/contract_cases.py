@@ -15,6 +15,7 @@ import torch
 import overlap
 from overlap import CommError, CommTimeoutError, comm
 from overlap.comm import waiters
+from tests.polling import until
 
 
 def many_in_flight(n: int, loop: str) -> int:
@@ -300,9 +301,7 @@ def dropped_handle_still_completes() -> list[float]:
         comm.irecv(buf, src=1)  # the Handle is dropped at once
         gc.collect()
         comm.barrier()
-        deadline = time.monotonic() + 30
-        while buf.sum().item() != 6.0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert until(lambda: buf.sum().item() == 6.0, 30, every=0.01), buf.tolist()
         done = comm.all_reduce(torch.ones(1), async_op=True)
         ref = weakref.ref(done)
         done.wait()

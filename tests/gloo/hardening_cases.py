@@ -15,6 +15,7 @@ from overlap import CommError, comm
 from overlap.comm import waiters
 from overlap.runtime import run
 from tests.gloo.catching import catcher
+from tests.polling import until
 from tests.realign import realign
 
 
@@ -386,11 +387,7 @@ def call_errors() -> dict[str, str]:
 
 
 def _eventually(check: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not done after {timeout} s")
-        time.sleep(0.005)
+    assert until(check, timeout, every=0.005), f"{what}: not done after {timeout} s"
 
 
 def multiphase_progress_without_waiter() -> dict[str, Any]:

@@ -13,6 +13,7 @@ import torch
 from overlap.testing import RankPool, spawn_ranks
 from tests.conftest import SHORT_TIMEOUT
 from tests.gloo import hardening_cases as hc
+from tests.polling import until
 
 
 def test_any_number_of_outstanding_receives(pools: Callable[[int], RankPool]) -> None:
@@ -128,9 +129,7 @@ def test_ranks_end_when_the_pools_owner_is_killed(tmp_path: Path, method: str) -
         time.sleep(0.5)  # the ranks are in their sleep
         owner.send_signal(signal.SIGKILL)  # the owner alone, as the OOM killer would
         owner.wait(timeout=30)
-        end = time.monotonic() + 20
-        while any(pid_alive(p) for p in ranks) and time.monotonic() < end:
-            time.sleep(0.1)
+        until(lambda: not any(pid_alive(p) for p in ranks), 20, every=0.1)
         assert not [p for p in ranks if pid_alive(p)], "ranks outlived their pool's owner"
     finally:
         for p in [owner.pid, *ranks]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.polling import until
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "multi_host.py")
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -71,13 +73,7 @@ def _child_holding_hosts() -> tuple[subprocess.Popen[str], str, dict[str, object
 
 
 def _until(check: Callable[[], bool], within: float = 20.0) -> bool:
-    """Poll ``check`` until it holds or ``within`` seconds have passed; its last answer."""
-    end = time.monotonic() + within
-    while not check():
-        if time.monotonic() > end:
-            return check()
-        time.sleep(0.1)
-    return True
+    return until(check, within, every=0.1)
 
 
 def _left_by(tag: str) -> list[str]:

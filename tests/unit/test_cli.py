@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.polling import until
+
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAP = [sys.executable, "-m", "overlap.cli"]
 
@@ -361,17 +363,13 @@ def test_ctrl_c_ends_a_command_with_a_line_and_leaves_nothing_running(args: list
         return out.stdout.split()
 
     try:
-        end = time.monotonic() + 120
-        while len(group()) < 4 and time.monotonic() < end:  # the ranks have started
-            time.sleep(0.2)
+        until(lambda: len(group()) >= 4, 120, every=0.2)  # the ranks have started
         time.sleep(2.0)  # and run their loop
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, (proc.returncode, err[-2000:])
         assert "overlap: interrupted" in err and "Traceback" not in err, err[-2000:]
-        end = time.monotonic() + 15
-        while (group() or folders() - before) and time.monotonic() < end:
-            time.sleep(0.2)
+        until(lambda: not (group() or folders() - before), 15, every=0.2)
         assert group() == []
         assert folders() - before == set()
     finally:

@@ -18,6 +18,7 @@ import pytest
 
 from overlap.bench import guard as guard_module
 from overlap.runtime import pid_alive
+from tests.polling import until
 
 GUARD = guard_module.__file__
 
@@ -52,25 +53,20 @@ def _child(folder: Path, mode: str) -> tuple[subprocess.Popen[str], int]:
 
 
 def _gone(pid: int, within: float = 15.0) -> bool:
-    end = time.monotonic() + within
-    while pid_alive(pid):
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.05)
-    return True
+    return until(lambda: not pid_alive(pid), within)
 
 
 def _ignoring(pid: int, *signals: int, within: float = 15.0) -> None:
     """Wait until process ``pid`` ignores ``signals`` (its SigIgn mask in /proc)."""
     want = sum(1 << (s - 1) for s in signals)
-    end = time.monotonic() + within
-    while True:
+
+    def mask() -> int:
         status = Path(f"/proc/{pid}/status").read_text()
-        mask = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
-        if mask & want == want:
-            return
-        assert time.monotonic() < end, f"pid {pid} does not ignore {signals}: {mask:x}"
-        time.sleep(0.02)
+        return int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+
+    assert until(lambda: mask() & want == want, within, every=0.02), (
+        f"pid {pid} does not ignore {signals}: {mask():x}"
+    )
 
 
 @contextlib.contextmanager

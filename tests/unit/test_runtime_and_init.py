@@ -15,6 +15,7 @@ import torch
 
 import overlap
 from overlap import NotInitializedError, comm
+from tests.polling import until
 
 
 def test_run_uses_uvloop_by_default() -> None:
@@ -251,10 +252,8 @@ def test_pid_alive_counts_a_zombie_as_ended() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         stat = Path(f"/proc/{child.pid}/stat")
-        deadline = time.monotonic() + 30
-        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # exited, not reaped
-            assert time.monotonic() < deadline, "the child did not exit"
-            time.sleep(0.01)
+        zombie = lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # noqa: E731
+        assert until(zombie, 30, every=0.01), "the child did not exit"  # exited, not reaped
         assert not pid_alive(child.pid)
     finally:
         child.wait()
