@@ -13,6 +13,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from overlap.bench.agent import quiet_torch_distributed
+from overlap.bench.guard import python_module
+
 __all__ = ["main"]
 
 
@@ -219,8 +222,11 @@ def _run_on_hosts(
         return None, 2
     try:
         with namespace_hosts(args.hosts, link=args.link) as hosts:
-            argv = ["-m", module, *module_args]
-            procs = hosts.torchrun(argv, args.procs_per_host, stdout=subprocess.PIPE)
+            # each worker as guard.python_module runs it: quiet on Ctrl-C (torchrun adds -u)
+            argv = ["--no-python", *python_module(module, *module_args)]
+            procs = hosts.torchrun(
+                argv, args.procs_per_host, quiet=not args.verbose, stdout=subprocess.PIPE
+            )
             try:
                 outs = [p.communicate()[0] for p in procs]
             except BaseException:
@@ -248,7 +254,7 @@ def _rerun_in_link(args: argparse.Namespace) -> int | None:
     from overlap.bench.link import LinkError, shaped_link
 
     argv = list(args._argv)  # what main() parsed (sys.argv, or main(argv)'s list)
-    inner = with_parent([sys.executable, "-m", "overlap.cli", *argv, "--_in-link"])
+    inner = with_parent(python_module("overlap.cli", *argv, "--_in-link"))
     try:
         with shaped_link(args.link) as prefix:
             return run_child([*prefix, *inner])[1]
@@ -473,19 +479,22 @@ def _bench_ops_under_mpiexec(
         mpiexec,
         "-n",
         str(args.world_size),
-        sys.executable,
-        "-m",
-        "overlap.bench.ops",
-        ",".join(ops),
-        ",".join(map(str, sizes)),
-        str(args.iters),
-        str(args.warmup),
-        args.loop,
-        "mpi",
+        *python_module(
+            "overlap.bench.ops",
+            ",".join(ops),
+            ",".join(map(str, sizes)),
+            str(args.iters),
+            str(args.warmup),
+            args.loop,
+            "mpi",
+        ),
     ]
     if args.job_timeout is not None:
         cmd.append(repr(args.job_timeout))
-    rows, _ = _run_json(cmd, None, "the MPI benchmark", env=env)
+    from overlap.bench.guard import mpiexec_leftovers_removed
+
+    with mpiexec_leftovers_removed():  # a Ctrl-C aborts the job, and MPICH leaves a file
+        rows, _ = _run_json(cmd, None, "the MPI benchmark", env=env)
     return rows if rows is None else list(rows)
 
 
@@ -545,14 +554,9 @@ def cmd_bench_compress(args: argparse.Namespace) -> int:
             _out(t.markdown() if args.markdown else t.render())
     if args.allreduce_size:
         nbytes = parse_size(args.allreduce_size)
-        cmd = [
-            sys.executable,
-            "-m",
-            "overlap.bench.compress",
-            str(nbytes),
-            str(args.iters),
-            str(args.world_size),
-        ]
+        cmd = python_module(
+            "overlap.bench.compress", str(nbytes), str(args.iters), str(args.world_size)
+        )
         res, code = _run_json(cmd, args.link, "the link benchmark")
         if res is None:
             return code
@@ -666,7 +670,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             args, "overlap.bench.train", [*tail, "env", str(batch), "cpu"], "the training benchmark"
         )
     else:
-        cmd = [sys.executable, "-m", "overlap.bench.train", *tail, str(world), str(batch)]
+        cmd = python_module("overlap.bench.train", *tail, str(world), str(batch))
         rows, code = _run_json([*cmd, args.device], args.link, "the training benchmark")
     if rows is None:
         return code
@@ -767,9 +771,7 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
     if not 1 <= freeze < args.steps:
         _err(f"--freeze-step {freeze}: choose 1 <= freeze-step < --steps ({args.steps})")
         return 2
-    cmd = [
-        sys.executable,
-        "-m",
+    cmd = python_module(
         "overlap.bench.lm",
         ",".join(variants),
         str(args.steps),
@@ -780,7 +782,7 @@ def cmd_bench_lm(args: argparse.Namespace) -> int:
         str(args.width),
         str(args.diloco_steps or args.steps),
         str(args.seed),
-    ]
+    )
     rows, code = _run_json(cmd, args.link, "the language-model benchmark")
     if rows is None:
         return code
@@ -1265,7 +1267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(name)s: %(message)s",
     )
     if not args.verbose:
-        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+        quiet_torch_distributed()
     try:
         code: Any = args.func(args)
     except BaseException as exc:

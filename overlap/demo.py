@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from overlap.bench.guard import interrupt_once
 from overlap.bench.harness import Progress
 
 __all__ = ["TinyTransformer", "demo_rank", "run_demo"]
@@ -175,8 +176,9 @@ def _one_step(
         v["exposed"].append((t_sync - t_bwd) / 1e9)
 
 
+@interrupt_once  # a rank stopped by Ctrl-C says nothing more
 def demo_rank(steps: int, model_size: str, out_dir: str, link: str) -> dict[str, Any]:
-    """One rank of the demo (module level so the launcher can pickle it)."""
+    """One rank of the demo: its row of results (rank 0's holds the table)."""
     import overlap
     from overlap import comm
     from overlap.bench.guard import exit_with_parent
@@ -332,10 +334,19 @@ def run_demo(
     out_dir: str = ".",
     link: str = "loopback",
 ) -> dict[int, dict[str, Any]]:
-    """Launch ``world_size`` local ranks with torch's elastic launcher; return their results."""
+    """Launch ``world_size`` local ranks with torch's elastic launcher; return their results.
+
+    Each rank is a process of its own, ``python -m overlap.demo ...`` (as
+    :func:`overlap.bench.guard.python_module` runs it), which writes its result to a file
+    here. Why not a Python function as the launcher's entrypoint (as before the
+    fifty-seventh session): the launcher starts those with multiprocessing in the
+    terminal's process group, so a Ctrl-C reached each rank from the terminal and again
+    from the launcher (the second landed in the rank's exit and aborted it), and a rank
+    still importing torch printed its KeyboardInterrupt's traceback. A command runs in a
+    session of its own: only the launcher passes the Ctrl-C on, once."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from overlap.bench.guard import Guardian
+    from overlap.bench.guard import Guardian, python_module
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the launcher's per-rank error files go to a directory of ours, removed afterwards:
@@ -353,15 +364,50 @@ def run_demo(
             rdzv_endpoint=f"127.0.0.1:{_free_port()}",
             max_restarts=0,
             monitor_interval=0.2,
-            start_method="spawn",
+        )
+        results_at = os.path.join(log_dir, "result")
+        cmd = python_module(
+            __name__, str(steps), model_size, os.path.abspath(out_dir), link, results_at
         )
         try:
-            results: dict[int, dict[str, Any]] = elastic_launch(config, demo_rank)(
-                steps, model_size, os.path.abspath(out_dir), link
-            )
+            elastic_launch(config, cmd[0])(*cmd[1:])
+            results = {r: _read_result(f"{results_at}.{r}") for r in range(world_size)}
         finally:
             guard.release()
     return results
+
+
+def _read_result(path: str) -> dict[str, Any]:
+    import json
+
+    with open(path) as f:
+        out: dict[str, Any] = json.load(f)
+    return out
+
+
+def main_rank(argv: list[str] | None = None) -> None:
+    """``python -m overlap.demo STEPS MODEL_SIZE OUT_DIR LINK RESULTS``: one rank under
+    the launcher (:func:`run_demo`); its result goes to ``RESULTS.<rank>`` (written whole,
+    then renamed into place)."""
+    import json
+    import sys
+
+    a = sys.argv[1:] if argv is None else argv
+    try:
+        out = demo_rank(int(a[0]), a[1], a[2], a[3])
+    except KeyboardInterrupt:
+        # The launcher passed a Ctrl-C on and is stopping the job. Exit now, without the
+        # interpreter's shutdown: a gloo op still in flight (DDP's fp16 hook and the trace
+        # hook here finish theirs in Python callbacks) that ends during it takes the GIL
+        # from gloo's thread, and the rank died with "terminate called without an active
+        # exception" (fifty-seventh session, about 1 Ctrl-C in 6 during training).
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(130)
+    path = f"{a[4]}.{out['rank']}"
+    with open(path + ".part", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".part", path)
 
 
 def _launch_config(log_dir: str, **fields: Any) -> Any:
@@ -378,3 +424,7 @@ def _launch_config(log_dir: str, **fields: Any) -> Any:
     else:  # torch 2.2
         fields["log_dir"] = log_dir
     return LaunchConfig(**fields)
+
+
+if __name__ == "__main__":  # a rank, as run_demo starts it
+    main_rank()

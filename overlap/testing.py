@@ -31,15 +31,17 @@ rank as a fresh interpreter instead.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
+import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -89,6 +91,32 @@ def _context(method: str) -> Any:
     return ctx
 
 
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold Ctrl-C back from this thread while it starts ranks: the processes it starts
+    inherit the blocked signal (fork and exec keep a thread's signal mask), this thread
+    gets a Ctrl-C that came meanwhile when it leaves the block, and each rank lets it
+    through once it runs its own code (:func:`_worker`).
+
+    Why: Ctrl-C reaches every process of the terminal's group. A rank started with spawn,
+    or the fork server (which imports overlap and torch before it ignores SIGINT), that
+    got it while importing printed a KeyboardInterrupt traceback (a Ctrl-C in the first
+    seconds of ``overlap bench train``; fifty-seventh session), under the CLI's one line."""
+    held = hasattr(signal, "pthread_sigmask")
+    if held:
+        from multiprocessing import resource_tracker
+
+        # started on the way otherwise, it would unblock SIGINT after starting itself
+        # (CPython's own guard of its start, bpo-33613): start it first
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if held:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _exit_with_owner(lifeline: Connection) -> None:
     """Block until the pool's owner closes ``lifeline``'s other end, which the kernel does
     when the owner dies, however it dies; then end this rank at once.
@@ -118,6 +146,24 @@ def _worker(
     timeout: float,
     lifeline: Connection,
 ) -> None:
+    try:
+        _serve(rank, world_size, port, conn, backend, env, timeout, lifeline)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C before the rank was ready: the owner got it too and says so
+
+
+def _serve(
+    rank: int,
+    world_size: int,
+    port: int,
+    conn: Connection,
+    backend: str,
+    env: dict[str, str],
+    timeout: float,
+    lifeline: Connection,
+) -> None:
+    if hasattr(signal, "pthread_sigmask"):  # held back while the rank started (_ctrl_c_held)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # the caller's environment at start() and the pool's own: a forked rank would otherwise
     # have the fork server's, as it was when the server started
     os.environ.clear()
@@ -131,7 +177,6 @@ def _worker(
         MASTER_PORT=str(port),
     )
     import faulthandler
-    import signal
     import threading
 
     import torch
@@ -241,6 +286,13 @@ class RankPool:
         self._finalizer = mp_util.Finalize(self, _kill_procs, args=(self._procs,), exitpriority=10)
         # each rank ends itself when this process is gone (_exit_with_owner)
         life_r, self._lifeline = ctx.Pipe(duplex=False)
+        with _ctrl_c_held():
+            self._start_ranks(ctx, port, env, life_r)
+        life_r.close()
+        self._collect("start-up", self.timeout)
+        return self
+
+    def _start_ranks(self, ctx: Any, port: int, env: dict[str, str], life_r: Connection) -> None:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
@@ -259,9 +311,6 @@ class RankPool:
             child.close()
             self._procs.append(p)
             self._conns.append(parent)
-        life_r.close()
-        self._collect("start-up", self.timeout)
-        return self
 
     def close(self) -> dict[int, int | None]:
         """Stop the ranks (politely, then by force); return each rank's exit code, or None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from overlap.bench.guard import mpiexec_leftovers_removed
 from overlap.runtime import new_event_loop, uvloop_available
 from overlap.testing import RankPool
 
@@ -113,48 +113,14 @@ def _no_leaked_shm_regions() -> Iterator[None]:
         pytest.fail(f"shared regions left in {_SHM}: {ours}")
 
 
-_HYDRA_TOPOLOGY = "hydra_hwloc_xmlfile_"
-
-
-def _hydra_files() -> set[str]:
-    """The topology files MPICH's mpiexec (hydra) writes, in /tmp whatever TMPDIR says."""
-    out: set[str] = set()
-    for folder in {"/tmp", tempfile.gettempdir()}:
-        with contextlib.suppress(OSError):
-            out.update(
-                os.path.join(folder, f) for f in os.listdir(folder) if f.startswith(_HYDRA_TOPOLOGY)
-            )
-    return out
-
-
-def _open_anywhere(paths: set[str]) -> set[str]:
-    """Those of ``paths`` that some living process holds open."""
-    held: set[str] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target in paths:
-                        held.add(target)
-    return held
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _no_hydra_topology_files_left_at_the_end() -> Iterator[None]:
     """At the end of the session, remove the ``/tmp/hydra_hwloc_xmlfile_*`` that appeared
-    during it and that no living process holds open.
-
-    MPICH 5.0.2's mpiexec removes its topology file when the job ends, but not when a rank
-    calls ``MPI_Abort`` (measured: one file per abort, with plain mpi4py too), and the
-    tests that check overlap aborts the job on an uncaught exception do that twice per
-    run: 102 files had piled up in /tmp over one day of runs (fifty-sixth session)."""
-    before = _hydra_files()
-    yield
-    left = _hydra_files() - before
-    for path in left - _open_anywhere(left):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    during it and that no living process holds open: MPICH's mpiexec leaves one at each
+    ``MPI_Abort``, and the tests that check overlap aborts the job on an uncaught exception
+    do that twice per run (overlap.bench.guard.mpiexec_leftovers_removed)."""
+    with mpiexec_leftovers_removed():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -138,7 +138,5 @@ def main_link(argv: list[str] | None = None) -> None:
     sys.stdout.write("RESULT " + json.dumps(res) + "\n")
 
 
-if __name__ == "__main__":
-    from overlap.bench.guard import quiet_interrupt
-
-    quiet_interrupt(main_link)
+if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
+    main_link()

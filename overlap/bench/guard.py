@@ -28,6 +28,7 @@ guard.py``): a guardian starts in tens of milliseconds, without importing torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -36,13 +37,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import IO, NoReturn
+from collections.abc import Callable, Iterator
+from typing import IO, Any, NoReturn, TypeVar, cast
 
 __all__ = [
     "Guardian",
     "exit_with_parent",
-    "quiet_interrupt",
+    "interrupt_once",
+    "mpiexec_leftovers_removed",
+    "python_module",
     "remove_namespace",
     "run_child",
     "stop_children",
@@ -50,6 +53,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("overlap.bench.guard")
+F = TypeVar("F", bound=Callable[..., Any])
 
 # ``ip netns exec NAME`` bind-mounts the files of /etc/netns/NAME over their namesakes in /etc
 NETNS_ETC = "/etc/netns"
@@ -186,14 +190,136 @@ def run_child(
     return out, proc.returncode
 
 
-def quiet_interrupt(main: Callable[[], object]) -> None:
-    """Run a benchmark child's ``main()``; on Ctrl-C exit 130 with no traceback. The CLI
-    that started it got the same Ctrl-C and says ``overlap: interrupted`` once; the child,
-    now given time to end on its own (:func:`run_child`), printed its traceback too."""
+def _interrupted(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("overlap").setLevel(logging.ERROR)
+    raise KeyboardInterrupt
+
+
+def interrupt_once(fn: F) -> F:
+    """Decorate a rank's function (run on its main thread): while it runs, the process's
+    first SIGINT raises KeyboardInterrupt and the rest are ignored, with overlap's
+    warnings left out from then on. It returns with the previous handler back; raising,
+    it leaves this one (the process is on its way out: see below).
+
+    Why: a demo rank shares the terminal's process group with torch's launcher, so a
+    Ctrl-C reached it twice: from the terminal, and again from the launcher, which passes
+    the signal on to its workers. The second landed in the rank's exit, where overlap
+    waits for its ops still in flight (overlap.comm.quiesce), and stopped that wait; the op
+    then failed during interpreter shutdown and the rank died with "terminate called
+    without an active exception" and "Fatal Python error: Aborted" (fifty-seventh session,
+    a Ctrl-C 15 s into ``overlap demo``), or the KeyboardInterrupt surfaced as an
+    "Exception ignored in atexit callback" traceback. And each rank's scheduler warned
+    that its step was interrupted, under the CLI's ``overlap: interrupted``: a rank the
+    user stopped is on its way out, and says nothing more of it."""
+
+    @functools.wraps(fn)
+    def once(*args: Any, **kwargs: Any) -> Any:
+        previous = signal.signal(signal.SIGINT, _interrupted)
+        out = fn(*args, **kwargs)
+        signal.signal(signal.SIGINT, previous)
+        return out
+
+    return cast(F, once)
+
+
+# ``python -m MODULE ARGS`` (run by :func:`python_module`), quiet on Ctrl-C. While it imports
+# MODULE's package (torch with it), SIGINT waits (blocked): a KeyboardInterrupt raised inside
+# an import broke it (numpy's, interrupted, failed again with "cannot load module more than
+# once per process"; torch's ended the process with "terminate called after throwing an
+# instance of 'pybind11::error_already_set'"). Then an error raised by a Ctrl-C (a
+# KeyboardInterrupt, or one raised while handling it) prints no traceback; it stays uncaught,
+# so atexit hooks see it (an MPI rank aborts its job, overlap.comm.init).
+_QUIET_SOURCE = """\
+import signal, sys
+mask = getattr(signal, "pthread_sigmask", lambda how, sigs: None)
+mask(signal.SIG_BLOCK, {signal.SIGINT})
+def quiet(t, v, tb, default=sys.excepthook):
+    e = v
+    for _ in range(64):
+        if e is None:
+            break
+        if isinstance(e, KeyboardInterrupt):
+            return
+        e = e.__context__
+    default(t, v, tb)
+sys.excepthook = quiet
+import importlib, runpy
+m = sys.argv.pop(1)
+try:
+    importlib.import_module(m.rpartition(".")[0] or m)
+finally:
+    mask(signal.SIG_UNBLOCK, {signal.SIGINT})
+runpy.run_module(m, run_name="__main__", alter_sys=True)
+"""
+# one line: launchers pass it on as an argument
+_QUIET_MAIN = f"exec({_QUIET_SOURCE!r})"
+
+
+def python_module(module: str, *args: str, python: str = sys.executable) -> list[str]:
+    """The command that runs ``python -m module args`` and ends on Ctrl-C with no
+    traceback, whenever the Ctrl-C comes: while it imports torch (the first seconds) too.
+    Ctrl-C waits while it imports the module's package (torch with it), where an interrupt
+    broke imports; then the KeyboardInterrupt stays uncaught (Python's exit by SIGINT;
+    atexit hooks see it, so an MPI rank aborts its job, overlap.comm.init), only its
+    printing left out (see ``_QUIET_SOURCE``).
+
+    Why: Ctrl-C reaches a benchmark's children as it reaches the CLI, which says
+    ``overlap: interrupted`` once; each child printed its KeyboardInterrupt's traceback
+    above it, and a child that was still importing torch (a Ctrl-C in the first 1-3 s of
+    ``overlap bench train``) did so whatever its own ``main`` caught (fifty-seventh
+    session). The quiet hook must be in place before the imports, so it is the command
+    itself: a ``-c`` line that sets ``sys.excepthook`` and runs the module as ``-m`` would
+    (``runpy``, ``sys.argv`` as ``-m`` makes it)."""
+    return [python, "-c", _QUIET_MAIN, module, *args]
+
+
+_HYDRA_TOPOLOGY = "hydra_hwloc_xmlfile_"
+
+
+def _hydra_files() -> set[str]:
+    """The topology files MPICH's mpiexec (hydra) writes: always in /tmp (its path is
+    compiled in), whatever TMPDIR says."""
+    out: set[str] = set()
+    with contextlib.suppress(OSError):
+        out.update(
+            os.path.join("/tmp", f) for f in os.listdir("/tmp") if f.startswith(_HYDRA_TOPOLOGY)
+        )
+    return out
+
+
+def _open_anywhere(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that some living process holds open."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target in paths:
+                        held.add(target)
+    return held
+
+
+@contextlib.contextmanager
+def mpiexec_leftovers_removed() -> Iterator[None]:
+    """Around runs of MPICH's mpiexec: on the way out, remove the
+    ``/tmp/hydra_hwloc_xmlfile_*`` that appeared meanwhile and that no living process holds
+    open (another job's, running, is left alone).
+
+    Why: MPICH 5.0.2's mpiexec removes its topology file when the job ends, but not when a
+    rank calls ``MPI_Abort`` (measured: one file per abort, with plain mpi4py too), and an
+    MPI rank aborts its job on Ctrl-C (overlap.comm.init; the MPI benchmark's ranks,
+    overlap.bench.ops): each Ctrl-C of ``overlap bench ops --backend mpi`` left one file, and
+    the test suite's aborts left 102 over one day of runs (fifty-sixth session)."""
+    before = _hydra_files()
     try:
-        main()
-    except KeyboardInterrupt:
-        sys.exit(130)
+        yield
+    finally:
+        left = _hydra_files() - before
+        for path in left - _open_anywhere(left):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def stop_children(procs: list[subprocess.Popen[str]]) -> None:

@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from overlap.bench.guard import Guardian, remove_namespace
+from overlap.bench.agent import quiet_cpp_env
+from overlap.bench.guard import Guardian, python_module, remove_namespace
 from overlap.bench.link import (
     _hosts_file,
     _run,
@@ -48,6 +49,7 @@ from overlap.runtime import pid_alive
 __all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
 
 SUBNET = "10.77.0"
+RUN = "torch.distributed.run"  # torchrun, as a module
 # ovh<pid>-*, and ovh<pid>c<k>-* for a process's second and later clusters alive at once
 _NAME = re.compile(r"^ovh(\d+)(?:c\d+)?-")
 _live: set[str] = set()  # the tags of this process's clusters now alive
@@ -115,15 +117,21 @@ class Cluster(list[Host]):
         ]
 
     def torchrun(
-        self, argv: list[str], procs_per_host: int, **popen: Any
+        self, argv: list[str], procs_per_host: int, *, quiet: bool = False, **popen: Any
     ) -> list[subprocess.Popen[str]]:
         """Start ``torchrun ... argv`` (a script and its arguments, or ``-m module ...``) on
-        every host, one job; the Popen keywords (stdout, env, cwd, ...) apply to each."""
+        every host, one job; the Popen keywords (stdout, env, cwd, ...) apply to each.
+        ``quiet``: each agent is :mod:`overlap.bench.agent` (torchrun with no traceback on
+        Ctrl-C and no elastic warnings), as the CLI runs them."""
         run_id = uuid.uuid4().hex[:8]
+        # quiet: the agent's own imports too (guard.python_module)
+        agent = python_module("overlap.bench.agent") if quiet else [sys.executable, "-m", RUN]
+        if quiet:
+            popen["env"] = quiet_cpp_env(popen.get("env"))
         return [
             h.popen(
                 [
-                    *[sys.executable, "-m", "torch.distributed.run"],
+                    *agent,
                     *self.torchrun_args(h, procs_per_host, run_id),
                     *argv,
                 ],

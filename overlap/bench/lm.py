@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from overlap.bench.guard import interrupt_once
+
 __all__ = [
     "LM_VARIANTS",
     "TinyGPT",
@@ -184,6 +186,7 @@ def _held_out(model: nn.Module, evals: torch.Tensor, batch: int, n: int) -> floa
         return sum(float(_loss(model, evals[i * batch : (i + 1) * batch])) for i in range(n)) / n
 
 
+@interrupt_once  # a rank stopped by Ctrl-C says nothing more
 def bench_lm_rank(
     variants: list[str],
     steps: int,
@@ -393,7 +396,5 @@ def main_lm(argv: list[str] | None = None) -> None:
     sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
 
 
-if __name__ == "__main__":
-    from overlap.bench.guard import quiet_interrupt
-
-    quiet_interrupt(main_lm)
+if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
+    main_lm()

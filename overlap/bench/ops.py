@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import comm
+from overlap.bench.guard import interrupt_once
 from overlap.bench.harness import (
     Progress,
     Table,
@@ -231,6 +232,7 @@ def _iters_for(nbytes: int, base: int) -> int:
     return base
 
 
+@interrupt_once  # a rank stopped by Ctrl-C says nothing more
 def bench_ops_rank(
     ops: list[str], sizes: list[int], iters: int, warmup: int, loop: str = "uvloop"
 ) -> list[dict[str, Any]]:
@@ -454,6 +456,26 @@ def bench_algorithms_rank(
     return overlap.run(main(), loop=loop)  # type: ignore[arg-type]
 
 
+def _end_mpi_job_quietly() -> None:
+    """Ctrl-C on an MPI rank of the benchmark: end the whole job now, with no word (the CLI
+    says ``overlap: interrupted``). A peer may sit in MPI's own Wait (overlap's blocking
+    path with no job timeout), where no signal reaches Python, and this rank would hang in
+    MPI_Finalize waiting for it: measured (fifty-seventh session), Ctrl-C of ``overlap
+    bench ops --backend mpi`` ended only after the CLI's 20 s grace and its SIGTERM. The
+    uncaught-exception abort (overlap.comm.init) would do it too, with a log line from each
+    rank and MPICH's own; here the abort's message goes to /dev/null."""
+    import os
+    import sys
+
+    from mpi4py import MPI
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    MPI.COMM_WORLD.Abort(130)
+
+
 def main_mpi(argv: list[str] | None = None) -> None:
     """Entry point under a launcher: ``python -m overlap.bench.ops OPS SIZES ITERS WARMUP LOOP
     [BACKEND [JOB_TIMEOUT]]`` (mpiexec: mpi, the default; torchrun across namespace hosts:
@@ -473,10 +495,15 @@ def main_mpi(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     timeout = float(args[6]) if len(args) > 6 else None
     overlap.init_distributed(args[5] if len(args) > 5 else "mpi", timeout=timeout)
-    if ops == ["concurrent"]:  # sizes: the numbers of ops in flight; iters: repetitions
-        rows = [row for n in sizes for row in bench_concurrent_rank(n, iters, loop)]
-    else:
-        rows = bench_ops_rank(ops, sizes, iters, warmup, loop)
+    try:
+        if ops == ["concurrent"]:  # sizes: the numbers of ops in flight; iters: repetitions
+            rows = [row for n in sizes for row in bench_concurrent_rank(n, iters, loop)]
+        else:
+            rows = bench_ops_rank(ops, sizes, iters, warmup, loop)
+    except KeyboardInterrupt:
+        if comm.get_backend() == "mpi":
+            _end_mpi_job_quietly()
+        raise
     if timeout is not None:  # what the ranks ran under, as the backend holds it
         from overlap.comm import state
 
@@ -489,7 +516,5 @@ def main_mpi(argv: list[str] | None = None) -> None:
     comm.destroy_process_group()
 
 
-if __name__ == "__main__":
-    from overlap.bench.guard import quiet_interrupt
-
-    quiet_interrupt(main_mpi)
+if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
+    main_mpi()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from overlap.bench.guard import interrupt_once
 from overlap.bench.harness import Progress, median, ratio_interval
 
 __all__ = ["VARIANTS", "bench_train_rank"]
@@ -248,6 +249,7 @@ def _variant(name: str, million: float, device: str = "cpu") -> dict[str, Any]:
     return v
 
 
+@interrupt_once  # a rank stopped by Ctrl-C says nothing more
 def bench_train_rank(
     variants: list[str],
     steps: int,
@@ -588,7 +590,5 @@ def main_train(argv: list[str] | None = None) -> None:
     sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
 
 
-if __name__ == "__main__":
-    from overlap.bench.guard import quiet_interrupt
-
-    quiet_interrupt(main_train)
+if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
+    main_train()

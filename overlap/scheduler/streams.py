@@ -170,9 +170,11 @@ class Launcher:
         with self._stop_lock:
             if self.broken is not None:
                 return
+            level = logging.ERROR
             if isinstance(exc, CommError):
                 why = f"a collective of the scheduler's failed ({type(exc).__name__}: {exc})"
             elif isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                level = logging.WARNING  # the user's own doing, not a fault
                 why = (
                     f"the end of a step was interrupted on this rank ({type(exc).__name__}), "
                     "somewhere among its collectives"
@@ -182,7 +184,7 @@ class Launcher:
                     "a bucket's reduction raised an error on this rank only "
                     f"({type(exc).__name__}: {exc})"
                 )
-            log.error("%s; the scheduler issues no more collectives", why)
+            log.log(level, "%s; the scheduler issues no more collectives", why)
             self.origin = exc  # before ``broken``: whoever sees broken sees its origin
             self.broken = OutOfStepError(
                 f"this BucketScheduler stopped issuing collectives: {why}, so this rank's "

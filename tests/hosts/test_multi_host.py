@@ -479,3 +479,56 @@ def test_bench_ops_and_train_run_on_namespace_hosts(tmp_path: Path) -> None:
     assert got["ddp"]["world"] == 2 and got["overlap-onebit-flat"]["step_ms"] > 0
     assert got["overlap-onebit-flat"]["hierarchical"] is False
     assert _ours() == []
+
+
+def test_ctrl_c_of_a_bench_on_hosts_ends_with_a_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) while ranks on two namespace hosts
+    run: exit 130 with ``overlap: interrupted`` alone, where each torchrun agent printed
+    its SignalException's traceback and three warnings before (fifty-seventh session), no
+    torchrun banner, and no process, namespace or folder left behind."""
+    import signal
+
+    from overlap.runtime import pid_alive
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlap.cli", "bench", "ops", "--hosts", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+        env={**_env(), "TMPDIR": str(tmp_path)},
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+    tag = f"ovh{proc.pid}"
+
+    def pgrep(*args: str) -> list[int]:
+        out = subprocess.run(["pgrep", *args], capture_output=True, text=True)
+        return [int(x) for x in out.stdout.split()]
+
+    def workers() -> list[int]:  # the agents' children, each in a session of its own
+        return [w for a in pgrep("-P", str(proc.pid)) for w in pgrep("-P", str(a))]
+
+    def alive(pids: list[int]) -> list[int]:
+        return [p for p in pids if pid_alive(p)]
+
+    seen: list[int] = []
+    try:
+        # the CLI, its two agents (under `ip netns exec`) and their workers are up
+        assert _until(lambda: len(workers()) >= 2, 120)
+        time.sleep(8.0)  # the ranks have imported torch and run their loop
+        seen = pgrep("-g", str(proc.pid)) + workers()
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (proc.returncode, err[-3000:])
+        assert err.strip() == "overlap: interrupted", err[-3000:]
+        assert _until(lambda: not alive(seen) and not _left_by(tag), 20), (
+            alive(seen),
+            _left_by(tag),
+        )
+        assert not list(tmp_path.iterdir())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in alive(seen):
+            os.kill(p, signal.SIGKILL)
+        proc.communicate()

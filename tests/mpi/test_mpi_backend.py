@@ -17,6 +17,7 @@ import pytest
 
 from tests.gloo.test_bad_input import EXPECTED
 from tests.mpi.conftest import MPIEXEC, ROOT, clean_env, mpiexec, needs_mpiexec
+from tests.polling import until
 
 pytestmark = [pytest.mark.mpi, needs_mpiexec]
 
@@ -348,6 +349,44 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job(how: str) -> None:
     assert proc.returncode != 0, out
     assert "rank 1 exits with an uncaught" in out and "aborting the MPI job" in out, out
     assert "rank 0 was not stopped" not in out, out
+
+
+def test_ctrl_c_of_the_mpi_bench_ends_the_job_at_once_and_quietly() -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) while ``overlap bench ops --backend
+    mpi`` runs: the job ends within seconds, with ``overlap: interrupted`` alone, and no
+    MPICH topology file is left in /tmp. Before (fifty-seventh session) the benchmark's
+    ranks caught the interrupt and exited: one hung in MPI_Finalize while its peer sat in
+    MPI's own Wait, until the CLI's 20 s grace ran out and it sent SIGTERM."""
+    from overlap.bench.guard import _hydra_files
+
+    before = _hydra_files()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlap.cli", "bench", "ops", "--backend", "mpi", "--op",
+         "all_reduce", "--op", "sendrecv", "--sizes", "8", "--iters", "100000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+        cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+
+    def ranks() -> list[str]:
+        out = subprocess.run(["pgrep", "-f", "overlap.bench.ops"], capture_output=True, text=True)
+        return out.stdout.split()
+
+    try:
+        assert until(lambda: len(ranks()) >= 2, 60, every=0.1), "the ranks did not start"
+        time.sleep(6.0)  # past their imports: in the timed loop
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert proc.returncode == 130, (proc.returncode, err[-3000:])
+        assert err.strip() == "overlap: interrupted", err[-3000:]
+        assert took < 15, f"the job took {took:.1f} s to end"
+        assert until(lambda: not ranks(), 10), ranks()
+        assert _hydra_files() - before == set()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 def test_bench_ops_on_mpi_with_a_job_timeout() -> None:

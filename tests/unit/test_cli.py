@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -66,6 +67,56 @@ def test_demo_runs_two_ranks_and_writes_trace_and_timeline(tmp_path: Path) -> No
     trace = json.loads((tmp_path / "overlap-trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert (tmp_path / "overlap-timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("after_s", [0.3, 8.0], ids=["ranks-importing", "ranks-training"])
+def test_ctrl_c_of_the_demo_ends_with_one_line(after_s: float, tmp_path: Path) -> None:
+    """Ctrl-C while the demo's ranks import torch, or while they train: exit 130 with
+    ``overlap: interrupted`` alone, and no rank left. Before (fifty-seventh session) a rank
+    still importing printed its traceback, and a Ctrl-C during training reached each rank
+    twice (the terminal's, and the launcher's copy): one died with "Fatal Python error:
+    Aborted" at exit, and every rank's scheduler logged the interrupted step."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [*OVERLAP, "demo", "--link", "none", "--steps", "1000", "--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+
+    def ranks() -> list[str]:  # each in a session of its own, under the launcher
+        got = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+        return [r for r in got.stdout.split() if "overlap.demo" in _cmdline(r)]
+
+    seen: list[str] = []
+    try:
+        assert until(lambda: len(ranks()) == 2, 60, every=0.02), "the ranks did not start"
+        seen = ranks()
+        time.sleep(after_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (proc.returncode, err[-2000:])
+        assert err.strip() == "overlap: interrupted", err[-3000:]
+        assert until(lambda: not any(_cmdline(r) for r in seen), 15), seen
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for r in seen:
+            with contextlib.suppress(OSError):
+                os.kill(int(r), signal.SIGKILL)
+        proc.communicate()
+
+
+def _cmdline(pid: str) -> str:
+    """Process ``pid``'s command line ('' once it has gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def test_demo_link_without_root_says_so() -> None:
@@ -324,6 +375,47 @@ def test_bench_ops_concurrent_runs_and_refuses_bad_counts() -> None:
     assert all(r["in_flight"] == 50 and r["ours_s"] > 0 and r["raw_s"] > 0 for r in rows)
     bad = run("bench", "ops", "--concurrent", "lots")
     assert bad.returncode == 2 and "--concurrent takes counts" in bad.stderr
+
+
+@pytest.mark.parametrize("moment", ["overlap.bench.train", "forkserver"])
+def test_ctrl_c_while_a_benchmark_starts_prints_no_traceback(moment: str) -> None:
+    """Ctrl-C while the benchmark's child imports torch (``overlap.bench.train``), or while
+    the fork server its ranks come from preloads overlap (``forkserver``): one line, exit
+    130, nothing left. Before (fifty-seventh session) each printed its KeyboardInterrupt's
+    traceback through torch's imports under the CLI's line: the child's own catch came
+    after its imports, and the fork server ignores SIGINT only once it has preloaded."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [*OVERLAP, "bench", "train", "--variant", "compute", "--steps", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+
+    def group() -> list[str]:
+        out = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
+        return out.stdout.split()
+
+    def started() -> bool:
+        out = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", moment], capture_output=True)
+        return bool(out.stdout.split())
+
+    try:
+        assert until(started, 60, every=0.02), f"no {moment} process"
+        time.sleep(0.3)  # inside its imports (about 1.5 s here)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (proc.returncode, err[-2000:])
+        assert err.strip() == "overlap: interrupted", err[-3000:]
+        assert until(lambda: not group(), 15, every=0.2), group()
+    finally:
+        if proc.poll() is None or group():
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 @pytest.mark.parametrize(
