@@ -288,8 +288,19 @@ def _hydra_files() -> set[str]:
     return out
 
 
-def _open_anywhere(paths: set[str]) -> set[str]:
-    """Those of ``paths`` that some living process holds open."""
+_SHM, _MPICH_SEGMENT = "/dev/shm", "mpich_shm_"
+LEFTOVER_WAIT_S = 5.0  # how long an aborted job's leftovers may stay held by exiting ranks
+
+
+def _mpich_segments() -> set[str]:
+    """MPICH's shared-memory segments (its ranks' on-host channel), as paths."""
+    with contextlib.suppress(OSError):
+        return {os.path.join(_SHM, f) for f in os.listdir(_SHM) if f.startswith(_MPICH_SEGMENT)}
+    return set()
+
+
+def _in_use(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that some living process holds open or maps."""
     held: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
@@ -298,28 +309,40 @@ def _open_anywhere(paths: set[str]) -> set[str]:
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target in paths:
                         held.add(target)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            text = maps.read()
+            held.update(p for p in paths if p in text)
     return held
 
 
 @contextlib.contextmanager
 def mpiexec_leftovers_removed() -> Iterator[None]:
-    """Around runs of MPICH's mpiexec: on the way out, remove the
-    ``/tmp/hydra_hwloc_xmlfile_*`` that appeared meanwhile and that no living process holds
-    open (another job's, running, is left alone).
+    """Around runs of MPICH's mpiexec: on the way out, remove what an aborted job leaves,
+    the ``/tmp/hydra_hwloc_xmlfile_*`` topology files and ``/dev/shm/mpich_shm_*``
+    segments (2 MiB each) that appeared meanwhile and that no living process holds open or
+    maps (another job's, running, is left alone).
 
-    Why: MPICH 5.0.2's mpiexec removes its topology file when the job ends, but not when a
-    rank calls ``MPI_Abort`` (measured: one file per abort, with plain mpi4py too), and an
-    MPI rank aborts its job on Ctrl-C (overlap.comm.init; the MPI benchmark's ranks,
-    overlap.bench.ops): each Ctrl-C of ``overlap bench ops --backend mpi`` left one file, and
-    the test suite's aborts left 102 over one day of runs (fifty-sixth session)."""
-    before = _hydra_files()
+    Why: MPICH 5.0.2 removes both when a job ends, but not when a rank calls ``MPI_Abort``
+    (measured: one of each per abort, with plain mpi4py too), and an MPI rank aborts its
+    job on Ctrl-C (overlap.comm.init; the MPI benchmark's ranks, overlap.bench.ops): each
+    Ctrl-C of ``overlap bench ops --backend mpi`` left both (fifty-seventh session), and the
+    test suite's aborts had left 102 topology files over one day of runs (fifty-sixth)."""
+    before = _hydra_files() | _mpich_segments()
     try:
         yield
     finally:
-        left = _hydra_files() - before
-        for path in left - _open_anywhere(left):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        left = (_hydra_files() | _mpich_segments()) - before
+        # the ranks mpiexec killed can still be exiting, their segment mapped: a few seconds
+        deadline = time.monotonic() + LEFTOVER_WAIT_S
+        while left:
+            held = _in_use(left)
+            for path in left - held:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            left = held
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
 
 
 def stop_children(procs: list[subprocess.Popen[str]]) -> None:

@@ -353,13 +353,14 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job(how: str) -> None:
 
 def test_ctrl_c_of_the_mpi_bench_ends_the_job_at_once_and_quietly() -> None:
     """Ctrl-C (SIGINT to the terminal's process group) while ``overlap bench ops --backend
-    mpi`` runs: the job ends within seconds, with ``overlap: interrupted`` alone, and no
-    MPICH topology file is left in /tmp. Before (fifty-seventh session) the benchmark's
+    mpi`` runs: the job ends within seconds, with ``overlap: interrupted`` alone, and
+    nothing of MPICH's is left. Before (fifty-seventh session) the benchmark's
     ranks caught the interrupt and exited: one hung in MPI_Finalize while its peer sat in
-    MPI's own Wait, until the CLI's 20 s grace ran out and it sent SIGTERM."""
-    from overlap.bench.guard import _hydra_files
+    MPI's own Wait, until the CLI's 20 s grace ran out and it sent SIGTERM. The abort
+    leaves a topology file in /tmp and a 2 MiB segment in /dev/shm, which the CLI removes."""
+    from overlap.bench.guard import _hydra_files, _mpich_segments
 
-    before = _hydra_files()
+    before = _hydra_files() | _mpich_segments()
     proc = subprocess.Popen(
         [sys.executable, "-m", "overlap.cli", "bench", "ops", "--backend", "mpi", "--op",
          "all_reduce", "--op", "sendrecv", "--sizes", "8", "--iters", "100000000"],
@@ -382,7 +383,7 @@ def test_ctrl_c_of_the_mpi_bench_ends_the_job_at_once_and_quietly() -> None:
         assert err.strip() == "overlap: interrupted", err[-3000:]
         assert took < 15, f"the job took {took:.1f} s to end"
         assert until(lambda: not ranks(), 10), ranks()
-        assert _hydra_files() - before == set()
+        assert (_hydra_files() | _mpich_segments()) - before == set()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
