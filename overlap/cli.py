@@ -229,8 +229,9 @@ def _run_on_hosts(
             )
             try:
                 outs = [p.communicate()[0] for p in procs]
-            except BaseException:
-                stop_children(procs)  # Ctrl-C: their own clean-up first, then the hosts go
+            except BaseException as exc:
+                # Ctrl-C reached them too: their own clean-up first, then the hosts go
+                stop_children(procs, ctrl_c=isinstance(exc, KeyboardInterrupt))
                 raise
     except (LinkError, ValueError) as exc:
         _err(f"error: {exc}")

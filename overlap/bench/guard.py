@@ -184,8 +184,8 @@ def run_child(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else None, text=True, env=env)
     try:
         out, _ = proc.communicate()
-    except BaseException:
-        stop_children([proc])
+    except BaseException as exc:
+        stop_children([proc], ctrl_c=isinstance(exc, KeyboardInterrupt))
         raise
     return out, proc.returncode
 
@@ -247,7 +247,8 @@ sys.excepthook = quiet
 import importlib, runpy
 m = sys.argv.pop(1)
 try:
-    importlib.import_module(m.rpartition(".")[0] or m)
+    if "." in m:  # its package only: the module itself runs once, as __main__
+        importlib.import_module(m.rpartition(".")[0])
 finally:
     mask(signal.SIG_UNBLOCK, {signal.SIGINT})
 runpy.run_module(m, run_name="__main__", alter_sys=True)
@@ -345,12 +346,16 @@ def mpiexec_leftovers_removed() -> Iterator[None]:
             time.sleep(0.1)
 
 
-def stop_children(procs: list[subprocess.Popen[str]]) -> None:
+def stop_children(procs: list[subprocess.Popen[str]], ctrl_c: bool = True) -> None:
     """After an interrupt of this process: give ``procs`` :data:`CHILD_GRACE_S` (together)
     to end on their own, then SIGTERM and 5 s, then SIGKILL; SIGKILL at once on a second
     Ctrl-C. Their output is read (and dropped) meanwhile, so that a full pipe does not
-    hold them up (:func:`run_child`)."""
-    deadline = time.monotonic() + CHILD_GRACE_S
+    hold them up (:func:`run_child`).
+
+    ``ctrl_c=False`` (SIGTERM to this process alone, or an error here): the children got
+    nothing, so the SIGTERM comes at once. Before (fifty-seventh session), ``kill`` of
+    ``overlap bench train --link 1gbit`` waited out the whole grace: 21 s to exit."""
+    deadline = time.monotonic() + (CHILD_GRACE_S if ctrl_c else 0.0)
     try:
         for term in (False, True):
             for p in procs:
