@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from overlap.bench.agent import quiet_torch_distributed
-from overlap.bench.guard import python_module
+from overlap.bench.guard import python_module, terminate_as_exit
 
 __all__ = ["main"]
 
@@ -1270,7 +1270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         quiet_torch_distributed()
     try:
-        code: Any = args.func(args)
+        with terminate_as_exit():  # kill: clean-up runs (its ranks, folders, namespaces)
+            code: Any = args.func(args)
     except BaseException as exc:
         # Ctrl-C reaches the whole process group (ranks, launchers, benchmark subprocesses),
         # which end on their own; the user asked for it, so a line, not a traceback. torch's

@@ -139,4 +139,7 @@ def main_link(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
-    main_link()
+    from overlap.bench.guard import terminate_as_exit
+
+    with terminate_as_exit():  # kill: its ranks and folders are cleaned up
+        main_link()

@@ -49,6 +49,7 @@ __all__ = [
     "remove_namespace",
     "run_child",
     "stop_children",
+    "terminate_as_exit",
     "with_parent",
 ]
 
@@ -344,6 +345,27 @@ def mpiexec_leftovers_removed() -> Iterator[None]:
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (``kill``, a CI timeout, a launcher's stop) raises SystemExit in the main
+    thread while inside, so that clean-up runs: a namespace is still removed, a
+    ``RankPool`` stops its ranks and multiprocessing removes its folder in /tmp (``kill`` of
+    ``overlap bench train`` left a ``pymp-*`` folder before: fifty-seventh session).
+    SIGKILL cannot be caught, and a guardian process removes what was made then."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def stop_children(procs: list[subprocess.Popen[str]], ctrl_c: bool = True) -> None:

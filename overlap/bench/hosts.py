@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from overlap.bench.agent import quiet_cpp_env
-from overlap.bench.guard import Guardian, python_module, remove_namespace
+from overlap.bench.guard import Guardian, python_module, remove_namespace, terminate_as_exit
 from overlap.bench.link import (
     _hosts_file,
     _run,
-    _terminate_as_exit,
     check_rate,
     require_root,
 )
@@ -239,7 +238,7 @@ def namespace_hosts(n: int = 2, link: str | None = None) -> Iterator[Cluster]:
     try:
         tmp = tempfile.mkdtemp(prefix=f"{tag}-")
         guard.folder(tmp)
-        with _terminate_as_exit():
+        with terminate_as_exit():
             guard.namespace(hub)
             made.append(hub)
             _run("ip", "netns", "add", hub)

@@ -13,13 +13,10 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
-import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
-from overlap.bench.guard import NETNS_ETC, Guardian, remove_namespace
+from overlap.bench.guard import NETNS_ETC, Guardian, remove_namespace, terminate_as_exit
 
 __all__ = ["LinkError", "check_rate", "require_root", "shaped_link"]
 
@@ -81,25 +78,6 @@ def _hosts_file(name: str, hosts: Sequence[tuple[str, str]] = ()) -> None:
         )
 
 
-@contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
-    """SIGTERM (``kill``, a CI timeout) raises SystemExit in the main thread while inside,
-    so the namespace is still removed; SIGKILL cannot be caught, and a guardian process
-    removes what was made then (overlap.bench.guard)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def require_root(what: str, makes: str, *tools: str) -> None:
     """LinkError unless this process is root and has ``ip``, ``tc`` and ``tools``."""
     if os.geteuid() != 0:
@@ -136,7 +114,7 @@ def shaped_link(rate: str) -> Iterator[list[str]]:
                 *["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root"],
                 *["tbf", "rate", rate, "burst", "512kb", "latency", "100ms"],
             )
-            with _terminate_as_exit():
+            with terminate_as_exit():
                 yield ["ip", "netns", "exec", name]
         finally:
             remove_namespace(name)

@@ -79,14 +79,7 @@ def test_ctrl_c_of_the_demo_ends_with_one_line(after_s: float, tmp_path: Path) -
     import signal
     import time
 
-    proc = subprocess.Popen(
-        [*OVERLAP, "demo", "--link", "none", "--steps", "1000", "--out-dir", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,  # its own group, as a terminal's foreground job
-    )
+    proc = _foreground_job("demo", "--link", "none", "--steps", "1000", "--out-dir", str(tmp_path))
 
     def ranks() -> list[str]:  # each in a session of its own, under the launcher
         got = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
@@ -387,18 +380,10 @@ def test_ctrl_c_while_a_benchmark_starts_prints_no_traceback(moment: str) -> Non
     import signal
     import time
 
-    proc = subprocess.Popen(
-        [*OVERLAP, "bench", "train", "--variant", "compute", "--steps", "1000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,  # its own group, as a terminal's foreground job
-    )
+    proc = _foreground_job("bench", "train", "--variant", "compute", "--steps", "1000")
 
     def group() -> list[str]:
-        out = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
-        return out.stdout.split()
+        return _group(proc.pid)
 
     def started() -> bool:
         out = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", moment], capture_output=True)
@@ -418,7 +403,8 @@ def test_ctrl_c_while_a_benchmark_starts_prints_no_traceback(moment: str) -> Non
         proc.communicate()
 
 
-@pytest.mark.parametrize(
+# commands whose ranks run long enough to be stopped while they run
+_LONG_RUNS = pytest.mark.parametrize(
     "args",
     [
         ["bench", "ops", "--op", "all_reduce", "--sizes", "4", "--iters", "1000000"],
@@ -426,6 +412,9 @@ def test_ctrl_c_while_a_benchmark_starts_prints_no_traceback(moment: str) -> Non
     ],
     ids=["bench-ops", "bench-train"],
 )
+
+
+@_LONG_RUNS
 def test_ctrl_c_ends_a_command_with_a_line_and_leaves_nothing_running(args: list[str]) -> None:
     """Ctrl-C (SIGINT to the terminal's process group) while the ranks run: exit 130 with
     one line, not a Python traceback, no process of the group left behind, and no
@@ -441,18 +430,10 @@ def test_ctrl_c_ends_a_command_with_a_line_and_leaves_nothing_running(args: list
 
     before = folders()
 
-    proc = subprocess.Popen(
-        [*OVERLAP, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,  # its own group, as a terminal's foreground job
-    )
+    proc = _foreground_job(*args)
 
     def group() -> list[str]:
-        out = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True)
-        return out.stdout.split()
+        return _group(proc.pid)
 
     try:
         until(lambda: len(group()) >= 4, 120, every=0.2)  # the ranks have started
@@ -468,3 +449,55 @@ def test_ctrl_c_ends_a_command_with_a_line_and_leaves_nothing_running(args: list
         if proc.poll() is None or group():
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+
+
+@_LONG_RUNS
+def test_kill_of_the_cli_alone_ends_everything_at_once(args: list[str]) -> None:
+    """SIGTERM to the CLI's process alone (``kill``, a job scheduler): exit 143 within
+    seconds, no process of its group left, no multiprocessing folder left. Before
+    (fifty-seventh session) the CLI, or its benchmark child, died at once and left its
+    ``pymp-*`` folder; once it ran its clean-up, it waited 10-20 s on children and ranks
+    that had got no signal (a polite stop the busy ranks never read, the Ctrl-C grace)."""
+    import glob
+    import signal
+    import tempfile
+    import time
+
+    def folders() -> set[str]:
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "pymp-*")))
+
+    before = folders()
+    proc = _foreground_job(*args)
+    try:
+        until(lambda: len(_group(proc.pid)) >= 4, 120, every=0.2)  # the ranks have started
+        time.sleep(2.0)  # and run their loop
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, (proc.returncode, err[-2000:])
+        assert time.monotonic() - t0 < 5.0
+        assert until(lambda: not (_group(proc.pid) or folders() - before), 15, every=0.2)
+        assert "Traceback" not in err, err[-2000:]
+    finally:
+        if proc.poll() is None or _group(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def _foreground_job(*args: str) -> subprocess.Popen[str]:
+    """``overlap args`` in a process group of its own, as a terminal's foreground job (a
+    Ctrl-C is SIGINT to that group)."""
+    return subprocess.Popen(
+        [*OVERLAP, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+def _group(pgid: int) -> list[str]:
+    """The processes of process group ``pgid``."""
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True)
+    return out.stdout.split()
