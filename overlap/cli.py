@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from overlap.bench.agent import quiet_torch_distributed
-from overlap.bench.guard import python_module, terminate_as_exit
+from overlap.bench.stopping import python_module, terminate_as_exit
 
 __all__ = ["main"]
 
@@ -35,8 +35,9 @@ def _run_json(
 ) -> tuple[Any, int]:
     """Run a benchmark subprocess (in a shaped link if asked); (its RESULT json, 0) or
     (None, exit code) after saying what went wrong."""
-    from overlap.bench.guard import run_child, with_parent
+    from overlap.bench.guard import with_parent
     from overlap.bench.link import LinkError, shaped_link
+    from overlap.bench.stopping import run_child
 
     cmd = with_parent(cmd)  # it ends with this process, also after a kill -9
     try:
@@ -213,16 +214,16 @@ def _run_on_hosts(
     json, 0) or (None, exit code) after saying what went wrong."""
     import subprocess
 
-    from overlap.bench.guard import stop_children
     from overlap.bench.hosts import namespace_hosts
     from overlap.bench.link import LinkError
+    from overlap.bench.stopping import stop_children
 
     if args.procs_per_host < 1 or args.hosts < 1:
         _err("--hosts and --procs-per-host must be at least 1")
         return None, 2
     try:
         with namespace_hosts(args.hosts, link=args.link) as hosts:
-            # each worker as guard.python_module runs it: quiet on Ctrl-C (torchrun adds -u)
+            # each worker as stopping.python_module runs it: quiet on Ctrl-C (torchrun adds -u)
             argv = ["--no-python", *python_module(module, *module_args)]
             procs = hosts.torchrun(
                 argv, args.procs_per_host, quiet=not args.verbose, stdout=subprocess.PIPE
@@ -251,8 +252,9 @@ def _rerun_in_link(args: argparse.Namespace) -> int | None:
         return None
     if getattr(args, "hosts", 0):
         return None  # --link shapes the links between the namespace hosts instead
-    from overlap.bench.guard import run_child, with_parent
+    from overlap.bench.guard import with_parent
     from overlap.bench.link import LinkError, shaped_link
+    from overlap.bench.stopping import run_child
 
     argv = list(args._argv)  # what main() parsed (sys.argv, or main(argv)'s list)
     inner = with_parent(python_module("overlap.cli", *argv, "--_in-link"))
@@ -492,7 +494,7 @@ def _bench_ops_under_mpiexec(
     ]
     if args.job_timeout is not None:
         cmd.append(repr(args.job_timeout))
-    from overlap.bench.guard import mpiexec_leftovers_removed
+    from overlap.bench.stopping import mpiexec_leftovers_removed
 
     with mpiexec_leftovers_removed():  # a Ctrl-C aborts the job, and MPICH leaves a file
         rows, _ = _run_json(cmd, None, "the MPI benchmark", env=env)

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from overlap.bench.guard import interrupt_once
 from overlap.bench.harness import Progress
+from overlap.bench.stopping import interrupt_once
 
 __all__ = ["TinyTransformer", "demo_rank", "run_demo"]
 
@@ -337,7 +337,7 @@ def run_demo(
     """Launch ``world_size`` local ranks with torch's elastic launcher; return their results.
 
     Each rank is a process of its own, ``python -m overlap.demo ...`` (as
-    :func:`overlap.bench.guard.python_module` runs it), which writes its result to a file
+    :func:`overlap.bench.stopping.python_module` runs it), which writes its result to a file
     here. Why not a Python function as the launcher's entrypoint (as before the
     fifty-seventh session): the launcher starts those with multiprocessing in the
     terminal's process group, so a Ctrl-C reached each rank from the terminal and again
@@ -346,7 +346,8 @@ def run_demo(
     session of its own: only the launcher passes the Ctrl-C on, once."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from overlap.bench.guard import Guardian, python_module
+    from overlap.bench.guard import Guardian
+    from overlap.bench.stopping import python_module
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # the launcher's per-rank error files go to a directory of ours, removed afterwards:

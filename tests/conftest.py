@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from overlap.bench.guard import mpiexec_leftovers_removed
+from overlap.bench.stopping import mpiexec_leftovers_removed
 from overlap.runtime import new_event_loop, uvloop_available
 from overlap.testing import RankPool
 
@@ -118,7 +118,7 @@ def _no_hydra_topology_files_left_at_the_end() -> Iterator[None]:
     """At the end of the session, remove the ``/tmp/hydra_hwloc_xmlfile_*`` that appeared
     during it and that no living process holds open: MPICH's mpiexec leaves one at each
     ``MPI_Abort``, and the tests that check overlap aborts the job on an uncaught exception
-    do that twice per run (overlap.bench.guard.mpiexec_leftovers_removed)."""
+    do that twice per run (overlap.bench.stopping.mpiexec_leftovers_removed)."""
     with mpiexec_leftovers_removed():
         yield
 

@@ -138,8 +138,8 @@ def main_link(argv: list[str] | None = None) -> None:
     sys.stdout.write("RESULT " + json.dumps(res) + "\n")
 
 
-if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
-    from overlap.bench.guard import terminate_as_exit
+if __name__ == "__main__":  # run by the CLI as stopping.python_module(__name__, ...)
+    from overlap.bench.stopping import terminate_as_exit
 
     with terminate_as_exit():  # kill: its ranks and folders are cleaned up
         main_link()

@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from overlap.bench.agent import quiet_cpp_env
-from overlap.bench.guard import Guardian, python_module, remove_namespace, terminate_as_exit
+from overlap.bench.guard import Guardian, remove_namespace
 from overlap.bench.link import (
     _hosts_file,
     _run,
     check_rate,
     require_root,
 )
+from overlap.bench.stopping import python_module, terminate_as_exit
 from overlap.runtime import pid_alive
 
 __all__ = ["Cluster", "Host", "namespace_hosts", "sweep_stale"]
@@ -123,7 +124,7 @@ class Cluster(list[Host]):
         ``quiet``: each agent is :mod:`overlap.bench.agent` (torchrun with no traceback on
         Ctrl-C and no elastic warnings), as the CLI runs them."""
         run_id = uuid.uuid4().hex[:8]
-        # quiet: the agent's own imports too (guard.python_module)
+        # quiet: the agent's own imports too (stopping.python_module)
         agent = python_module("overlap.bench.agent") if quiet else [sys.executable, "-m", RUN]
         if quiet:
             popen["env"] = quiet_cpp_env(popen.get("env"))

@@ -16,7 +16,8 @@ import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 
-from overlap.bench.guard import NETNS_ETC, Guardian, remove_namespace, terminate_as_exit
+from overlap.bench.guard import NETNS_ETC, Guardian, remove_namespace
+from overlap.bench.stopping import terminate_as_exit
 
 __all__ = ["LinkError", "check_rate", "require_root", "shaped_link"]
 

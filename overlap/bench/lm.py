@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from overlap.bench.guard import interrupt_once
+from overlap.bench.stopping import interrupt_once
 
 __all__ = [
     "LM_VARIANTS",
@@ -396,8 +396,8 @@ def main_lm(argv: list[str] | None = None) -> None:
     sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
 
 
-if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
-    from overlap.bench.guard import terminate_as_exit
+if __name__ == "__main__":  # run by the CLI as stopping.python_module(__name__, ...)
+    from overlap.bench.stopping import terminate_as_exit
 
     with terminate_as_exit():  # kill: its ranks and folders are cleaned up
         main_lm()

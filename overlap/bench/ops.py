@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from overlap import comm
-from overlap.bench.guard import interrupt_once
 from overlap.bench.harness import (
     Progress,
     Table,
@@ -38,6 +37,7 @@ from overlap.bench.harness import (
     median,
     ratio_interval,
 )
+from overlap.bench.stopping import interrupt_once
 
 __all__ = ["OPS", "bench_ops_rank", "ops_table"]
 
@@ -516,5 +516,5 @@ def main_mpi(argv: list[str] | None = None) -> None:
     comm.destroy_process_group()
 
 
-if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
+if __name__ == "__main__":  # run by the CLI as stopping.python_module(__name__, ...)
     main_mpi()

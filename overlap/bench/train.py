@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from overlap.bench.guard import interrupt_once
 from overlap.bench.harness import Progress, median, ratio_interval
+from overlap.bench.stopping import interrupt_once
 
 __all__ = ["VARIANTS", "bench_train_rank"]
 
@@ -590,8 +590,8 @@ def main_train(argv: list[str] | None = None) -> None:
     sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
 
 
-if __name__ == "__main__":  # run by the CLI as guard.python_module(__name__, ...)
-    from overlap.bench.guard import terminate_as_exit
+if __name__ == "__main__":  # run by the CLI as stopping.python_module(__name__, ...)
+    from overlap.bench.stopping import terminate_as_exit
 
     with terminate_as_exit():  # kill: its ranks and folders are cleaned up
         main_train()

@@ -358,7 +358,7 @@ def test_ctrl_c_of_the_mpi_bench_ends_the_job_at_once_and_quietly() -> None:
     ranks caught the interrupt and exited: one hung in MPI_Finalize while its peer sat in
     MPI's own Wait, until the CLI's 20 s grace ran out and it sent SIGTERM. The abort
     leaves a topology file in /tmp and a 2 MiB segment in /dev/shm, which the CLI removes."""
-    from overlap.bench.guard import _hydra_files, _mpich_segments
+    from overlap.bench.stopping import _hydra_files, _mpich_segments
 
     before = _hydra_files() | _mpich_segments()
     proc = subprocess.Popen(
