@@ -467,8 +467,12 @@ def _end_mpi_job_quietly() -> None:
     import os
     import sys
 
+    if "mpi4py.MPI" not in sys.modules:  # not an MPI rank (torchrun's), or not started yet
+        return
     from mpi4py import MPI
 
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -494,15 +498,14 @@ def main_mpi(argv: list[str] | None = None) -> None:
     iters, warmup, loop = int(args[2]), int(args[3]), args[4]
     torch.set_num_threads(1)
     timeout = float(args[6]) if len(args) > 6 else None
-    overlap.init_distributed(args[5] if len(args) > 5 else "mpi", timeout=timeout)
     try:
+        overlap.init_distributed(args[5] if len(args) > 5 else "mpi", timeout=timeout)
         if ops == ["concurrent"]:  # sizes: the numbers of ops in flight; iters: repetitions
             rows = [row for n in sizes for row in bench_concurrent_rank(n, iters, loop)]
         else:
             rows = bench_ops_rank(ops, sizes, iters, warmup, loop)
     except KeyboardInterrupt:
-        if comm.get_backend() == "mpi":
-            _end_mpi_job_quietly()
+        _end_mpi_job_quietly()
         raise
     if timeout is not None:  # what the ranks ran under, as the backend holds it
         from overlap.comm import state

@@ -515,7 +515,7 @@ def test_ctrl_c_of_a_bench_on_hosts_ends_with_a_line_and_leaves_nothing(tmp_path
     try:
         # the CLI, its two agents (under `ip netns exec`) and their workers are up
         assert _until(lambda: len(workers()) >= 2, 120)
-        time.sleep(8.0)  # the ranks have imported torch and run their loop
+        time.sleep(4.0)  # the ranks have imported torch and run their loop
         seen = pgrep("-g", str(proc.pid)) + workers()
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)

@@ -69,7 +69,7 @@ def test_demo_runs_two_ranks_and_writes_trace_and_timeline(tmp_path: Path) -> No
     assert (tmp_path / "overlap-timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("after_s", [0.3, 8.0], ids=["ranks-importing", "ranks-training"])
+@pytest.mark.parametrize("after_s", [0.3, 5.0], ids=["ranks-importing", "ranks-training"])
 def test_ctrl_c_of_the_demo_ends_with_one_line(after_s: float, tmp_path: Path) -> None:
     """Ctrl-C while the demo's ranks import torch, or while they train: exit 130 with
     ``overlap: interrupted`` alone, and no rank left. Before (fifty-seventh session) a rank
