@@ -138,8 +138,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     code = _rerun_in_link(args)
     if code is not None:
         return code
+    import torch.distributed.launcher.api  # noqa: F401  (torch's launcher, its loggers)
+
     from overlap.demo import run_demo
 
+    if not args.verbose:  # the launcher's loggers, made by the import above
+        quiet_torch_distributed()
     label = link or "loopback"
     _out(
         f"overlap demo: {args.world_size} local ranks (torch's elastic launcher), a "

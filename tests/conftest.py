@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -114,36 +113,18 @@ def _no_leaked_shm_regions() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_hydra_topology_files_left_at_the_end() -> Iterator[None]:
-    """At the end of the session, remove the ``/tmp/hydra_hwloc_xmlfile_*`` that appeared
-    during it and that no living process holds open: MPICH's mpiexec leaves one at each
-    ``MPI_Abort``, and the tests that check overlap aborts the job on an uncaught exception
-    do that twice per run (overlap.bench.stopping.mpiexec_leftovers_removed)."""
-    with mpiexec_leftovers_removed():
+def _no_mpich_leftovers_at_the_end() -> Iterator[None]:
+    """At the end of the session, remove the ``/tmp/hydra_hwloc_xmlfile_*`` and
+    ``/dev/shm/mpich_shm_*`` that appeared during it and that no living process holds,
+    waiting up to 10 s for their holders to go (overlap.bench.stopping.mpiexec_leftovers_removed).
+
+    MPICH leaves both at each ``MPI_Abort`` (the tests that check overlap aborts the job on
+    an uncaught exception do that twice per run). The per-test sweep
+    (:func:`_no_leaked_shm_regions`) leaves a segment that a rank still maps when its test
+    ends, and a rank that a fault test killed (or whose launcher ``subprocess.run`` killed at
+    its timeout) can still be exiting then: after a CI run one 2 MiB ``mpich_shm_*`` was
+    left, written while the MPI tests ran, with no MPI process alive (fifty-fourth session).
+    By the end of the session every rank the tests started is gone, so what is still held
+    after the wait belongs to someone else's job."""
+    with mpiexec_leftovers_removed(wait_s=10.0):
         yield
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _no_mpich_segments_left_at_the_end() -> Iterator[None]:
-    """At the end of the session, remove the MPICH segments that appeared during it and
-    that no living process maps any more, waiting up to 10 s for their holders to go.
-
-    The per-test sweep (:func:`_no_leaked_shm_regions`) leaves a segment that a rank still
-    maps when its test ends, and a rank that a fault test killed (or whose launcher
-    ``subprocess.run`` killed at its timeout) can still be exiting then: after a CI run one
-    2 MiB ``mpich_shm_*`` was left, written while the MPI tests ran, with no MPI process
-    alive (fifty-fourth session). By the end of the session every rank the tests started
-    is gone, so what is still held after the wait belongs to someone else's job."""
-    before = _regions()
-    yield
-    left = {n for n in _regions() - before if n.startswith(_MPICH)}
-    deadline = time.monotonic() + 10.0
-    while left:
-        held = _mapped(left)
-        for name in left - held:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(_SHM, name))
-        left = held
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)

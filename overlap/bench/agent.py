@@ -31,9 +31,8 @@ def quiet_torch_distributed() -> None:
     (``LOGLEVEL``, default WARNING), so a level set on ``torch.distributed`` does not reach
     them: the CLI did only that, and a Ctrl-C of ``overlap demo`` still printed the
     launcher's "Received 2 death signal, shutting down workers". So the parent is set,
-    for the loggers made later, and each one made so far, after importing the launcher."""
-    import torch.distributed.run  # noqa: F401  (makes the elastic loggers)
-
+    for the loggers made later, and each one made so far: call it again after importing
+    the launcher (importing it here cost every CLI command 20 ms)."""
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed."):

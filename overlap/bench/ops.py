@@ -467,11 +467,10 @@ def _end_mpi_job_quietly() -> None:
     import os
     import sys
 
-    if "mpi4py.MPI" not in sys.modules:  # not an MPI rank (torchrun's), or not started yet
-        return
-    from mpi4py import MPI
+    from overlap.comm.init import mpi_job_of_several
 
-    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+    MPI = mpi_job_of_several()
+    if MPI is None:  # not an MPI rank (torchrun's), or not started yet
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

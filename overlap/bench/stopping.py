@@ -198,7 +198,7 @@ def _in_use(paths: set[str]) -> set[str]:
 
 
 @contextlib.contextmanager
-def mpiexec_leftovers_removed() -> Iterator[None]:
+def mpiexec_leftovers_removed(wait_s: float = LEFTOVER_WAIT_S) -> Iterator[None]:
     """Around runs of MPICH's mpiexec: on the way out, remove what an aborted job leaves,
     the ``/tmp/hydra_hwloc_xmlfile_*`` topology files and ``/dev/shm/mpich_shm_*``
     segments (2 MiB each) that appeared meanwhile and that no living process holds open or
@@ -214,8 +214,8 @@ def mpiexec_leftovers_removed() -> Iterator[None]:
         yield
     finally:
         left = (_hydra_files() | _mpich_segments()) - before
-        # the ranks mpiexec killed can still be exiting, their segment mapped: a few seconds
-        deadline = time.monotonic() + LEFTOVER_WAIT_S
+        # the ranks mpiexec killed can still be exiting, their segment mapped: ``wait_s``
+        deadline = time.monotonic() + wait_s
         while left:
             held = _in_use(left)
             for path in left - held:

@@ -502,6 +502,21 @@ def _finalize_mpi() -> None:
         MPI.Finalize()
 
 
+def mpi_job_of_several() -> Any:
+    """mpi4py's ``MPI`` when this process is a rank of a running MPI job of two or more
+    ranks (initialised, not finalised), else None: where aborting the job is what stops its
+    peers."""
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:
+        return None
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return None
+    return MPI
+
+
 def _abort_if_failed() -> None:
     """atexit, registered after :func:`_finalize_mpi` (so it runs first): when this rank
     exits with an uncaught exception (a bug, Ctrl-C) in a job of several ranks, abort the
@@ -520,9 +535,8 @@ def _abort_if_failed() -> None:
     failure = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if failure is None or sys.flags.interactive or hasattr(sys, "ps1"):
         return
-    from mpi4py import MPI
-
-    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+    MPI = mpi_job_of_several()
+    if MPI is None:
         return
     log.error(
         "rank %d exits with an uncaught %s: aborting the MPI job (MPI_Abort), so that its "
