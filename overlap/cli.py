@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from overlap.bench.agent import quiet_torch_distributed
-from overlap.bench.stopping import python_module, terminate_as_exit
+from overlap.bench.stopping import imports_held, python_module, terminate_as_exit
 
 __all__ = ["main"]
 
@@ -236,7 +236,7 @@ def _run_on_hosts(
                 outs = [p.communicate()[0] for p in procs]
             except BaseException as exc:
                 # Ctrl-C reached them too: their own clean-up first, then the hosts go
-                stop_children(procs, ctrl_c=isinstance(exc, KeyboardInterrupt))
+                stop_children(procs, exc)
                 raise
     except (LinkError, ValueError) as exc:
         _err(f"error: {exc}")
@@ -1273,11 +1273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
-    if not args.verbose:
-        quiet_torch_distributed()
     try:
         with terminate_as_exit():  # kill: clean-up runs (its ranks, folders, namespaces)
+            # torch and overlap's names, loaded here (not at ``import overlap``: --help
+            # and a bad argument answer at once), with a Ctrl-C held until they are in
+            imports_held("overlap._preload")
+            if not args.verbose:
+                quiet_torch_distributed()
             code: Any = args.func(args)
+    except BrokenPipeError:
+        # the reader went away (``overlap env | head``): as a shell tool ends, without a
+        # traceback; stdout goes to /dev/null so that the interpreter's own flush at exit
+        # does not raise again (the Python documentation's recipe, "Note on SIGPIPE")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + int(signal.SIGPIPE)
     except BaseException as exc:
         # Ctrl-C reaches the whole process group (ranks, launchers, benchmark subprocesses),
         # which end on their own; the user asked for it, so a line, not a traceback. torch's

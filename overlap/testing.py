@@ -73,10 +73,11 @@ def _free_port() -> int:
         return port
 
 
-# what the fork server imports once, so that its ranks do not: torch (through overlap) and
-# this module, whose _worker every rank runs; "__main__" as spawn would (a script's own
-# functions stay importable by the ranks)
-_PRELOAD = ["__main__", "overlap.testing"]
+# what the fork server imports once, so that its ranks do not: torch and overlap's public
+# names (overlap._preload: the package loads them on first use) and this module, whose
+# _worker every rank runs; "__main__" as spawn would (a script's own functions stay
+# importable by the ranks)
+_PRELOAD = ["__main__", "overlap._preload", "overlap.testing"]
 START_METHODS = ("forkserver", "spawn")
 
 

@@ -35,6 +35,7 @@ from typing import Any, TypeVar, cast
 
 __all__ = [
     "CHILD_GRACE_S",
+    "imports_held",
     "interrupt_once",
     "mpiexec_leftovers_removed",
     "python_module",
@@ -66,7 +67,7 @@ def run_child(
     try:
         out, _ = proc.communicate()
     except BaseException as exc:
-        stop_children([proc], ctrl_c=isinstance(exc, KeyboardInterrupt))
+        stop_children([proc], exc)
         raise
     return out, proc.returncode
 
@@ -130,12 +131,39 @@ m = sys.argv.pop(1)
 try:
     if "." in m:  # its package only: the module itself runs once, as __main__
         importlib.import_module(m.rpartition(".")[0])
+    if m.startswith("overlap."):  # the package loads its names on first use
+        importlib.import_module("overlap._preload")
 finally:
     mask(signal.SIG_UNBLOCK, {signal.SIGINT})
 runpy.run_module(m, run_name="__main__", alter_sys=True)
 """
 # one line: launchers pass it on as an argument
 _QUIET_MAIN = f"exec({_QUIET_SOURCE!r})"
+
+
+def imports_held(*modules: str) -> None:
+    """Import ``modules`` with SIGINT held (blocked), then take a Ctrl-C that came meanwhile:
+    its KeyboardInterrupt is raised here, after the imports, not inside them.
+
+    Why: an interrupt inside torch's or numpy's import broke it ("cannot load module more
+    than once per process", or the process ended with "terminate called after throwing an
+    instance of 'pybind11::error_already_set'"; fifty-seventh session), and a Ctrl-C in the
+    first second of a command printed the import's traceback (fifty-eighth session). The
+    main thread only: ``pthread_sigmask`` is per thread, and Python runs its signal handlers
+    in the main thread."""
+    import importlib
+
+    held = threading.current_thread() is threading.main_thread() and hasattr(
+        signal, "pthread_sigmask"
+    )
+    if held:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        if held:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def python_module(module: str, *args: str, python: str = sys.executable) -> list[str]:
@@ -248,16 +276,18 @@ def terminate_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def stop_children(procs: list[subprocess.Popen[str]], ctrl_c: bool = True) -> None:
-    """After an interrupt of this process: give ``procs`` :data:`CHILD_GRACE_S` (together)
+def stop_children(procs: list[subprocess.Popen[str]], stopped_by: BaseException) -> None:
+    """Stop ``procs`` as this process leaves on ``stopped_by``. After a Ctrl-C (a
+    KeyboardInterrupt: the children got it too), give them :data:`CHILD_GRACE_S` (together)
     to end on their own, then SIGTERM and 5 s, then SIGKILL; SIGKILL at once on a second
-    Ctrl-C. Their output is read (and dropped) meanwhile, so that a full pipe does not
-    hold them up (:func:`run_child`).
+    Ctrl-C. Their output is read (and dropped) meanwhile, so that a full pipe does not hold
+    them up (:func:`run_child`).
 
-    ``ctrl_c=False`` (SIGTERM to this process alone, or an error here): the children got
-    nothing, so the SIGTERM comes at once. Before (fifty-seventh session), ``kill`` of
-    ``overlap bench train --link 1gbit`` waited out the whole grace: 21 s to exit."""
-    deadline = time.monotonic() + (CHILD_GRACE_S if ctrl_c else 0.0)
+    Anything else (SIGTERM to this process alone, an error here): the children got nothing,
+    so the SIGTERM comes at once. Before (fifty-seventh session), ``kill`` of ``overlap
+    bench train --link 1gbit`` waited out the whole grace: 21 s to exit."""
+    grace = CHILD_GRACE_S if isinstance(stopped_by, KeyboardInterrupt) else 0.0
+    deadline = time.monotonic() + grace
     try:
         for term in (False, True):
             for p in procs:

@@ -370,13 +370,15 @@ def test_bench_ops_concurrent_runs_and_refuses_bad_counts() -> None:
     assert bad.returncode == 2 and "--concurrent takes counts" in bad.stderr
 
 
-@pytest.mark.parametrize("moment", ["overlap.bench.train", "forkserver"])
+@pytest.mark.parametrize("moment", ["overlap.cli", "overlap.bench.train", "forkserver"])
 def test_ctrl_c_while_a_benchmark_starts_prints_no_traceback(moment: str) -> None:
-    """Ctrl-C while the benchmark's child imports torch (``overlap.bench.train``), or while
-    the fork server its ranks come from preloads overlap (``forkserver``): one line, exit
-    130, nothing left. Before (fifty-seventh session) each printed its KeyboardInterrupt's
-    traceback through torch's imports under the CLI's line: the child's own catch came
-    after its imports, and the fork server ignores SIGINT only once it has preloaded."""
+    """Ctrl-C while the CLI itself imports torch (``overlap.cli``, its first second), while
+    the benchmark's child does (``overlap.bench.train``), or while the fork server its ranks
+    come from preloads overlap (``forkserver``): one line, exit 130, nothing left. Before
+    (fifty-seventh session) each printed its KeyboardInterrupt's traceback through torch's
+    imports under the CLI's line: the child's own catch came after its imports, and the
+    fork server ignores SIGINT only once it has preloaded; the CLI's own (fifty-eighth
+    session) came from ``import overlap``, before any of its code ran."""
     import signal
     import time
 
@@ -391,7 +393,7 @@ def test_ctrl_c_while_a_benchmark_starts_prints_no_traceback(moment: str) -> Non
 
     try:
         assert until(started, 60, every=0.02), f"no {moment} process"
-        time.sleep(0.3)  # inside its imports (about 1.5 s here)
+        time.sleep(0.3)  # inside its imports (1.5-2 s here; the CLI's own start 0.1 s)
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, (proc.returncode, err[-2000:])
@@ -482,6 +484,20 @@ def test_kill_of_the_cli_alone_ends_everything_at_once(args: list[str]) -> None:
         if proc.poll() is None or _group(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+
+
+def test_a_closed_pipe_ends_the_command_as_a_shell_tool_ends() -> None:
+    """``overlap env | head -0``: the reader is gone before the first line, and the command
+    ends with 141 (128 + SIGPIPE) and no traceback. Before (fifty-eighth session) it printed
+    a BrokenPipeError's traceback."""
+    proc = subprocess.Popen(
+        [*OVERLAP, "env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err[-2000:]
+    assert err == ""
 
 
 def _foreground_job(*args: str) -> subprocess.Popen[str]:

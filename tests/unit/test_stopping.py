@@ -18,7 +18,7 @@ def test_children_that_got_no_signal_are_stopped_at_once() -> None:
     to end on their own (``kill`` of ``overlap bench train --link 1gbit`` took 21 s)."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], text=True)
     t0 = time.monotonic()
-    stopping.stop_children([child], ctrl_c=False)
+    stopping.stop_children([child], SystemExit(143))
     assert time.monotonic() - t0 < 5.0
     assert child.returncode == -signal.SIGTERM
 
@@ -44,3 +44,23 @@ def test_python_module_runs_a_module_as_dash_m_and_is_quiet_on_ctrl_c(tmp_path: 
     assert stopped.returncode == 1 and stopped.stderr == "", stopped
     broken = run("broken")
     assert broken.returncode == 1 and "ValueError: a bug" in broken.stderr, broken
+
+
+def test_imports_held_takes_a_ctrl_c_after_the_imports(tmp_path: Path) -> None:
+    """A Ctrl-C that comes while ``imports_held`` imports is raised once the imports are
+    done, not inside them (an interrupted import of torch or numpy broke it)."""
+    (tmp_path / "slow.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\nDONE = 1\n"
+    )
+    code = (
+        "import sys\n"
+        "from overlap.bench.stopping import imports_held\n"
+        "try:\n"
+        "    imports_held('slow')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('after', getattr(sys.modules.get('slow'), 'DONE', None))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert out.stdout.strip() == "after 1", out.stdout + out.stderr
