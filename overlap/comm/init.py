@@ -37,6 +37,7 @@ import torch.distributed as dist
 from overlap.comm import debug as _debug
 from overlap.comm import driver, horovodrun, slurm, state
 from overlap.comm import interruptible as _interruptible
+from overlap.comm import rendezvous as _rendezvous
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
 from overlap.comm.launch_vars import launcher_ints, launcher_local_rank, master_port
@@ -370,6 +371,12 @@ def init_distributed(
     one is active raises ValueError (call ``destroy_process_group()`` first).
     ``debug=True`` (or ``OVERLAP_DEBUG=1``) checks every collective's op, shapes and dtypes
     across ranks before issuing it (overlap.comm.debug).
+
+    On gloo and NCCL the ranks check at init that they make one job (the same world size,
+    backend and debug mode, each rank number once), on every rank, and refuse with a
+    ValueError naming the rank and what differs; a rank that waits for others logs what it
+    waits for after 30 s, and torch's rendezvous failures are raised as CommTimeoutError or
+    CommError naming the fix (overlap.comm.rendezvous, overlap.comm.handshake).
     """
     if config is not None:
         from overlap.comm.comms_logger import configure
@@ -384,8 +391,6 @@ def init_distributed(
     if timeout is default_pg_timeout and str(dist_backend).lower() == "mpi":
         timeout = None  # MPI: no deadline unless one is asked for (module docstring)
     if debug is not None:
-        from overlap.comm import debug as _debug
-
         _debug.set_enabled(debug)
     if state.is_active():
         current = state.active().name
@@ -471,21 +476,25 @@ def init_distributed(
         set_socket_ifname(master)
     if backend == "nccl":
         torch.cuda.set_device(_cuda_device(local, torch.cuda.device_count()))
-    kwargs: dict[str, Any] = {
-        "backend": backend,
-        "init_method": init_method,
-        "rank": rank,
-        "world_size": world_size,
-    }
     td = _timeout(timeout)
-    if td is not None:
-        kwargs["timeout"] = td
-    if backend == "gloo":  # Ctrl-C raises while it waits for ranks that have not come
-        _interruptible.rendezvous(
-            lambda: dist.init_process_group(**kwargs), dist.destroy_process_group
+    method = init_method
+
+    def start() -> None:
+        # torch's rendezvous and overlap's handshake on its store (rendezvous.py: every
+        # rank agrees it is one job, and a wrong start is told in words), then the group
+        # on that store, as torch's init_method path makes it
+        store = _rendezvous.join(
+            method, backend, rank, world_size, td or default_pg_timeout, _debug.enabled()
         )
+        kwargs: dict[str, Any] = {} if td is None else {"timeout": td}
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, **kwargs
+        )
+
+    if backend == "gloo":  # Ctrl-C raises while it waits for ranks that have not come
+        _interruptible.rendezvous(start, dist.destroy_process_group)
     else:  # NCCL: not moved to another thread without a GPU to prove it on
-        dist.init_process_group(**kwargs)
+        start()
     state.set_active(TorchBackend(backend, td), local, *_env_placement())
     info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
 

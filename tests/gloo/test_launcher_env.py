@@ -53,7 +53,10 @@ def _place(out: str) -> list[float]:
     return got
 
 
-def _run_all(script: Path, envs: list[dict[str, str]]) -> list[list[float]]:
+def _each(
+    script: Path, envs: list[dict[str, str]], timeout: float = 120
+) -> list[tuple[subprocess.Popen[str], str, str]]:
+    """``script`` run once per environment, all at once: (process, stdout, stderr) each."""
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)],
@@ -65,12 +68,17 @@ def _run_all(script: Path, envs: list[dict[str, str]]) -> list[list[float]]:
         for env in envs
     ]
     try:
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [0] * len(envs), [o[1][-2000:] for o in outs]
-    return [_place(o[0]) for o in outs]
+    return [(p, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def _run_all(script: Path, envs: list[dict[str, str]]) -> list[list[float]]:
+    ran = _each(script, envs)
+    assert [p.returncode for p, _, _ in ran] == [0] * len(envs), [e[-2000:] for _, _, e in ran]
+    return [_place(out) for _, out, _ in ran]
 
 
 def test_srun_tasks_on_one_node_join_one_job(tmp_path: Path) -> None:
@@ -202,3 +210,30 @@ def test_a_batch_script_without_srun_runs_alone_and_says_so(tmp_path: Path) -> N
     assert out.returncode == 0, out.stderr[-2000:]
     assert _place(out.stdout) == [0, 1, 0, 1, 0, 1.0]
     assert "SLURM allocation of 4 tasks but was not started by srun" in out.stderr
+
+
+def test_ranks_started_unlike_each_other_are_refused_at_once(tmp_path: Path) -> None:
+    """Two processes started by hand as one job, debug mode on rank 0 only and rank 1 told
+    WORLD_SIZE=3: both refuse at init within seconds, naming rank 1 and what differs
+    (overlap.comm.handshake). Before (fifty-eighth session), the debug-mode pair met its
+    60 s timeout in the first all_reduce and the world-size pair in the rendezvous or the
+    first collective, with errors that named neither cause."""
+    import time
+
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    envs = [
+        {**common, "RANK": "0", "WORLD_SIZE": "2", "OVERLAP_DEBUG": "1"},
+        {**common, "RANK": "1", "WORLD_SIZE": "3"},
+    ]
+    t0 = time.monotonic()
+    ran = _each(script, envs, timeout=50)
+    assert time.monotonic() - t0 < 40.0  # the job's timeout is 60 s
+    said = f"rank 1 (pid {ran[1][0].pid}"
+    for p, _, err in ran:
+        assert p.returncode == 1, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("ValueError: init_distributed: the processes at this"), last
+        assert said in last and "WORLD_SIZE 3 where rank 0 has 2" in last, last
+        assert "debug mode (OVERLAP_DEBUG or init_distributed(debug=)) False" in last, last
