@@ -35,7 +35,7 @@ from typing import Any
 
 from overlap.errors import CommTimeoutError
 
-__all__ = ["Progress", "handshake", "record"]
+__all__ = ["Progress", "check_records", "handshake", "record"]
 
 log = logging.getLogger(__name__)
 
@@ -182,12 +182,31 @@ def handshake(
     if bad:
         said = [store.get(f"{base}/bad/{i}").decode() for i in range(min(bad, _NAMED))]
         raise ValueError(_refusal(said, bad, first))
+    _warn_versions(mine, first)
+
+
+def check_records(records: list[dict[str, Any]], rank: int) -> None:
+    """The handshake's check where every rank has every :func:`record` already (MPI: one
+    allgather), as rank ``rank``: ValueError, alike on every rank, when they do not make one
+    job; a warning for another version than rank 0's."""
+    first = records[0]
+    said = [
+        f"{_who(rec)}: {'; '.join(found)}"
+        for rec in records[1:]
+        if (found := _differences(rec, first))
+    ]
+    if said:
+        raise ValueError(_refusal(said[:_NAMED], len(said), first))
+    _warn_versions(records[rank], first)
+
+
+def _warn_versions(mine: dict[str, Any], first: dict[str, Any]) -> None:
     versions = [f"{w} {first[k]} on rank 0, {mine[k]} here" for k, w in _SHOULD_AGREE.items()
                 if mine.get(k) != first.get(k)]  # fmt: skip
     if versions:
         log.warning(
             "init_distributed: rank %d runs another %s; install the same versions on every host",
-            rank,
+            mine["rank"],
             "; ".join(versions),
         )
 

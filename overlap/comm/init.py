@@ -40,6 +40,7 @@ from overlap.comm import interruptible as _interruptible
 from overlap.comm import rendezvous as _rendezvous
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
+from overlap.comm.handshake import check_records, record
 from overlap.comm.launch_vars import launcher_ints, launcher_local_rank, master_port
 from overlap.comm.netif import advertised_address, set_socket_ifname
 from overlap.comm.seconds import positive_seconds
@@ -592,6 +593,9 @@ def _init_mpi(timeout: float | None = None, rank: int = -1, world_size: int = -1
     atexit.register(_abort_if_failed)
     comm = MPI.COMM_WORLD
     _check_mpi_world((comm.Get_rank(), comm.Get_size()), (rank, world_size))
+    if comm.Get_size() > 1:  # one job: debug mode alike on every rank (handshake.py)
+        mine = record(comm.Get_rank(), comm.Get_size(), "mpi", _debug.enabled())
+        check_records(comm.allgather(mine), comm.Get_rank())
     _, (local_rank, local_size, node) = _mpi_placement(MPI)
     state.set_active(MpiBackend(timeout), local_rank, local_size, node)
     if comm.Get_size() == 1 and not in_mpi_env():

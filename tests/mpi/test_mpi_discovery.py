@@ -85,3 +85,38 @@ def test_mpi_env_without_mpi4py_names_the_extra(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
     assert "pip install overlap[mpi]" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec: pip install overlap[mpi]")
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_debug_mode_on_one_rank_only_is_refused_on_every_rank(tmp_path: Path, backend: str) -> None:
+    """``mpiexec -n 1 -env OVERLAP_DEBUG 1 ... : -n 1 ...``: debug mode on rank 0 only
+    would make rank 0 issue check collectives rank 1 does not (a hang, or a timeout in the
+    first collective); both ranks refuse at init, naming rank 1 (overlap.comm.handshake:
+    one allgather on MPI, the store's handshake on gloo)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import sys, overlap\n"
+        "try:\n"
+        f"    overlap.init_distributed({backend!r}, timeout=60)\n"
+        "except ValueError as exc:\n"
+        "    sys.stdout.write(f'REFUSED {exc}\\n')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    from overlap.comm.init import _free_port
+
+    env["MASTER_PORT"] = str(_free_port())
+    one = [sys.executable, str(script)]
+    out = subprocess.run(
+        [str(MPIEXEC), "-n", "1", "-env", "OVERLAP_DEBUG", "1", *one, ":", "-n", "1", *one],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [x for x in out.stdout.splitlines() if x.startswith("REFUSED ")]
+    assert len(lines) == 2, out.stdout + out.stderr
+    for line in lines:
+        assert "rank 1 (pid" in line, line
+        assert "debug mode (OVERLAP_DEBUG or init_distributed(debug=)) False where rank 0 " in line
