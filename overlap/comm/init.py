@@ -37,6 +37,7 @@ import torch.distributed as dist
 from overlap.comm import debug as _debug
 from overlap.comm import driver, horovodrun, slurm, state
 from overlap.comm import interruptible as _interruptible
+from overlap.comm import quiesce as _quiesce
 from overlap.comm import rendezvous as _rendezvous
 from overlap.comm.backend_names import adopted_backend
 from overlap.comm.constants import TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
@@ -497,7 +498,16 @@ def init_distributed(
     else:  # NCCL: not moved to another thread without a GPU to prove it on
         start()
     state.set_active(TorchBackend(backend, td), local, *_env_placement())
+    if backend == "gloo":  # destroyed at exit, before the interpreter finalizes (quiesce.py)
+        _quiesce.release_at_exit(_destroy_at_exit)
     info("init_distributed: rank %d of %d on %s", rank, world_size, backend)
+
+
+def _destroy_at_exit() -> None:
+    """atexit (after the wait for ops in flight): the job init_distributed made, destroyed
+    while threads may still take the GIL (overlap.comm.quiesce.release_at_exit)."""
+    if state.is_active():
+        destroy_process_group()
 
 
 def _finalize_mpi() -> None:
@@ -715,6 +725,7 @@ def destroy_process_group(group: Any = None) -> None:
             state.active().destroy_group(group)
         return
     backend = state.clear()
+    _quiesce.release_at_exit(None)
     fail_in_flight()
     twins = driver.clear() + _debug.forget()  # private groups made for the job's groups
     reset_pool()

@@ -29,9 +29,10 @@ import atexit
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["begin", "drain", "end", "install", "outstanding"]
+__all__ = ["begin", "drain", "end", "install", "outstanding", "release_at_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ _last_end = 0.0
 _installed = False
 _install_lock = threading.Lock()
 _timeout_s = 1800.0  # the job's op timeout (install); torch's default until then
+_release: Callable[[], None] | None = None  # the job's teardown at exit (release_at_exit)
 
 
 _P2P = frozenset({"isend", "irecv"})
@@ -100,9 +102,30 @@ def drain(timeout: float) -> int:
     return left
 
 
+def release_at_exit(fn: Callable[[], None] | None) -> None:
+    """``fn`` runs at exit once every observation has ended (none left): how
+    :func:`~overlap.comm.init.init_distributed` has a job it made torn down before the
+    interpreter finalizes; None takes it back (the job was destroyed).
+
+    Why (fifty-eighth session): a gloo op that failed by its timeout while its peer lived
+    (the peer never called it), caught by the caller, whose Work was then freed, made the
+    process abort at its exit ("terminate called without an active exception", exit 134)
+    when it exited within about half a second of the failure; torch alone does the same
+    (a ``Work`` dropped in a function, then exit). ``destroy_process_group()`` before the
+    interpreter finalizes exits 0, and takes no longer: the group's destructor waits for
+    queued collectives at exit either way."""
+    global _release
+    _release = fn
+
+
 def _at_exit() -> None:
     try:
-        drain(_timeout_s + 5.0)
+        left = drain(_timeout_s + 5.0)
+        if left == 0 and _release is not None:
+            try:
+                _release()
+            except Exception as exc:  # at exit: say it, the process still exits
+                log.warning("exit could not destroy the process group: %s", exc)
     except KeyboardInterrupt:  # a second Ctrl-C at exit: stop waiting, say what may follow
         log.warning(
             "exit stopped waiting for %d op(s) in flight; if one fails during interpreter "

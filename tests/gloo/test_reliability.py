@@ -144,6 +144,17 @@ def test_exit_with_a_collective_in_flight_waits_for_it_and_exits_cleanly() -> No
     assert seconds < 20, seconds  # it ended when the peer left, not at the job timeout
 
 
+def test_exit_right_after_a_failed_blocking_collective_is_clean() -> None:
+    """A blocking collective that failed by the job timeout (the peer alive, never joining),
+    caught, then an exit at once: exit 0, no abort (the job is destroyed at exit)."""
+    for _ in range(2):
+        out, seconds = _two_ranks("failed_at_exit_script.py", ["10"], timeout=60)
+        assert "rank 0 CommError" in out.stdout, out.stdout + out.stderr[-2000:]
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "terminate called" not in out.stderr, out.stderr[-2000:]
+        assert seconds < 8.0, seconds  # it did not wait for the peer to leave (at 10 s)
+
+
 def test_survivor_of_a_peer_death_exits_cleanly_every_time() -> None:
     """Item 8: 4 runs; the survivor gets CommError and exits 0, with no abort at exit."""
     for _ in range(4):
