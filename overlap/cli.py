@@ -923,6 +923,10 @@ def cmd_env(args: argparse.Namespace) -> int:
         _out(f"1-bit codec on CPU: numba kernels (numba {version('numba')})")
     else:
         _out("1-bit codec on CPU: torch ops, several times slower (pip install numba)")
+    from overlap.comm.rendezvous import report
+
+    for line in report():  # what init_distributed would meet here (run it on each host)
+        _out(line)
     return 0
 
 

@@ -32,7 +32,7 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlparse
 
@@ -41,7 +41,15 @@ from torch.distributed.rendezvous import rendezvous
 from overlap.comm.handshake import Progress, handshake, record
 from overlap.errors import CommError, CommTimeoutError
 
-__all__ = ["WARN_AFTER_S", "check_address", "check_ifname", "join", "logged_wait", "where"]
+__all__ = [
+    "WARN_AFTER_S",
+    "check_address",
+    "check_ifname",
+    "join",
+    "logged_wait",
+    "report",
+    "where",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,12 @@ def check_address(host: str | None, said: str) -> None:
         ) from None
 
 
+def _interfaces_lacking(raw: str) -> tuple[list[str], list[str]]:
+    """(the names in GLOO_SOCKET_IFNAME's value ``raw`` this host lacks, those it has)."""
+    have = sorted(name for _, name in socket.if_nameindex())
+    return [n for n in (x.strip() for x in raw.split(",")) if n and n not in have], have
+
+
 def check_ifname(backend: str) -> None:
     """ValueError when GLOO_SOCKET_IFNAME names an interface this host does not have
     (gloo's own error: "[enforce fail ...] ifa != nullptr. Unable to find address for")."""
@@ -83,14 +97,46 @@ def check_ifname(backend: str) -> None:
     if backend != "gloo" or not raw.strip():
         return
     with contextlib.suppress(OSError):
-        have = sorted(name for _, name in socket.if_nameindex())
-        missing = [n for n in (x.strip() for x in raw.split(",")) if n and n not in have]
+        missing, have = _interfaces_lacking(raw)
         if missing:
             raise ValueError(
                 f"GLOO_SOCKET_IFNAME={raw!r}: this host has no interface {', '.join(missing)} "
                 f"(it has {', '.join(have)}): set it to the one that reaches the other hosts, "
                 "or unset it (overlap then picks the one that reaches MASTER_ADDR)"
             )
+
+
+def report(env: Mapping[str, str] | None = None) -> list[str]:
+    """What ``init_distributed`` would meet here, in lines (``overlap env`` prints them, run
+    on each host of a job that will not start): the launcher's variables, the rendezvous
+    and whether its host resolves, the interface that reaches it, GLOO_SOCKET_IFNAME."""
+    from overlap.comm.netif import interface_for
+
+    env = os.environ if env is None else env
+    said = [f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in env]
+    out = [f"launch: {' '.join(said)}" if said else "launch: no RANK/WORLD_SIZE here"]
+    host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if host:
+        try:
+            found = socket.getaddrinfo(host, None)
+            ipv4 = [a for a in found if a[0] == socket.AF_INET]  # gloo's, as netif.py's
+            addr = (ipv4 or found)[0][4][0]
+        except socket.gaierror as exc:
+            out.append(f"rendezvous: {host}:{port} (MASTER_ADDR:MASTER_PORT): {host!r} does "
+                       f"not resolve ({exc.strerror})")  # fmt: skip
+        else:
+            via = interface_for(str(addr))
+            reach = f", reached through {via}" if via else ", no interface found that reaches it"
+            out.append(f"rendezvous: {host}:{port} (MASTER_ADDR:MASTER_PORT): {addr}{reach}")
+    raw = env.get("GLOO_SOCKET_IFNAME", "")
+    if not raw.strip():
+        out.append("GLOO_SOCKET_IFNAME: unset (init_distributed picks the interface that "
+                   "reaches MASTER_ADDR)")  # fmt: skip
+    else:
+        missing, have = _interfaces_lacking(raw)
+        lacks = f": this host has no {', '.join(missing)} (it has {', '.join(have)})"
+        out.append(f"GLOO_SOCKET_IFNAME: {raw}{lacks if missing else ''}")
+    return out
 
 
 @contextlib.contextmanager

@@ -93,3 +93,23 @@ def test_a_long_wait_is_logged_with_what_it_waits_for(
         "init_distributed: rank 3 has waited 1 s at the handshake: 2 of 4 ranks have joined; "
         "it gives up after 1800 s (timeout=)",
     ]
+
+
+def test_overlap_env_says_what_init_would_meet() -> None:
+    """``overlap env`` on a host of a job that will not start: the launcher's variables, the
+    rendezvous (does it resolve, which interface reaches it) and GLOO_SOCKET_IFNAME."""
+    have = ", ".join(sorted(n for _, n in socket.if_nameindex()))
+    got = rv.report(
+        {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+         "GLOO_SOCKET_IFNAME": "lo,eth9"}
+    )  # fmt: skip
+    assert got == [
+        "launch: RANK=1 WORLD_SIZE=2",
+        "rendezvous: 127.0.0.1:29500 (MASTER_ADDR:MASTER_PORT): 127.0.0.1, reached through lo",
+        f"GLOO_SOCKET_IFNAME: lo,eth9: this host has no eth9 (it has {have})",
+    ]
+    got = rv.report({"MASTER_ADDR": "nosuchhost.invalid", "MASTER_PORT": "1"})
+    assert got[0] == "launch: no RANK/WORLD_SIZE here"
+    assert got[1].startswith("rendezvous: nosuchhost.invalid:1 (MASTER_ADDR:MASTER_PORT): "
+                             "'nosuchhost.invalid' does not resolve")  # fmt: skip
+    assert got[2].startswith("GLOO_SOCKET_IFNAME: unset")
