@@ -32,7 +32,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["begin", "drain", "end", "install", "outstanding", "release_at_exit"]
+__all__ = [
+    "begin",
+    "drain",
+    "end",
+    "install",
+    "outstanding",
+    "release_at_exit",
+    "tearing_down",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,7 @@ _installed = False
 _install_lock = threading.Lock()
 _timeout_s = 1800.0  # the job's op timeout (install); torch's default until then
 _release: Callable[[], None] | None = None  # the job's teardown at exit (release_at_exit)
+_tearing_down = False  # set as that teardown starts (tearing_down)
 
 
 _P2P = frozenset({"isend", "irecv"})
@@ -118,10 +127,19 @@ def release_at_exit(fn: Callable[[], None] | None) -> None:
     _release = fn
 
 
+def tearing_down() -> bool:
+    """True once the exit hook tears the job down (:func:`release_at_exit`): an error a
+    background thread meets from then on (a scheduler's bucket still queued when the program
+    ended, finding the job gone) is the exit's doing, not a fault to report."""
+    return _tearing_down
+
+
 def _at_exit() -> None:
     try:
         left = drain(_timeout_s + 5.0)
         if left == 0 and _release is not None:
+            global _tearing_down
+            _tearing_down = True
             try:
                 _release()
             except Exception as exc:  # at exit: say it, the process still exits

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from overlap.comm import claims as _claims
+from overlap.comm import quiesce as _quiesce
 from overlap.comm.handle import Handle
 from overlap.comm.steps import Steps, in_step, run
 from overlap.errors import CommError, OutOfStepError
@@ -184,6 +185,8 @@ class Launcher:
                     "a bucket's reduction raised an error on this rank only "
                     f"({type(exc).__name__}: {exc})"
                 )
+            if _quiesce.tearing_down():  # the program ended with this step in flight
+                level = logging.DEBUG
             log.log(level, "%s; the scheduler issues no more collectives", why)
             self.origin = exc  # before ``broken``: whoever sees broken sees its origin
             self.broken = OutOfStepError(
