@@ -155,6 +155,15 @@ def test_exit_right_after_a_failed_blocking_collective_is_clean() -> None:
         assert seconds < 8.0, seconds  # it did not wait for the peer to leave (at 10 s)
 
 
+def test_a_program_that_ends_with_a_step_in_flight_exits_quietly() -> None:
+    """The program ends with a scheduler's step still queued: exit 0 with nothing logged
+    (the job's teardown at exit is what the queued bucket meets)."""
+    out, _ = _two_ranks("queued_at_exit_script.py", ["10"], timeout=60)
+    assert "rank 0 ends with a step in flight" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.strip() == "", out.stderr[-2000:]
+
+
 def test_survivor_of_a_peer_death_exits_cleanly_every_time() -> None:
     """Item 8: 4 runs; the survivor gets CommError and exits 0, with no abort at exit."""
     for _ in range(4):
