@@ -137,7 +137,10 @@ def handshake(
 
     Raises ValueError on every rank (each that gets this far) naming the ranks and what
     differs when: two processes have one rank, a rank's world size, backend or debug mode
-    is not rank 0's, or a rank lies outside rank 0's world. Raises CommTimeoutError naming
+    is not rank 0's, or a rank lies outside rank 0's world. A process that is one too many
+    (a second process for a rank, a rank outside the world) is always refused; the others
+    refuse with it unless rank 0's world had already agreed without it, whole, in which
+    case that job goes on. Raises CommTimeoutError naming
     the ranks that never came when they are not all here within ``timeout_s``. Other
     versions of overlap or torch than rank 0's are logged as a warning."""
     progress = progress or Progress("")
@@ -157,7 +160,11 @@ def handshake(
     problems: list[str] = []
     if int(store.add(f"{base}/n/{rank}", 1)) > 1:
         key = f"{base}/rec/{rank}"
-        earlier = _json(store.get(key)) if store.check([key]) else None
+        try:  # the first process wrote its record just after its count: wait a moment for it
+            store.wait([key], datetime.timedelta(seconds=max(0.001, min(2.0, deadline.left()))))
+            earlier: dict[str, Any] | None = _json(store.get(key))
+        except Exception:  # not there yet: the refusal names no first process
+            earlier = None
         other = f" (the first: pid {earlier['pid']} on {earlier['host']})" if earlier else ""
         problems.append(f"a second process was started as rank {rank}{other}")
     else:
