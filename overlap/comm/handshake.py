@@ -80,8 +80,9 @@ def record(rank: int, world_size: int, backend: str, debug: bool) -> dict[str, A
     }
 
 
-def _who(rec: dict[str, Any]) -> str:
-    return f"rank {rec['rank']} (pid {rec['pid']} on {rec['host']})"
+def _said(rec: dict[str, Any], problems: list[str]) -> str:
+    """One rank's refusal: who it is (rank, pid, host) and what is wrong with it."""
+    return f"rank {rec['rank']} (pid {rec['pid']} on {rec['host']}): {'; '.join(problems)}"
 
 
 def _differences(mine: dict[str, Any], first: dict[str, Any]) -> list[str]:
@@ -178,11 +179,11 @@ def handshake(
         problems += _differences(mine, first)
     if problems:
         i = int(store.add(f"{base}/bad", 1)) - 1
-        store.set(f"{base}/bad/{i}", f"{_who(mine)}: {'; '.join(problems)}")
+        store.set(f"{base}/bad/{i}", _said(mine, problems))
     if int(store.add(f"{base}/checked", 1)) >= int(first["world_size"]):
         store.set(f"{base}/all", "1")
     if problems:  # this rank knows already; the others learn it from the store
-        raise ValueError(_refusal([f"{_who(mine)}: {'; '.join(problems)}"], 1, first))
+        raise ValueError(_refusal([_said(mine, problems)], 1, first))
     if not _wait(store, f"{base}/all", deadline, progress, say):
         raise _timed_out(store, base, mine, deadline, "")
     bad = int(store.add(f"{base}/bad", 0))
@@ -197,11 +198,7 @@ def check_records(records: list[dict[str, Any]], rank: int) -> None:
     allgather), as rank ``rank``: ValueError, alike on every rank, when they do not make one
     job; a warning for another version than rank 0's."""
     first = records[0]
-    said = [
-        f"{_who(rec)}: {'; '.join(found)}"
-        for rec in records[1:]
-        if (found := _differences(rec, first))
-    ]
+    said = [_said(rec, found) for rec in records[1:] if (found := _differences(rec, first))]
     if said:
         raise ValueError(_refusal(said[:_NAMED], len(said), first))
     _warn_versions(records[rank], first)
